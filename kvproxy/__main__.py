@@ -1,0 +1,5 @@
+import sys
+
+from kvproxy.cli import main
+
+sys.exit(main())

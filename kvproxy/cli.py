@@ -1,0 +1,37 @@
+"""Command line: ``kvproxy serve | sim-engine | demo``.
+
+Each subcommand module exposes ``add_arguments(parser)`` and ``run(args) -> int``;
+they are imported lazily so that ``kvproxy sim-engine`` never loads the proxy and
+``kvproxy serve`` never loads the simulator.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "serve": ("kvproxy.serve", "run the proxy in front of sgl-router / smg"),
+    "sim-engine": ("kvproxy.sim.cli", "run a simulated SGLang engine (no GPU needed)"),
+    "demo": ("kvproxy.demo", "run the agentic workload through the stack four ways and compare"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvproxy", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (module, help_text) in SUBCOMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        importlib.import_module(module).add_arguments(p)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    module = importlib.import_module(SUBCOMMANDS[args.command][0])
+    return int(module.run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
