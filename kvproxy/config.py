@@ -204,7 +204,9 @@ def from_mapping(raw: Mapping[str, Any] | None, source: str | None = None) -> Co
             raise ConfigError(f"{key}: unknown section (allowed: {', '.join(_SECTIONS)})")
     defaults = Config()
     cfg = Config(
-        **{name: _build_section(name, raw.get(name), getattr(defaults, name)) for name in _SECTIONS},
+        **{
+            name: _build_section(name, raw.get(name), getattr(defaults, name)) for name in _SECTIONS
+        },
         source=source,
     )
     validate(cfg)
@@ -239,19 +241,33 @@ def validate(cfg: Config) -> None:
     """Raise ConfigError naming the first key out of range."""
     s, r, sl, a = cfg.server, cfg.router, cfg.session_lifecycle, cfg.admission
     _check(1 <= s.port <= 65535, f"server.port: must be in [1, 65535] (got {s.port})")
-    _check(s.max_body_bytes >= 1024, f"server.max_body_bytes: must be >= 1024 (got {s.max_body_bytes})")
-    _check(s.shutdown_grace_s >= 0, f"server.shutdown_grace_s: must be >= 0 (got {s.shutdown_grace_s})")
+    _check(
+        s.max_body_bytes >= 1024, f"server.max_body_bytes: must be >= 1024 (got {s.max_body_bytes})"
+    )
+    _check(
+        s.shutdown_grace_s >= 0, f"server.shutdown_grace_s: must be >= 0 (got {s.shutdown_grace_s})"
+    )
     _check(
         s.log_level.upper() in {"DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"},
         f"server.log_level: must be one of DEBUG, INFO, WARNING, ERROR, CRITICAL (got {s.log_level!r})",
     )
     _check(bool(_URL_RE.match(r.url)), f"router.url: must be an http(s) URL (got {r.url!r})")
     for i, url in enumerate(r.engines):
-        _check(bool(_URL_RE.match(url)), f"router.engines[{i}]: must be an http(s) URL (got {url!r})")
-    _check(r.connect_timeout_s > 0, f"router.connect_timeout_s: must be > 0 (got {r.connect_timeout_s})")
-    _check(r.request_timeout_s >= 0, f"router.request_timeout_s: must be >= 0 (got {r.request_timeout_s})")
+        _check(
+            bool(_URL_RE.match(url)), f"router.engines[{i}]: must be an http(s) URL (got {url!r})"
+        )
+    _check(
+        r.connect_timeout_s > 0,
+        f"router.connect_timeout_s: must be > 0 (got {r.connect_timeout_s})",
+    )
+    _check(
+        r.request_timeout_s >= 0,
+        f"router.request_timeout_s: must be >= 0 (got {r.request_timeout_s})",
+    )
     _check(r.read_timeout_s >= 0, f"router.read_timeout_s: must be >= 0 (got {r.read_timeout_s})")
-    _check(r.max_connections >= 0, f"router.max_connections: must be >= 0 (got {r.max_connections})")
+    _check(
+        r.max_connections >= 0, f"router.max_connections: must be >= 0 (got {r.max_connections})"
+    )
     _check(
         r.discovery_interval_s > 0,
         f"router.discovery_interval_s: must be > 0 (got {r.discovery_interval_s})",
@@ -271,7 +287,10 @@ def validate(cfg: Config) -> None:
             0 < sl.close_timeout_s <= 60,
             f"session_lifecycle.close_timeout_s: must be in (0, 60] (got {sl.close_timeout_s})",
         )
-        _check(sl.wait_timeout_s >= 0, f"session_lifecycle.wait_timeout_s: must be >= 0 (got {sl.wait_timeout_s})")
+        _check(
+            sl.wait_timeout_s >= 0,
+            f"session_lifecycle.wait_timeout_s: must be >= 0 (got {sl.wait_timeout_s})",
+        )
         _check(
             sl.idle_timeout_s is None or sl.idle_timeout_s > 0,
             f"session_lifecycle.idle_timeout_s: must be > 0 or null (got {sl.idle_timeout_s})",
@@ -280,8 +299,14 @@ def validate(cfg: Config) -> None:
             8 <= sl.id_max_length <= 1024,
             f"session_lifecycle.id_max_length: must be in [8, 1024] (got {sl.id_max_length})",
         )
-        _check(sl.max_sessions >= 1, f"session_lifecycle.max_sessions: must be >= 1 (got {sl.max_sessions})")
-        _check(sl.closed_ttl_s >= 0, f"session_lifecycle.closed_ttl_s: must be >= 0 (got {sl.closed_ttl_s})")
+        _check(
+            sl.max_sessions >= 1,
+            f"session_lifecycle.max_sessions: must be >= 1 (got {sl.max_sessions})",
+        )
+        _check(
+            sl.closed_ttl_s >= 0,
+            f"session_lifecycle.closed_ttl_s: must be >= 0 (got {sl.closed_ttl_s})",
+        )
     if a.enabled:
         _check(0 < a.headroom <= 1, f"admission.headroom: must be in (0, 1] (got {a.headroom})")
         _check(
@@ -293,20 +318,31 @@ def validate(cfg: Config) -> None:
             f"admission.expected_decode_cap: must be > 0 (got {a.expected_decode_cap})",
         )
         _check(a.max_wait_s >= 0, f"admission.max_wait_s: must be >= 0 (got {a.max_wait_s})")
-        _check(a.scope in ("train", "all"), f"admission.scope: must be train or all (got {a.scope!r})")
+        _check(
+            a.scope in ("train", "all"), f"admission.scope: must be train or all (got {a.scope!r})"
+        )
         _check(
             a.default_completion_tokens > 0,
             f"admission.default_completion_tokens: must be > 0 (got {a.default_completion_tokens})",
         )
-        _check(a.poll_interval_s > 0, f"admission.poll_interval_s: must be > 0 (got {a.poll_interval_s})")
+        _check(
+            a.poll_interval_s > 0,
+            f"admission.poll_interval_s: must be > 0 (got {a.poll_interval_s})",
+        )
         _check(
             a.staleness_s is None or a.staleness_s >= a.poll_interval_s,
             f"admission.staleness_s: must be >= admission.poll_interval_s ({a.poll_interval_s}) (got {a.staleness_s})",
         )
-        _check(a.metrics_timeout_s > 0, f"admission.metrics_timeout_s: must be > 0 (got {a.metrics_timeout_s})")
+        _check(
+            a.metrics_timeout_s > 0,
+            f"admission.metrics_timeout_s: must be > 0 (got {a.metrics_timeout_s})",
+        )
         _check(a.lease_ttl_s > 0, f"admission.lease_ttl_s: must be > 0 (got {a.lease_ttl_s})")
         _check(a.max_queue >= 1, f"admission.max_queue: must be >= 1 (got {a.max_queue})")
-        _check(a.chars_per_token > 0, f"admission.chars_per_token: must be > 0 (got {a.chars_per_token})")
+        _check(
+            a.chars_per_token > 0,
+            f"admission.chars_per_token: must be > 0 (got {a.chars_per_token})",
+        )
 
 
 # CLI flag -> (section, key). Relax-compatible names first.

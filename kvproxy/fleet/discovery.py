@@ -1,0 +1,101 @@
+"""Parse the router's worker listings into engine base URLs. Pure.
+
+Shapes handled (see docs/operations.md for examples):
+
+- smg >= 1.5 ``GET /workers``: ``{"workers": [{"url", "is_healthy", "labels": {...}}]}``;
+- sglang-router 0.3.x ``GET /workers``: the same list with ``"metadata"`` instead of
+  ``"labels"``. That router drops a top-level ``session_id`` on ``/generate`` and chat;
+- sglang-router <= 0.2.1 ``GET /list_workers``: ``{"urls": [...]}`` (no health).
+
+With ``--dp-aware`` the router lists one entry per DP rank as ``url@<rank>``; the
+suffix is stripped and the engine listed once. An engine healthy on any rank counts
+as healthy.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+_DP_SUFFIX = re.compile(r"@\d+$")
+
+
+class RouterFlavor(StrEnum):
+    SMG = "smg"  # /workers with "labels" (smg >= 1.5): passes top-level session_id
+    LEGACY_WORKERS = "sglang-router-0.3"  # /workers with "metadata": drops session_id
+    LEGACY_LIST = "sglang-router-0.2"  # /list_workers only
+    STATIC = "static"  # router.engines configured; discovery not used
+    UNKNOWN = "unknown"
+
+
+@dataclass(frozen=True, slots=True)
+class EngineList:
+    healthy: tuple[str, ...] = ()
+    unhealthy: tuple[str, ...] = ()
+    flavor: RouterFlavor = RouterFlavor.UNKNOWN
+    labels: dict[str, dict[str, str]] = field(default_factory=dict)
+
+    @property
+    def all(self) -> tuple[str, ...]:
+        return self.healthy + self.unhealthy
+
+    @property
+    def legacy(self) -> bool:
+        return self.flavor in (RouterFlavor.LEGACY_WORKERS, RouterFlavor.LEGACY_LIST)
+
+
+class DiscoveryError(ValueError):
+    """The listing is not in any known shape."""
+
+
+def base_url(url: str) -> str:
+    """``http://h:1@2`` -> ``http://h:1``; trailing slashes removed."""
+    return _DP_SUFFIX.sub("", url.strip()).rstrip("/")
+
+
+def _dedupe(urls: list[str]) -> tuple[str, ...]:
+    return tuple(dict.fromkeys(urls))
+
+
+def parse_workers(doc: Any) -> EngineList:
+    """Parse a ``GET /workers`` document."""
+    if not isinstance(doc, dict) or not isinstance(doc.get("workers"), list):
+        raise DiscoveryError("expected an object with a 'workers' list")
+    healthy: list[str] = []
+    unhealthy: list[str] = []
+    labels: dict[str, dict[str, str]] = {}
+    flavor = RouterFlavor.UNKNOWN
+    for entry in doc["workers"]:
+        if not isinstance(entry, dict) or not isinstance(entry.get("url"), str):
+            continue
+        url = base_url(entry["url"])
+        if not url:
+            continue
+        if isinstance(entry.get("labels"), dict):
+            flavor = RouterFlavor.SMG
+            labels[url] = {str(k): str(v) for k, v in entry["labels"].items()}
+        elif isinstance(entry.get("metadata"), dict) and flavor is RouterFlavor.UNKNOWN:
+            flavor = RouterFlavor.LEGACY_WORKERS
+            labels[url] = {str(k): str(v) for k, v in entry["metadata"].items()}
+        (healthy if entry.get("is_healthy", True) is not False else unhealthy).append(url)
+    healthy_set = set(healthy)
+    return EngineList(
+        healthy=_dedupe(healthy),
+        unhealthy=_dedupe([u for u in unhealthy if u not in healthy_set]),
+        flavor=flavor,
+        labels=labels,
+    )
+
+
+def parse_list_workers(doc: Any) -> EngineList:
+    """Parse a legacy ``GET /list_workers`` document (no health: all count as healthy)."""
+    if not isinstance(doc, dict) or not isinstance(doc.get("urls"), list):
+        raise DiscoveryError("expected an object with a 'urls' list")
+    urls = [base_url(u) for u in doc["urls"] if isinstance(u, str) and u.strip()]
+    return EngineList(healthy=_dedupe(urls), flavor=RouterFlavor.LEGACY_LIST)
+
+
+def static_engines(urls: tuple[str, ...]) -> EngineList:
+    return EngineList(healthy=_dedupe([base_url(u) for u in urls]), flavor=RouterFlavor.STATIC)

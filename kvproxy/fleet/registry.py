@@ -1,0 +1,181 @@
+"""The fleet: which engines sit behind the router, refreshed on an interval.
+
+The asyncio shell around :mod:`kvproxy.fleet.discovery`. Both features read it:
+admission polls the healthy engines' ``/metrics``; session close fans out to all of
+them (healthy and unhealthy). A static ``router.engines`` list overrides discovery.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import aiohttp
+import orjson
+
+from kvproxy.config import RouterConfig
+from kvproxy.fleet.discovery import (
+    DiscoveryError,
+    EngineList,
+    RouterFlavor,
+    parse_list_workers,
+    parse_workers,
+    static_engines,
+)
+
+log = logging.getLogger(__name__)
+
+LEGACY_ROUTER_WARNING = (
+    "the router is sglang-router <= 0.3 ({flavor}), which drops a top-level session_id on "
+    "/generate and /v1/chat/completions: session lifecycle cannot tag those requests. "
+    "Use smg >= 1.5."
+)
+
+
+class Fleet:
+    """Engine list discovered through the router (or configured statically)."""
+
+    def __init__(
+        self,
+        cfg: RouterConfig,
+        http: aiohttp.ClientSession,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._cfg = cfg
+        self._http = http
+        self._clock = clock
+        self._engines = static_engines(cfg.engines) if cfg.engines else EngineList()
+        self._router_reachable: bool | None = None
+        self._last_refresh: float | None = None
+        self._last_error: str | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._changed = asyncio.Event()
+
+    # -- read side -------------------------------------------------------------
+    @property
+    def engines(self) -> EngineList:
+        return self._engines
+
+    def healthy_engines(self) -> tuple[str, ...]:
+        return self._engines.healthy
+
+    def all_engines(self) -> tuple[str, ...]:
+        """Every engine base URL known: healthy, unhealthy and the static list."""
+        return self._engines.all
+
+    @property
+    def router_reachable(self) -> bool | None:
+        return self._router_reachable
+
+    def health(self) -> dict[str, Any]:
+        age = None if self._last_refresh is None else round(self._clock() - self._last_refresh, 3)
+        return {
+            "router_url": self._cfg.url,
+            "router_reachable": self._router_reachable,
+            "router_flavor": self._engines.flavor.value,
+            "engines_known": len(self._engines.all),
+            "engines_healthy": len(self._engines.healthy),
+            "engines": {
+                "healthy": list(self._engines.healthy),
+                "unhealthy": list(self._engines.unhealthy),
+            },
+            "last_refresh_age_s": age,
+            "last_error": self._last_error,
+        }
+
+    # -- refresh ---------------------------------------------------------------
+    async def refresh(self) -> EngineList:
+        """Re-read the engine list once. Never raises; keeps the last list on failure."""
+        if self._cfg.engines:
+            self._router_reachable = await self._probe_router()
+            self._last_refresh = self._clock()
+            return self._engines
+        try:
+            found = await self._discover()
+        except (aiohttp.ClientError, TimeoutError, DiscoveryError, orjson.JSONDecodeError) as exc:
+            self._router_reachable = not isinstance(
+                exc, aiohttp.ClientConnectionError | TimeoutError
+            )
+            self._last_error = f"{type(exc).__name__}: {exc}"
+            log.debug("engine discovery failed: %s", self._last_error)
+            return self._engines
+        self._router_reachable = True
+        self._last_error = None
+        self._last_refresh = self._clock()
+        if found.all != self._engines.all or found.healthy != self._engines.healthy:
+            log.info(
+                "engines: %d healthy %s, %d unhealthy %s",
+                len(found.healthy),
+                list(found.healthy),
+                len(found.unhealthy),
+                list(found.unhealthy),
+            )
+            self._changed.set()
+        self._engines = found
+        return found
+
+    async def _get_json(self, path: str) -> tuple[int, Any]:
+        timeout = aiohttp.ClientTimeout(total=self._cfg.connect_timeout_s)
+        async with self._http.get(self._cfg.url.rstrip("/") + path, timeout=timeout) as resp:
+            if resp.status != 200:
+                return resp.status, None
+            return resp.status, orjson.loads(await resp.read())
+
+    async def _discover(self) -> EngineList:
+        status, doc = await self._get_json("/workers")
+        if status == 200:
+            return parse_workers(doc)
+        status, doc = await self._get_json("/list_workers")
+        if status == 200:
+            return parse_list_workers(doc)
+        raise DiscoveryError(f"router answered {status} on /workers and /list_workers")
+
+    async def _probe_router(self) -> bool:
+        try:
+            timeout = aiohttp.ClientTimeout(total=self._cfg.connect_timeout_s)
+            async with self._http.get(self._cfg.url.rstrip("/") + "/health", timeout=timeout):
+                return True
+        except (aiohttp.ClientError, TimeoutError):
+            return False
+
+    async def wait_changed(self) -> None:
+        """Resolve at the next change of the engine list (tests and start-up checks)."""
+        self._changed.clear()
+        await self._changed.wait()
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self._cfg.discovery_interval_s)
+            try:
+                await self.refresh()
+            except Exception:  # never let the refresh loop die
+                log.exception("engine discovery crashed; will retry")
+
+    async def start(self) -> None:
+        await self.refresh()
+        self._task = asyncio.create_task(self._loop(), name="kvproxy-fleet-refresh")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+
+    def reconfigure(self, cfg: RouterConfig) -> None:
+        """Apply a reloaded router section (interval, timeouts, static list)."""
+        self._cfg = cfg
+        if cfg.engines:
+            self._engines = static_engines(cfg.engines)
+
+
+def legacy_warning(fleet: Fleet, lifecycle_enabled: bool) -> str | None:
+    if lifecycle_enabled and fleet.engines.legacy:
+        return LEGACY_ROUTER_WARNING.format(flavor=fleet.engines.flavor.value)
+    return None
+
+
+__all__ = ["Fleet", "RouterFlavor", "legacy_warning"]

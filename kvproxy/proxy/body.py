@@ -1,0 +1,50 @@
+"""Request bodies of the intercepted endpoints: parse once, inject without re-serialising.
+
+Pure functions. Injection splices ``"key":value,`` right after the opening brace of
+the client's JSON object, so the rest of the bytes (a 200 KB ``input_ids`` list, say)
+are forwarded untouched and never re-encoded. Keys are only ever *added* when absent,
+so the result never has duplicate keys.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import orjson
+
+_WHITESPACE = b" \t\r\n"
+
+
+def parse_object(raw: bytes) -> dict[str, Any] | None:
+    """The body as a dict, or None when it is not a JSON object (forwarded unchanged)."""
+    if not raw:
+        return None
+    try:
+        value = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def inject_fields(raw: bytes, fields: Mapping[str, Any]) -> bytes:
+    """Return ``raw`` with ``fields`` added as top-level members of its JSON object.
+
+    ``raw`` must be a JSON object (checked by :func:`parse_object`) that does not
+    already contain any of ``fields``' keys.
+    """
+    if not fields:
+        return raw
+    start = 0
+    n = len(raw)
+    while start < n and raw[start] in _WHITESPACE:
+        start += 1
+    if start >= n or raw[start] != 0x7B:  # "{"
+        raise ValueError("body is not a JSON object")
+    members = b",".join(orjson.dumps(k) + b":" + orjson.dumps(v) for k, v in fields.items())
+    nxt = start + 1
+    while nxt < n and raw[nxt] in _WHITESPACE:
+        nxt += 1
+    if nxt < n and raw[nxt] != 0x7D:  # not "}": the object has members of its own
+        members += b","
+    return b"".join((raw[: start + 1], members, raw[start + 1 :]))

@@ -1,0 +1,50 @@
+"""Errors the proxy answers itself: one JSON shape, a stable ``type`` per cause.
+
+``{"error": {"type": "<stable_type>", "message": "<human readable>"}}``. Clients and
+dashboards match on ``type``; the message may change.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+import orjson
+from aiohttp import web
+
+
+class ErrorType(StrEnum):
+    ROUTER_UNREACHABLE = "router_unreachable"  # 502
+    ROUTER_TIMEOUT = "router_timeout"  # 504
+    BODY_TOO_LARGE = "body_too_large"  # 413
+    SHUTTING_DOWN = "shutting_down"  # 503
+    INVALID_SESSION_ID = "invalid_session_id"  # 400
+    SESSION_CLOSED = "session_closed"  # 409
+    INVALID_REQUEST = "invalid_request"  # 400
+    INVALID_CONFIG = "invalid_config"  # 400
+    UNAUTHORIZED = "unauthorized"  # 401
+
+
+STATUS: dict[ErrorType, int] = {
+    ErrorType.ROUTER_UNREACHABLE: 502,
+    ErrorType.ROUTER_TIMEOUT: 504,
+    ErrorType.BODY_TOO_LARGE: 413,
+    ErrorType.SHUTTING_DOWN: 503,
+    ErrorType.INVALID_SESSION_ID: 400,
+    ErrorType.SESSION_CLOSED: 409,
+    ErrorType.INVALID_REQUEST: 400,
+    ErrorType.INVALID_CONFIG: 400,
+    ErrorType.UNAUTHORIZED: 401,
+}
+
+
+def error_body(kind: ErrorType, message: str) -> bytes:
+    return orjson.dumps({"error": {"type": kind.value, "message": message}})
+
+
+def error_response(kind: ErrorType, message: str) -> web.Response:
+    return web.Response(
+        status=STATUS[kind],
+        body=error_body(kind, message),
+        content_type="application/json",
+        headers={"X-KVProxy-Error": kind.value},
+    )

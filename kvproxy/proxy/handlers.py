@@ -1,0 +1,420 @@
+"""HTTP handlers: streaming passthrough and the interception pipeline.
+
+Every request goes to ``router.url`` unchanged unless it is one of the intercepted
+LLM endpoints, which pass through the two features in order:
+
+1. session lifecycle: resolve the session id, decide what to inject, track the
+   request (queued, then forwarded) so a session close can reject, abort or await it;
+2. admission: wait in the global FIFO until the ledger grants a lease (or bypass);
+3. forward: inject the planned top-level fields into the raw bytes and stream the
+   response back chunk by chunk. The lease and the session's tracking are released
+   when the upstream attempt ends, on every exit path.
+
+With both features off the body is not even parsed: the bytes forwarded are the
+bytes received.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import time
+from collections.abc import Callable, Mapping
+from contextlib import AsyncExitStack
+from typing import TYPE_CHECKING, Any
+
+import aiohttp
+import orjson
+from aiohttp import web
+
+from kvproxy.admission.coordinator import AdmissionRequest, Decision
+from kvproxy.proxy.body import inject_fields, parse_object
+from kvproxy.proxy.errors import ErrorType, error_response
+from kvproxy.proxy.upstream import forward_request_headers, forward_response_headers
+from kvproxy.sessions.identity import (
+    InvalidSessionId,
+    injection_plan,
+    new_rid,
+    resolve_identity,
+    split_session_path,
+    validate_session_id,
+)
+from kvproxy.sessions.lifecycle import SessionClosed
+
+if TYPE_CHECKING:
+    from kvproxy.app import Runtime
+
+log = logging.getLogger(__name__)
+
+INTERCEPTED_PATHS = frozenset({"/generate", "/v1/chat/completions", "/v1/completions"})
+# Bodies up to this size are read whole before forwarding; larger ones are streamed.
+_BUFFER_LIMIT = 256 * 1024
+# Non-streaming upstream responses up to this size are returned in one write.
+_RESPONSE_BUFFER_LIMIT = 1024 * 1024
+# How much of a stream's tail to keep for reading the engine's prompt_tokens.
+_TAIL_BYTES = 4096
+_PROMPT_TOKENS_RE = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
+
+ObserveTail = Callable[[bytes], None]
+
+
+class BodyTooLarge(Exception):
+    pass
+
+
+def _prompt_tokens(tail: bytes) -> int | None:
+    matches = _PROMPT_TOKENS_RE.findall(tail)
+    return int(matches[-1]) if matches else None
+
+
+class ProxyHandlers:
+    """Request handlers bound to one application's runtime state."""
+
+    def __init__(self, runtime: Runtime) -> None:
+        self.rt = runtime
+
+    # ------------------------------------------------------------------ dispatch
+    async def dispatch(self, request: web.Request) -> web.StreamResponse:
+        """Catch-all route: strip ``/sessions/{id}``, then intercept or pass through."""
+        started = time.perf_counter()
+        rt = self.rt
+        if rt.shutting_down:
+            return self._count(
+                request.path, error_response(ErrorType.SHUTTING_DOWN, "kvproxy is shutting down")
+            )
+        try:
+            path_sid, path = split_session_path(request.path)
+        except InvalidSessionId as exc:
+            return self._count(request.path, error_response(ErrorType.INVALID_SESSION_ID, str(exc)))
+        if request.method == "POST":
+            if path in INTERCEPTED_PATHS:
+                return await self.intercepted(request, path, path_sid, started)
+            if path == "/close_session" and rt.config.session_lifecycle.enabled:
+                return self._count(path, await self.close_session_api(request))
+        return await self.passthrough(request, path, started)
+
+    def _count(self, path: str, response: web.StreamResponse) -> web.StreamResponse:
+        self.rt.metrics.count(path, response.status)
+        return response
+
+    # --------------------------------------------------------------- passthrough
+    async def passthrough(
+        self, request: web.Request, path: str, started: float
+    ) -> web.StreamResponse:
+        length = request.content_length
+        max_body = self.rt.config.server.max_body_bytes
+        if length is not None and length > max_body:
+            return self._count(path, _too_large(max_body))
+        body: bytes | aiohttp.StreamReader | None
+        if not request.body_exists:
+            body = None
+        elif length is not None and length > _BUFFER_LIMIT:
+            body = request.content  # stream it; Content-Length is kept below
+        else:
+            try:
+                body = await request.read()
+            except web.HTTPRequestEntityTooLarge:
+                return self._count(path, _too_large(max_body))
+        extra = {"Content-Length": str(length)} if isinstance(body, aiohttp.StreamReader) else None
+        return await self.forward(request, path, body, started=started, extra_headers=extra)
+
+    # --------------------------------------------------------------- intercepted
+    async def intercepted(
+        self, request: web.Request, path: str, path_sid: str | None, started: float
+    ) -> web.StreamResponse:
+        rt = self.rt
+        cfg = rt.config
+        max_body = cfg.server.max_body_bytes
+        if request.content_length is not None and request.content_length > max_body:
+            return self._count(path, _too_large(max_body))
+        try:
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            return self._count(path, _too_large(max_body))
+
+        lifecycle_on = cfg.session_lifecycle.enabled
+        admission_on = cfg.admission.enabled
+        body = parse_object(raw) if (lifecycle_on or admission_on) else None
+        if body is None:
+            # Features off, or not a JSON object: forward the bytes as received.
+            return await self.forward(request, path, raw, started=started)
+
+        fields: dict[str, Any] = {}
+        overwrite = False
+        extra_headers: dict[str, str] = {}
+        session_id: str | None = None
+        close_after = False
+        abort_rids: tuple[str, ...] = ()
+        rid = body.get("rid") if isinstance(body.get("rid"), str) else None
+        if lifecycle_on:
+            try:
+                identity = resolve_identity(
+                    cfg.session_lifecycle,
+                    path_session_id=path_sid,
+                    headers=request.headers,
+                    body=body,
+                )
+            except InvalidSessionId as exc:
+                return self._count(path, error_response(ErrorType.INVALID_SESSION_ID, str(exc)))
+            plan = injection_plan(cfg.session_lifecycle, identity, body, headers=request.headers)
+            rt.sessions.note_injection(plan)
+            fields.update(plan.fields)
+            overwrite = bool(plan.overwrites)
+            extra_headers.update(plan.headers)
+            rid = plan.rid or rid
+            abort_rids = plan.abort_rids
+            session_id = identity.session_id
+            close_after = identity.close_after
+        ticket = rid or new_rid()
+
+        async with AsyncExitStack() as stack:
+            tracked = None
+            on_disconnect: Callable[[], None] | None = None
+            if session_id is not None:
+                try:
+                    tracked = await stack.enter_async_context(
+                        rt.sessions.track(
+                            session_id,
+                            ticket,
+                            close_after=close_after,
+                            abort_rids=abort_rids or None,
+                        )
+                    )
+                except SessionClosed as exc:
+                    return self._count(path, error_response(ErrorType.SESSION_CLOSED, str(exc)))
+                on_disconnect = tracked.disconnected
+            elif abort_rids:
+                sessions = rt.sessions
+
+                def on_disconnect() -> None:
+                    sessions.abort_in_background(abort_rids)
+
+            waited = 0.0
+            response_headers: dict[str, str] | None = None
+            admission_req: AdmissionRequest | None = None
+            try:
+                if admission_on:
+                    admission_req = AdmissionRequest(
+                        ticket_id=ticket,
+                        path=path,
+                        headers=request.headers,
+                        body=body,
+                        session_id=session_id,
+                    )
+                    enter = stack.enter_async_context(rt.admission.admit(admission_req))
+                    decision: Decision = await (
+                        tracked.until_forwarded(enter) if tracked else enter
+                    )
+                    waited = decision.wait_s
+                    if decision.action != "pass":
+                        response_headers = {
+                            "X-KVProxy-Admission": decision.action
+                            if decision.action == "admit"
+                            else f"bypass; reason={decision.reason}",
+                            "X-KVProxy-Admission-Wait-Ms": f"{decision.wait_s * 1000:.1f}",
+                        }
+                if tracked is not None:
+                    tracked.forwarded()
+            except SessionClosed as exc:
+                return self._count(path, error_response(ErrorType.SESSION_CLOSED, str(exc)))
+
+            observe: ObserveTail | None = None
+            if admission_req is not None and "input_ids" not in body:
+                areq = admission_req
+
+                def observe(tail: bytes) -> None:
+                    tokens = _prompt_tokens(tail)
+                    if tokens is not None:
+                        rt.admission.observe_prompt_tokens(areq, tokens)
+
+            if not fields:
+                out = raw
+            elif overwrite:  # rare: a configured source outranks the body's own session_id
+                out = orjson.dumps({**body, **fields})
+            else:
+                out = inject_fields(raw, fields)
+            return await self.forward(
+                request,
+                path,
+                out,
+                started=started,
+                waited=waited,
+                extra_headers=extra_headers or None,
+                response_headers=response_headers,
+                on_disconnect=on_disconnect,
+                observe_tail=observe,
+            )
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    # ------------------------------------------------------------------- forward
+    async def forward(
+        self,
+        request: web.Request,
+        path: str,
+        body: bytes | aiohttp.StreamReader | None,
+        *,
+        started: float,
+        waited: float = 0.0,
+        extra_headers: Mapping[str, str] | None = None,
+        response_headers: Mapping[str, str] | None = None,
+        on_disconnect: Callable[[], None] | None = None,
+        observe_tail: ObserveTail | None = None,
+    ) -> web.StreamResponse:
+        """Send one upstream attempt and stream its response back."""
+        rt = self.rt
+        url = rt.router_base + path
+        if request.query_string:
+            url += "?" + request.query_string
+        headers = forward_request_headers(request, extra_headers)
+        sent_at = time.perf_counter()
+        try:
+            upstream_cm = rt.http.request(
+                request.method, url, data=body, headers=headers, allow_redirects=False
+            )
+            upstream = await upstream_cm.__aenter__()
+        except asyncio.CancelledError:
+            if on_disconnect is not None:
+                on_disconnect()
+            raise
+        except (TimeoutError, aiohttp.ServerTimeoutError):
+            rt.metrics.upstream_errors.labels("timeout").inc()
+            return self._count(
+                path,
+                error_response(
+                    ErrorType.ROUTER_TIMEOUT, f"router did not answer in time ({rt.router_base})"
+                ),
+            )
+        except aiohttp.ClientError as exc:
+            rt.metrics.upstream_errors.labels("unreachable").inc()
+            return self._count(
+                path,
+                error_response(
+                    ErrorType.ROUTER_UNREACHABLE,
+                    f"cannot reach the router at {rt.router_base}: {exc}",
+                ),
+            )
+        headers_at = time.perf_counter()
+        try:
+            return await self._relay(
+                request,
+                path,
+                upstream,
+                started,
+                sent_at,
+                headers_at,
+                waited,
+                response_headers,
+                observe_tail,
+            )
+        except asyncio.CancelledError:
+            # Client went away (handler cancellation): drop the upstream connection so the
+            # router stops too, and tell the engines if the session feature tracks the rid.
+            upstream.close()
+            if on_disconnect is not None:
+                on_disconnect()
+            raise
+        except (ConnectionResetError, aiohttp.ClientConnectionResetError):
+            upstream.close()
+            if on_disconnect is not None:
+                on_disconnect()
+            raise
+        except (TimeoutError, aiohttp.ClientError):
+            upstream.close()
+            rt.metrics.upstream_errors.labels("midstream").inc()
+            raise
+        finally:
+            await upstream_cm.__aexit__(None, None, None)
+
+    async def _relay(
+        self,
+        request: web.Request,
+        path: str,
+        upstream: aiohttp.ClientResponse,
+        started: float,
+        sent_at: float,
+        headers_at: float,
+        waited: float,
+        response_headers: Mapping[str, str] | None,
+        observe_tail: ObserveTail | None,
+    ) -> web.StreamResponse:
+        rt = self.rt
+        headers = forward_response_headers(upstream.headers)
+        if response_headers:
+            headers.update(response_headers)
+        length = upstream.content_length
+        content_type = upstream.headers.get("Content-Type", "")
+        overhead = sent_at - started - waited
+        if (
+            length is not None
+            and length <= _RESPONSE_BUFFER_LIMIT
+            and "text/event-stream" not in content_type
+        ):
+            data = await upstream.read()
+            read_at = time.perf_counter()
+            response = web.Response(status=upstream.status, headers=headers, body=data)
+            rt.metrics.added_latency.observe(overhead + (time.perf_counter() - read_at))
+            if observe_tail is not None and upstream.status == 200:
+                observe_tail(data[-_TAIL_BYTES:])
+            return self._count(path, response)
+
+        response = web.StreamResponse(status=upstream.status, headers=headers)
+        if length is not None:
+            response.content_length = length
+        await response.prepare(request)
+        rt.metrics.added_latency.observe(overhead + (time.perf_counter() - headers_at))
+        tail = b""
+        async for chunk in upstream.content.iter_any():
+            await response.write(chunk)
+            if observe_tail is not None:
+                tail = (tail + chunk)[-_TAIL_BYTES:]
+        await response.write_eof()
+        if observe_tail is not None and upstream.status == 200:
+            observe_tail(tail)
+        return self._count(path, response)
+
+    # ------------------------------------------------------------- session close
+    async def close_session_api(self, request: web.Request) -> web.Response:
+        """``POST /close_session {"session_id": ...}``: SGLang's API, served by the proxy."""
+        try:
+            doc = orjson.loads(await request.read())
+        except orjson.JSONDecodeError:
+            return error_response(
+                ErrorType.INVALID_REQUEST, "body must be a JSON object with a session_id"
+            )
+        sid = doc.get("session_id") if isinstance(doc, dict) else None
+        if not isinstance(sid, str):
+            return error_response(
+                ErrorType.INVALID_REQUEST, "body must be a JSON object with a string session_id"
+            )
+        return await self._close(sid, reason="close_session")
+
+    async def close_session_admin(self, request: web.Request) -> web.Response:
+        """``POST /kvproxy/sessions/{session_id}/close``."""
+        if not self.rt.config.session_lifecycle.enabled:
+            return error_response(
+                ErrorType.INVALID_REQUEST,
+                "session lifecycle is disabled (session_lifecycle.enabled: false)",
+            )
+        return await self._close(request.match_info["session_id"], reason="admin")
+
+    async def _close(self, session_id: str, *, reason: str) -> web.Response:
+        try:
+            validate_session_id(
+                session_id,
+                source="close",
+                max_length=self.rt.config.session_lifecycle.id_max_length,
+            )
+        except InvalidSessionId as exc:
+            return error_response(ErrorType.INVALID_SESSION_ID, str(exc))
+        result = await self.rt.sessions.close(session_id, reason=reason)
+        return web.Response(body=orjson.dumps(result.to_json()), content_type="application/json")
+
+
+def _too_large(limit: int) -> web.Response:
+    return error_response(
+        ErrorType.BODY_TOO_LARGE, f"request body exceeds server.max_body_bytes ({limit} bytes)"
+    )
+
+
+__all__ = ["INTERCEPTED_PATHS", "ProxyHandlers"]

@@ -1,0 +1,54 @@
+"""The proxy's own Prometheus metrics (requests, upstream errors, added latency)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+# Paths with their own label value; everything else is "other" (bounded cardinality).
+KNOWN_PATHS = frozenset(
+    {
+        "/generate",
+        "/v1/chat/completions",
+        "/v1/completions",
+        "/close_session",
+        "/v1/models",
+        "/health",
+        "/workers",
+    }
+)
+
+# Added latency is sub-millisecond when healthy: resolve it finely.
+LATENCY_BUCKETS = (
+    0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0,
+)  # fmt: skip
+
+
+class ProxyMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.requests = Counter(
+            "kvproxy_requests",
+            "Requests answered by the proxy, by path and status code.",
+            ["path", "status"],
+            registry=registry,
+        )
+        self.upstream_errors = Counter(
+            "kvproxy_upstream_errors",
+            "Upstream (router) failures by type.",
+            ["type"],
+            registry=registry,
+        )
+        self.added_latency = Histogram(
+            "kvproxy_added_latency_seconds",
+            "Time spent in the proxy itself before the response starts, excluding upstream "
+            "time and deliberate admission waits.",
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self._children: dict[tuple[str, int], Counter] = {}
+
+    def count(self, path: str, status: int) -> None:
+        key = (path if path in KNOWN_PATHS else "other", status)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = self.requests.labels(key[0], str(status))
+        child.inc()

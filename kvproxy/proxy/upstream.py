@@ -1,0 +1,96 @@
+"""The one pooled client session to the router, and header hygiene for forwarding."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import aiohttp
+import orjson
+from aiohttp import web
+from multidict import CIMultiDict, CIMultiDictProxy
+
+from kvproxy.config import RouterConfig
+
+# RFC 9110 section 7.6.1 connection-specific fields, plus the non-standard Proxy-Connection.
+HOP_BY_HOP = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "proxy-connection",
+        "te",
+        "trailer",
+        "trailers",
+        "transfer-encoding",
+        "upgrade",
+    }
+)
+# Set by aiohttp for the new hop (host, length of the body actually sent).
+_RECOMPUTED = frozenset({"host", "content-length"})
+
+
+def client_timeout(cfg: RouterConfig) -> aiohttp.ClientTimeout:
+    return aiohttp.ClientTimeout(
+        total=cfg.request_timeout_s or None,
+        connect=cfg.connect_timeout_s,
+        sock_read=cfg.read_timeout_s or None,
+    )
+
+
+def create_client_session(cfg: RouterConfig) -> aiohttp.ClientSession:
+    """Keep-alive pool to the router. Bytes pass through untouched: no decompression,
+    no cookie jar, no automatic headers beyond what the client sent."""
+    connector = aiohttp.TCPConnector(
+        limit=cfg.max_connections,
+        limit_per_host=0,
+        ttl_dns_cache=300,
+        keepalive_timeout=30,
+    )
+    return aiohttp.ClientSession(
+        connector=connector,
+        timeout=client_timeout(cfg),
+        auto_decompress=False,
+        cookie_jar=aiohttp.DummyCookieJar(),
+        skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding", "Content-Type"),
+        json_serialize=lambda obj: orjson.dumps(obj).decode(),
+    )
+
+
+def _connection_tokens(headers: Mapping[str, str]) -> frozenset[str]:
+    value = headers.get("Connection")
+    if not value:
+        return frozenset()
+    return frozenset(t.strip().lower() for t in value.split(",") if t.strip())
+
+
+def forward_request_headers(
+    request: web.Request, extra: Mapping[str, str] | None = None
+) -> CIMultiDict[str]:
+    """Client headers minus hop-by-hop ones, with X-Forwarded-For appended."""
+    src = request.headers
+    named = _connection_tokens(src)
+    out: CIMultiDict[str] = CIMultiDict()
+    for key, value in src.items():
+        lk = key.lower()
+        if lk in HOP_BY_HOP or lk in _RECOMPUTED or lk in named:
+            continue
+        out.add(key, value)
+    peer = request.remote or "unknown"
+    prior = src.get("X-Forwarded-For")
+    out["X-Forwarded-For"] = f"{prior}, {peer}" if prior else peer
+    if extra:
+        out.update(extra)
+    return out
+
+
+def forward_response_headers(headers: CIMultiDictProxy[str]) -> CIMultiDict[str]:
+    """Upstream response headers minus hop-by-hop ones and the body length."""
+    named = _connection_tokens(headers)
+    out: CIMultiDict[str] = CIMultiDict()
+    for key, value in headers.items():
+        lk = key.lower()
+        if lk in HOP_BY_HOP or lk in _RECOMPUTED or lk in named:
+            continue
+        out.add(key, value)
+    return out

@@ -1,0 +1,109 @@
+from pathlib import Path
+
+import pytest
+
+from kvproxy.config import Config, ConfigError, apply_overrides, from_mapping, load_config
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_shipped_yaml_matches_the_defaults() -> None:
+    shipped = load_config(REPO / "configs" / "kvproxy.yaml")
+    defaults = Config()
+    for section in ("server", "router", "session_lifecycle", "admission"):
+        assert getattr(shipped, section) == getattr(defaults, section), section
+    assert not shipped.session_lifecycle.enabled
+    assert not shipped.admission.enabled
+
+
+@pytest.mark.parametrize(
+    ("doc", "needle"),
+    [
+        ({"server": {"port": 0}}, "server.port"),
+        ({"server": {"bogus": 1}}, "server.bogus: unknown key"),
+        ({"nope": {}}, "nope: unknown section"),
+        ({"router": {"url": "ftp://x"}}, "router.url"),
+        ({"router": {"engines": "http://a"}}, "router.engines: must be a list"),
+        (
+            {"admission": {"enabled": True, "headroom": 1.5}},
+            "admission.headroom: must be in (0, 1]",
+        ),
+        ({"admission": {"enabled": True, "headroom": 0}}, "admission.headroom"),
+        ({"admission": {"enabled": True, "pressure_threshold": 0}}, "admission.pressure_threshold"),
+        (
+            {"admission": {"enabled": True, "scope": "eval"}},
+            "admission.scope: must be train or all",
+        ),
+        ({"admission": {"enabled": True, "max_wait_s": -1}}, "admission.max_wait_s"),
+        (
+            {"admission": {"enabled": True, "expected_decode_cap": 0}},
+            "admission.expected_decode_cap",
+        ),
+        ({"admission": {"enabled": "yes"}}, "admission.enabled: must be true or false"),
+        (
+            {"session_lifecycle": {"enabled": True, "on_close": "kill"}},
+            "session_lifecycle.on_close",
+        ),
+        (
+            {"session_lifecycle": {"enabled": True, "close_timeout_s": 0}},
+            "session_lifecycle.close_timeout_s",
+        ),
+        (
+            {"session_lifecycle": {"enabled": True, "id_sources": ["cookie"]}},
+            "session_lifecycle.id_sources",
+        ),
+    ],
+)
+def test_invalid_values_name_the_key(doc: dict, needle: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        from_mapping(doc)
+    assert needle in str(info.value)
+
+
+def test_feature_constraints_only_checked_when_enabled() -> None:
+    cfg = from_mapping({"admission": {"headroom": 7.0}, "session_lifecycle": {"on_close": "x"}})
+    assert cfg.admission.headroom == 7.0
+
+
+def test_cli_overrides_win_and_are_validated() -> None:
+    cfg = from_mapping({"admission": {"enabled": False, "headroom": 0.5}})
+    out = apply_overrides(
+        cfg,
+        {
+            "agentic_program_admission": True,
+            "agentic_admission_headroom": 0.8,
+            "agentic_admission_scope": "all",
+            "port": 9999,
+            "router_url": None,
+        },
+    )
+    assert out.admission.enabled and out.admission.headroom == 0.8
+    assert out.admission.scope == "all" and out.server.port == 9999
+    assert out.router.url == cfg.router.url
+    with pytest.raises(ConfigError, match=r"admission\.headroom"):
+        apply_overrides(cfg, {"agentic_program_admission": True, "agentic_admission_headroom": 2.0})
+
+
+def test_ints_accepted_for_floats_but_not_bools(tmp_path: Path) -> None:
+    p = tmp_path / "c.yaml"
+    p.write_text("admission:\n  max_wait_s: 5\n")
+    assert load_config(p).admission.max_wait_s == 5.0
+    p.write_text("admission:\n  max_wait_s: true\n")
+    with pytest.raises(ConfigError, match=r"admission\.max_wait_s"):
+        load_config(p)
+
+
+def test_unreadable_and_malformed_files(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config(tmp_path / "missing.yaml")
+    p = tmp_path / "bad.yaml"
+    p.write_text("server: [unclosed\n")
+    with pytest.raises(ConfigError, match="invalid YAML"):
+        load_config(p)
+
+
+def test_staleness_default_is_a_few_poll_intervals() -> None:
+    cfg = from_mapping({"admission": {"poll_interval_s": 2.0}})
+    assert cfg.admission.effective_staleness_s == 6.0
+    cfg = from_mapping({"admission": {"poll_interval_s": 0.5}})
+    assert cfg.admission.effective_staleness_s == 5.0
