@@ -1,0 +1,193 @@
+"""``kvproxy sim-engine``: run a simulated SGLang engine (no GPU needed).
+
+Heavy imports (aiohttp, the simulator) happen inside :func:`run`.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from kvproxy.sim.config import (
+    EVICTION_POLICIES,
+    METRICS_FAULTS,
+    MODES,
+    OUTPUT_LEN_DISTS,
+    CostModel,
+    FaultConfig,
+    SimConfig,
+)
+
+_D = SimConfig()
+_C = CostModel()
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("server")
+    g.add_argument("--host", default=_D.host, help="bind address (default: %(default)s)")
+    g.add_argument("--port", type=int, default=_D.port, help="port (default: %(default)s)")
+    g.add_argument(
+        "--model-name", default=_D.model_name, help="served_model_name (default: %(default)s)"
+    )
+    g.add_argument(
+        "--model-path",
+        default=None,
+        help="local directory reported as model_path (created if missing; default: a "
+        "directory under the system temp dir)",
+    )
+    g.add_argument("--log-level", default=_D.log_level, help="default: %(default)s")
+
+    g = parser.add_argument_group("KV cache and scheduling")
+    g.add_argument(
+        "--max-total-tokens",
+        type=int,
+        default=_D.max_total_tokens,
+        help="KV pool size in tokens, SGLang's max_total_num_tokens (default: %(default)s)",
+    )
+    g.add_argument(
+        "--mode",
+        choices=MODES,
+        default=_D.mode,
+        help="plain radix cache; session-radix = --enable-session-radix-cache; streaming = "
+        "--enable-streaming-session (default: %(default)s)",
+    )
+    g.add_argument("--eviction-policy", choices=EVICTION_POLICIES, default=_D.eviction_policy)
+    g.add_argument("--enable-priority-scheduling", action="store_true")
+    g.add_argument("--tp-size", type=int, default=_D.tp_size, help="repeats gauges per tp_rank")
+    g.add_argument("--dp-size", type=int, default=_D.dp_size, help="independent schedulers")
+    g.add_argument("--max-running-requests", type=int, default=_D.max_running_requests)
+    g.add_argument("--max-prefill-tokens", type=int, default=_D.max_prefill_tokens)
+    g.add_argument(
+        "--chunked-prefill-size",
+        type=int,
+        default=_D.chunked_prefill_size,
+        help="prefill chunk size in tokens; <= 0 disables chunking (default: %(default)s)",
+    )
+    g.add_argument("--context-length", type=int, default=_D.context_length)
+    g.add_argument(
+        "--output-len-dist",
+        choices=OUTPUT_LEN_DISTS,
+        default=_D.output_len_dist,
+        help="max: every request generates max_new_tokens; uniform: 1..max_new_tokens from "
+        "the rid, ending with a stop token (default: %(default)s)",
+    )
+    g.add_argument(
+        "--streaming-session-timeout",
+        type=float,
+        default=None,
+        help="idle seconds after which a streaming session is reaped (default: never)",
+    )
+
+    g = parser.add_argument_group("time and cost model (simulated seconds)")
+    g.add_argument(
+        "--time-scale",
+        type=float,
+        default=_D.time_scale,
+        help="wall seconds per simulated second; 0.01 runs 100x faster, 0 as fast as the "
+        "CPU allows (default: %(default)s)",
+    )
+    g.add_argument("--prefill-base-s", type=float, default=_C.prefill_base_s)
+    g.add_argument("--prefill-per-token-s", type=float, default=_C.prefill_per_token_s)
+    g.add_argument("--decode-base-s", type=float, default=_C.decode_base_s)
+    g.add_argument("--decode-per-req-s", type=float, default=_C.decode_per_req_s)
+
+    g = parser.add_argument_group("fault injection (also POST /sim/faults at run time)")
+    g.add_argument("--fault-metrics", choices=METRICS_FAULTS, default="ok")
+    g.add_argument("--fault-latency-s", type=float, default=0.0)
+    g.add_argument("--fault-drop-stream-after-chunks", type=int, default=None)
+    g.add_argument("--fault-503", action="store_true", help="answer 503 to data-plane and health")
+    g.add_argument(
+        "--fault-token-usage",
+        type=float,
+        default=None,
+        help="report this sglang:token_usage in /metrics instead of the real value",
+    )
+    g.add_argument(
+        "--record-requests",
+        type=int,
+        default=0,
+        metavar="N",
+        help="keep the last N data-plane requests as received, for GET /sim/requests",
+    )
+
+
+def config_from_args(args: argparse.Namespace) -> SimConfig:
+    return SimConfig(
+        host=args.host,
+        port=args.port,
+        max_total_tokens=args.max_total_tokens,
+        mode=args.mode,
+        eviction_policy=args.eviction_policy,
+        enable_priority_scheduling=args.enable_priority_scheduling,
+        tp_size=args.tp_size,
+        dp_size=args.dp_size,
+        time_scale=args.time_scale,
+        cost=CostModel(
+            prefill_base_s=args.prefill_base_s,
+            prefill_per_token_s=args.prefill_per_token_s,
+            decode_base_s=args.decode_base_s,
+            decode_per_req_s=args.decode_per_req_s,
+        ),
+        max_running_requests=args.max_running_requests,
+        max_prefill_tokens=args.max_prefill_tokens,
+        chunked_prefill_size=args.chunked_prefill_size,
+        context_length=args.context_length,
+        output_len_dist=args.output_len_dist,
+        streaming_session_timeout_s=args.streaming_session_timeout,
+        model_name=args.model_name,
+        model_path=args.model_path,
+        faults=FaultConfig(
+            metrics=args.fault_metrics,
+            latency_s=args.fault_latency_s,
+            drop_stream_after_chunks=args.fault_drop_stream_after_chunks,
+            status_503=args.fault_503,
+            token_usage=args.fault_token_usage,
+        ),
+        record_requests=args.record_requests,
+        log_level=args.log_level,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    import asyncio
+    import logging
+    import sys
+
+    from aiohttp import web
+
+    from kvproxy.sim.config import validate_sim_config
+    from kvproxy.sim.server import create_sim_app
+
+    cfg = config_from_args(args)
+    try:
+        validate_sim_config(cfg)
+    except ValueError as e:
+        print(f"kvproxy sim-engine: {e}", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    # The router probes workers with HTTP/2 prior knowledge; aiohttp logs those as
+    # bad requests. They are harmless.
+    logging.getLogger("aiohttp.server").setLevel(logging.CRITICAL)
+    try:
+        import uvloop
+
+        asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+    except ImportError:  # pragma: no cover - uvloop is optional on some platforms
+        pass
+    app = create_sim_app(cfg)
+    print(
+        f"kvproxy sim-engine: http://{cfg.host}:{cfg.port} mode={cfg.mode} "
+        f"max_total_tokens={cfg.max_total_tokens} time_scale={cfg.time_scale}",
+        flush=True,
+    )
+    web.run_app(
+        app,
+        host=cfg.host,
+        port=cfg.port,
+        print=None,
+        handler_cancellation=True,
+        access_log=None,
+        shutdown_timeout=1.0,
+    )
+    return 0

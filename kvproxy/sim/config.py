@@ -1,0 +1,185 @@
+"""Configuration of the simulated SGLang engine: one frozen dataclass.
+
+Pure: no I/O. :func:`validate_sim_config` raises :class:`ValueError` naming the
+offending field. The cost-model defaults and the reasoning behind them are in
+docs/simulator.md ("Cost model").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+MODES = ("plain", "session-radix", "streaming")
+EVICTION_POLICIES = ("lru", "priority")
+METRICS_FAULTS = ("ok", "error", "garbage")
+OUTPUT_LEN_DISTS = ("max", "uniform")
+
+
+@dataclass(frozen=True, slots=True)
+class FaultConfig:
+    """Fault knobs for reliability tests (also settable at run time via ``/sim/faults``)."""
+
+    # "ok": normal /metrics; "error": HTTP 500; "garbage": 200 with unparsable text.
+    metrics: str = "ok"
+    # Extra latency added before every data-plane request is handled.
+    latency_s: float = 0.0
+    # Cut the TCP connection after this many SSE chunks of a streaming response.
+    drop_stream_after_chunks: int | None = None
+    # Answer every data-plane request (and /health) with HTTP 503.
+    status_503: bool = False
+    # Report this sglang:token_usage (and full_token_usage) in /metrics instead of the
+    # real value: pushes a proxy's pressure guard without filling the pool.
+    token_usage: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class CostModel:
+    """Step durations in simulated seconds.
+
+    prefill step = ``prefill_base_s + prefill_per_token_s * uncached tokens in the batch``
+    decode step  = ``decode_base_s + decode_per_req_s * running batch size``
+    """
+
+    prefill_base_s: float = 0.010
+    prefill_per_token_s: float = 0.00005
+    decode_base_s: float = 0.012
+    decode_per_req_s: float = 0.0002
+
+    def prefill_s(self, tokens: int) -> float:
+        return self.prefill_base_s + self.prefill_per_token_s * tokens
+
+    def decode_s(self, batch_size: int) -> float:
+        return self.decode_base_s + self.decode_per_req_s * batch_size
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    """What the pure scheduler needs (a subset of :class:`SimConfig`)."""
+
+    max_total_tokens: int = 200_000
+    mode: str = "plain"
+    eviction_policy: str = "lru"
+    enable_priority_scheduling: bool = False
+    max_running_requests: int = 256
+    # Token budget of one prefill batch; a longer prompt is split into chunks
+    # of this size when chunked prefill is on (chunked_prefill_size > 0).
+    max_prefill_tokens: int = 16_384
+    chunked_prefill_size: int = 8_192
+    context_length: int = 40_960
+    cost: CostModel = field(default_factory=CostModel)
+    # SGLang's admission estimate of how many of a request's max_new_tokens it
+    # will really generate (SGLANG_INIT_NEW_TOKEN_RATIO etc.).
+    init_new_token_ratio: float = 0.7
+    min_new_token_ratio_factor: float = 0.14
+    new_token_ratio_decay_steps: int = 600
+    # After a retraction, keep room for this many decode steps of the batch.
+    retract_decode_steps: int = 20
+    clip_max_new_tokens: int = 4096
+    # "max": every request generates max_new_tokens; "uniform": 1..max_new_tokens
+    # drawn from the rid hash, ending with a stop token.
+    output_len_dist: str = "max"
+    # Streaming sessions without their own timeout are reaped after this many idle
+    # simulated seconds (None: never).
+    streaming_session_timeout_s: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class SimConfig:
+    host: str = "127.0.0.1"
+    port: int = 30000
+    max_total_tokens: int = 200_000
+    mode: str = "plain"
+    eviction_policy: str = "lru"
+    enable_priority_scheduling: bool = False
+    tp_size: int = 1
+    dp_size: int = 1
+    # Wall seconds per simulated second: 1.0 runs in real time, 0.01 runs 100x
+    # faster with the same dynamics, 0 runs as fast as the CPU allows.
+    time_scale: float = 1.0
+    cost: CostModel = field(default_factory=CostModel)
+    max_running_requests: int = 256
+    max_prefill_tokens: int = 16_384
+    chunked_prefill_size: int = 8_192
+    context_length: int = 40_960
+    output_len_dist: str = "max"
+    streaming_session_timeout_s: float | None = None
+    model_name: str = "kvproxy/sim-model"
+    # Reported as model_path / tokenizer_path; created if missing. None: a
+    # directory under the system temp dir.
+    model_path: str | None = None
+    faults: FaultConfig = field(default_factory=FaultConfig)
+    # Keep the last N data-plane requests (path, headers, raw body) for GET /sim/requests.
+    record_requests: int = 0
+    log_level: str = "WARNING"
+
+    def scheduler_config(self) -> SchedulerConfig:
+        return SchedulerConfig(
+            max_total_tokens=self.max_total_tokens,
+            mode=self.mode,
+            eviction_policy=self.eviction_policy,
+            enable_priority_scheduling=self.enable_priority_scheduling,
+            max_running_requests=self.max_running_requests,
+            max_prefill_tokens=self.max_prefill_tokens,
+            chunked_prefill_size=self.chunked_prefill_size,
+            context_length=self.context_length,
+            cost=self.cost,
+            output_len_dist=self.output_len_dist,
+            streaming_session_timeout_s=self.streaming_session_timeout_s,
+        )
+
+    def replace(self, **changes: object) -> SimConfig:
+        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+
+
+def validate_faults(f: FaultConfig) -> None:
+    if f.metrics not in METRICS_FAULTS:
+        raise ValueError(f"faults.metrics must be one of {METRICS_FAULTS}, got {f.metrics!r}")
+    if not f.latency_s >= 0:
+        raise ValueError(f"faults.latency_s must be >= 0, got {f.latency_s!r}")
+    if f.drop_stream_after_chunks is not None and f.drop_stream_after_chunks < 0:
+        raise ValueError("faults.drop_stream_after_chunks must be >= 0 or null")
+    if f.token_usage is not None and (
+        isinstance(f.token_usage, bool)
+        or not isinstance(f.token_usage, int | float)
+        or not 0 <= f.token_usage <= 1
+    ):
+        raise ValueError(f"faults.token_usage must be in [0, 1] or null, got {f.token_usage!r}")
+
+
+def validate_sim_config(cfg: SimConfig) -> None:
+    def check(cond: bool, msg: str) -> None:
+        if not cond:
+            raise ValueError(msg)
+
+    check(
+        0 <= cfg.record_requests <= 100_000,
+        f"record_requests must be in [0, 100000], got {cfg.record_requests}",
+    )
+
+    check(cfg.max_total_tokens >= 16, "max_total_tokens must be >= 16")
+    check(cfg.mode in MODES, f"mode must be one of {MODES}")
+    check(
+        cfg.eviction_policy in EVICTION_POLICIES,
+        f"eviction_policy must be one of {EVICTION_POLICIES}",
+    )
+    check(cfg.tp_size >= 1, "tp_size must be >= 1")
+    check(cfg.dp_size >= 1, "dp_size must be >= 1")
+    check(cfg.time_scale >= 0, "time_scale must be >= 0")
+    check(cfg.max_running_requests >= 1, "max_running_requests must be >= 1")
+    check(cfg.max_prefill_tokens >= 1, "max_prefill_tokens must be >= 1")
+    check(cfg.context_length >= 2, "context_length must be >= 2")
+    check(
+        cfg.output_len_dist in OUTPUT_LEN_DISTS,
+        f"output_len_dist must be one of {OUTPUT_LEN_DISTS}",
+    )
+    c = cfg.cost
+    check(
+        min(c.prefill_base_s, c.prefill_per_token_s, c.decode_base_s, c.decode_per_req_s) >= 0,
+        "cost-model constants must be >= 0",
+    )
+    check(
+        c.prefill_base_s + c.decode_base_s > 0,
+        "prefill_base_s + decode_base_s must be > 0 (a step must take simulated time)",
+    )
+    validate_faults(cfg.faults)

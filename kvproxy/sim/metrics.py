@@ -1,0 +1,282 @@
+"""Prometheus text rendering of the simulator's state with SGLang's names and labels.
+
+Pure: takes scheduler snapshots, returns text. Label sets follow SGLang 0.5.23
+(``sglang/srt/observability/metrics_collector.py``), sorted alphabetically as
+prometheus_client's multiprocess mode writes them:
+
+* scheduler gauges and counters: ``engine_type, model_name, moe_ep_rank, pp_rank,
+  tp_rank`` (+ ``dp_rank`` when dp_size > 1, + ``priority=""`` with priority
+  scheduling). With ``tp_size > 1`` each series is repeated once per ``tp_rank``
+  with identical values, so a parser must not sum over TP ranks.
+* tokenizer-side counters and histograms: ``engine_type, model_name`` plus
+  ``is_streaming`` / ``cache_source`` where SGLang has them, summed over DP ranks
+  (one tokenizer per engine).
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from prometheus_client.utils import floatToGoString
+
+if TYPE_CHECKING:
+    from kvproxy.sim.scheduler import Scheduler
+
+TTFT_BUCKETS: tuple[float, ...] = (
+    0.1, 0.2, 0.4, 0.6, 0.8, 1.0, 2.0, 4.0, 6.0, 8.0, 10.0, 20.0, 40.0, 60.0, 80.0, 100.0, 200.0, 400.0,
+)  # fmt: skip
+E2E_BUCKETS: tuple[float, ...] = (
+    0.1, 0.2, 0.4, 0.6, 0.8, 1.0, 2.0, 4.0, 6.0, 8.0, 10.0, 20.0, 40.0, 60.0, 80.0, 100.0, 200.0, 400.0, 800.0,
+)  # fmt: skip
+
+
+class Histogram:
+    """Cumulative-bucket histogram (pure)."""
+
+    __slots__ = ("bounds", "count", "counts", "sum")
+
+    def __init__(self, bounds: Sequence[float]) -> None:
+        self.bounds = tuple(bounds)
+        self.counts = [0] * (len(self.bounds) + 1)
+        self.count = 0
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.count += 1
+        self.sum += value
+
+    def merged(self, others: Iterable[Histogram]) -> Histogram:
+        out = Histogram(self.bounds)
+        for h in (self, *others):
+            for i, c in enumerate(h.counts):
+                out.counts[i] += c
+            out.count += h.count
+            out.sum += h.sum
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class MetricsContext:
+    model_name: str
+    tp_size: int = 1
+    enable_priority_scheduling: bool = False
+    streaming_sessions: bool = False
+
+
+def _labels(pairs: dict[str, str]) -> str:
+    inner = ",".join(f'{k}="{_escape(v)}"' for k, v in sorted(pairs.items()))
+    return "{" + inner + "}"
+
+
+def _escape(v: str) -> str:
+    return v.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+class _Writer:
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def family(self, name: str, kind: str, help_text: str) -> None:
+        self.lines.append(f"# HELP {name} {help_text}")
+        self.lines.append(f"# TYPE {name} {kind}")
+
+    def sample(self, name: str, labels: dict[str, str], value: float) -> None:
+        self.lines.append(f"{name}{_labels(labels)} {floatToGoString(value)}")
+
+    def text(self) -> str:
+        return "\n".join(self.lines) + "\n"
+
+
+# (name, help) of the scheduler gauges, in SGLang's order.
+_GAUGES: tuple[tuple[str, str], ...] = (
+    ("num_running_reqs", "The number of running requests."),
+    ("num_queue_reqs", "The number of requests in the waiting queue."),
+    ("num_grammar_queue_reqs", "The number of requests in the grammar waiting queue."),
+    ("gen_throughput", "The generation throughput (token/s)."),
+    ("cache_hit_rate", "The prefix cache hit rate."),
+    ("token_usage", "The token usage."),
+    ("full_token_usage", "The token usage for full attention layers."),
+    ("num_used_tokens", "The number of used tokens."),
+    ("kv_available_tokens", "Number of free token slots in the KV cache pool."),
+    ("kv_evictable_tokens", "Number of evictable (radix-cached) token slots in the KV cache pool."),
+    ("kv_used_tokens", "Number of actively used token slots in the KV cache pool."),
+    ("max_total_num_tokens", "Maximum total number of tokens in the KV cache pool."),
+    ("page_size", "KV cache page size in tokens."),
+    ("context_len", "Maximum context length."),
+    ("num_retracted_reqs", "The number of retracted requests."),
+    ("num_paused_reqs", "The number of paused requests by async weight sync."),
+    ("utilization", "The utilization."),
+    ("new_token_ratio", "The new token ratio."),
+)
+_STREAMING_GAUGES: tuple[tuple[str, str], ...] = (
+    ("num_streaming_sessions", "The number of streaming sessions."),
+    (
+        "streaming_session_held_tokens",
+        "The number of KV tokens currently held by streaming session slots.",
+    ),
+)
+
+
+def scheduler_gauges(s: Scheduler, context_len: int) -> dict[str, float]:
+    kv = s.kv
+    total = kv.max_total_tokens
+    used = total - kv.available - kv.evictable
+    return {
+        "num_running_reqs": len(s.running),
+        "num_queue_reqs": s.num_waiting,
+        "num_grammar_queue_reqs": 0,
+        "gen_throughput": s.stats.gen_throughput,
+        "cache_hit_rate": s.stats.cache_hit_rate,
+        "token_usage": round(used / total, 2),
+        "full_token_usage": round(used / total, 4),
+        "num_used_tokens": used,
+        "kv_available_tokens": kv.available,
+        "kv_evictable_tokens": kv.evictable,
+        "kv_used_tokens": used,
+        "max_total_num_tokens": total,
+        "page_size": 1,
+        "context_len": context_len,
+        "num_retracted_reqs": s.stats.num_retracted_reqs,
+        "num_paused_reqs": 0,
+        "utilization": round(used / total, 4),
+        "new_token_ratio": round(s.new_token_ratio, 4),
+        "num_streaming_sessions": len(s.streaming_sessions),
+        "streaming_session_held_tokens": s.streaming_held_tokens(),
+    }
+
+
+def render_metrics(
+    ctx: MetricsContext,
+    ranks: Sequence[Scheduler],
+    context_len: int,
+    token_usage_override: float | None = None,
+) -> str:
+    """The engine's ``/metrics`` text for all DP ranks."""
+    w = _Writer()
+    dp = len(ranks)
+    base = {"engine_type": "unified", "model_name": ctx.model_name}
+
+    def sched_label_sets(dp_rank: int) -> list[dict[str, str]]:
+        out = []
+        for tp in range(ctx.tp_size):
+            labels = {**base, "moe_ep_rank": "0", "pp_rank": "0", "tp_rank": str(tp)}
+            if dp > 1:
+                labels["dp_rank"] = str(dp_rank)
+            if ctx.enable_priority_scheduling:
+                labels["priority"] = ""
+            out.append(labels)
+        return out
+
+    label_sets = [sched_label_sets(i) for i in range(dp)]
+    values = [scheduler_gauges(s, context_len) for s in ranks]
+    if token_usage_override is not None:  # fault knob: see FaultConfig.token_usage
+        for v in values:
+            v["token_usage"] = round(token_usage_override, 2)
+            v["full_token_usage"] = round(token_usage_override, 4)
+    gauges = _GAUGES + (_STREAMING_GAUGES if ctx.streaming_sessions else ())
+    for name, help_text in gauges:
+        full = f"sglang:{name}"
+        w.family(full, "gauge", help_text)
+        for i in range(dp):
+            for labels in label_sets[i]:
+                w.sample(full, labels, values[i][name])
+
+    # Scheduler-side counters. num_retracted_requests_total is not in the reference
+    # document; its name and labels are from SGLang's SchedulerMetricsCollector.
+    w.family(
+        "sglang:num_retracted_requests_total", "counter", "Total number of retracted requests."
+    )
+    for i, s in enumerate(ranks):
+        for labels in label_sets[i]:
+            w.sample(
+                "sglang:num_retracted_requests_total",
+                labels,
+                s.stats.num_retracted_requests_total,
+            )
+    w.family(
+        "sglang:evicted_tokens_total", "counter", "The number of tokens evicted from GPU to CPU."
+    )
+    for i, s in enumerate(ranks):
+        for labels in label_sets[i]:
+            w.sample(
+                "sglang:evicted_tokens_total",
+                {**labels, "cache_type": "RadixCache"},
+                s.kv.evicted_total,
+            )
+
+    # Tokenizer-side counters: one tokenizer for the whole engine.
+    st = [s.stats for s in ranks]
+
+    def total(attr: str) -> int:
+        return sum(getattr(x, attr) for x in st)
+
+    for name, help_text, all_attr, stream_attr in (
+        (
+            "prompt_tokens_total",
+            "Number of prefill tokens processed.",
+            "prompt_tokens_total",
+            "stream_prompt_tokens_total",
+        ),
+        (
+            "generation_tokens_total",
+            "Number of generation tokens processed.",
+            "generation_tokens_total",
+            "stream_generation_tokens_total",
+        ),
+        (
+            "num_requests_total",
+            "Number of requests processed.",
+            "num_requests_total",
+            "stream_requests_total",
+        ),
+    ):
+        full = f"sglang:{name}"
+        w.family(full, "counter", help_text)
+        streamed = total(stream_attr)
+        w.sample(full, {**base, "is_streaming": "false"}, total(all_attr) - streamed)
+        w.sample(full, {**base, "is_streaming": "true"}, streamed)
+    w.family(
+        "sglang:cached_tokens_total",
+        "counter",
+        "Number of cached prompt tokens by source (device/host/storage).",
+    )
+    w.sample(
+        "sglang:cached_tokens_total",
+        {**base, "cache_source": "device"},
+        total("cached_tokens_total"),
+    )
+    w.family("sglang:num_aborted_requests_total", "counter", "Number of requests aborted.")
+    w.sample("sglang:num_aborted_requests_total", base, total("num_aborted_requests_total"))
+
+    for name, help_text, attr in (
+        ("time_to_first_token_seconds", "Histogram of time to first token in seconds.", "ttft"),
+        (
+            "e2e_request_latency_seconds",
+            "Histogram of End-to-end request latency in seconds",
+            "e2e_latency",
+        ),
+        ("queue_time_seconds", "Histogram of queueing time in seconds.", "queue_time"),
+    ):
+        hists = [getattr(x, attr) for x in st]
+        h = hists[0].merged(hists[1:])
+        full = f"sglang:{name}"
+        w.family(full, "histogram", help_text)
+        cum = 0
+        for bound, c in zip(h.bounds, h.counts, strict=False):
+            cum += c
+            w.sample(f"{full}_bucket", {**base, "le": floatToGoString(bound)}, cum)
+        w.sample(f"{full}_bucket", {**base, "le": "+Inf"}, h.count)
+        w.sample(f"{full}_count", base, h.count)
+        w.sample(f"{full}_sum", base, h.sum)
+    return w.text()
+
+
+GARBAGE_METRICS = (
+    "sglang:token_usage{engine_type=unified model_name= 0.5\n"
+    "<html><body>502 upstream garbage</body></html>\n"
+    "\x00\x01 not prometheus text {{{\n"
+)

@@ -1,0 +1,973 @@
+"""Continuous-batching scheduler of the simulated engine (one DP rank).
+
+Pure Python, no asyncio, no I/O; time is injected (simulated seconds). The shell
+(``kvproxy.sim.server``) drives it with two calls per step::
+
+    batch = sched.schedule(now)          # decide the next batch, allocate its KV
+    now += batch.duration                # the shell sleeps duration * time_scale
+    events = sched.finish_batch(batch, now)
+
+and a benchmark can drive the same loop with a fake clock.
+
+The model follows SGLang's ``Scheduler`` (non-overlap event loop):
+
+* Each step runs either a prefill batch or a decode batch; a prefill batch is
+  formed whenever a waiting request can be admitted (prefill first, no mixed
+  batches), otherwise the running batch decodes one token per request.
+* Admission (``PrefillAdder``): FCFS (or by priority with priority scheduling);
+  head-of-line blocking. A request is admitted if
+  ``extend + min(max_new_tokens - generated, clip) <= available + evictable -
+  reserved``, where ``reserved`` is ``new_token_ratio`` x the tokens the running
+  requests may still generate. ``new_token_ratio`` starts at 0.7, decays to
+  0.098 over 600 decode steps and jumps up after a retraction.
+* Prefix matching is capped at ``len(prompt) - 1``, so at least one token is
+  always computed. The prefill batch has a token budget (chunked_prefill_size, or
+  max_prefill_tokens without chunking); a longer prompt is split into chunks.
+* After its prefill the prompt's KV goes into the radix tree (still locked by the
+  request, so concurrent requests share it); the prefill yields the first output
+  token. Decode step k allocates one slot per running request. At the end the
+  KV of ``prompt + output[:-1]`` is inserted and unlocked (evictable cache).
+* When a decode step cannot get one slot per request even after evicting, the
+  scheduler retracts requests (fewest output tokens first, longest prompt on a
+  tie) until ``retract_decode_steps`` steps fit; a retracted request's private
+  KV is freed, its cached prefix stays in the tree unlocked, and it re-queues and
+  later re-prefills its prompt plus the tokens it had generated.
+* Decode bookkeeping is O(1) per step: a request's output length is derived
+  from a global decode-step counter, and finishing requests come off a heap.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+from kvproxy.sim.config import SchedulerConfig
+from kvproxy.sim.kvcache import KVCache, Node
+from kvproxy.sim.metrics import E2E_BUCKETS, TTFT_BUCKETS, Histogram
+from kvproxy.sim.tokenizer import EOS_TOKEN_ID, OutputStream, rid_seed
+
+CLOSED_SESSION_TOMBSTONES = 8192
+GEN_THROUGHPUT_LOG_STEPS = 40  # SGLang's default --decode-log-interval
+
+
+class SimError(Exception):
+    """A request SGLang would reject with HTTP ``status`` and this message."""
+
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+
+
+class State(Enum):
+    WAITING = "waiting"
+    PREFILL = "prefill"
+    DECODE = "decode"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False, slots=True)
+class SimRequest:
+    rid: str
+    input_ids: list[int]  # the full prompt as the engine sees it
+    max_new_tokens: int = 128
+    priority: int = 0
+    session_id: str | None = None  # top-level session id (session radix cache)
+    stream: bool = False
+    # Runtime, owned by the scheduler.
+    prompt_tokens: int = 0  # reported prompt_tokens (== len(input_ids))
+    target_len: int = 0
+    stop_token: int | None = None
+    out: OutputStream | None = None
+    state: State = State.WAITING
+    seq: int = 0
+    qkey: tuple[int, int] = (0, 0)
+    arrival: float = 0.0
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    generated: int = 0  # valid unless state is DECODE (use Scheduler.output_len)
+    cached_tokens: int = 0
+    node: Node | None = None  # locked tree node (end of the request's cached prefix)
+    tree_len: int = 0  # tokens of the sequence held by the tree path up to ``node``
+    private: int = 0  # KV slots owned by the request outside the tree
+    fill_len: int = 0  # tokens of the sequence to prefill in the current admission
+    extend_len: int = 0
+    prefill_done: int = 0
+    g0: int = 0
+    gen_base: int = 0
+    epoch: int = 0
+    abort_pending: str | None = None
+    finish_reason: dict[str, Any] | None = None
+    num_retractions: int = 0
+    generation: int | None = None  # session-radix generation at arrival
+    stream_session: StreamingSession | None = None
+    session_base_len: int = 0
+    legacy_session: LegacySession | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.state is State.FINISHED
+
+
+@dataclass(eq=False, slots=True)
+class StreamingSession:
+    sid: str
+    timeout_s: float | None
+    last_active: float
+    context: list[int] = field(default_factory=list)
+    node: Node | None = None  # locked radix prefix (shared system prompt etc.)
+    tree_len: int = 0
+    held: int = 0  # private KV slots held between turns
+    active: SimRequest | None = None
+    close_pending: bool = False
+
+
+@dataclass(eq=False, slots=True)
+class LegacySession:
+    sid: str
+    context: list[int] = field(default_factory=list)
+    active: int = 0
+
+
+@dataclass(slots=True)
+class Batch:
+    kind: str  # "prefill" | "decode"
+    duration: float
+    size: int  # prefill: requests; decode: running batch size
+    tokens: int = 0  # tokens computed (decode: one per request)
+    reqs: list[SimRequest] = field(default_factory=list)
+    chunks: list[int] = field(default_factory=list)
+    hit_tokens: int = 0
+
+
+@dataclass(slots=True)
+class StepEvents:
+    finished: list[SimRequest] = field(default_factory=list)
+    first_tokens: list[SimRequest] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    # Tokenizer-side counters (SGLang counts them when a request finishes).
+    prompt_tokens_total: int = 0
+    generation_tokens_total: int = 0
+    cached_tokens_total: int = 0
+    num_requests_total: int = 0
+    # The part of the three counters above that came from streaming requests.
+    stream_prompt_tokens_total: int = 0
+    stream_generation_tokens_total: int = 0
+    stream_requests_total: int = 0
+    ttft: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS))
+    e2e_latency: Histogram = field(default_factory=lambda: Histogram(E2E_BUCKETS))
+    queue_time: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS))
+    num_aborted_requests_total: int = 0
+    num_retracted_requests_total: int = 0
+    num_retracted_reqs: int = 0  # size of the last retraction (SGLang's gauge)
+    cache_hit_rate: float = 0.0  # of the last prefill batch
+    gen_throughput: float = 0.0
+    prefill_batches: int = 0
+    decode_steps: int = 0
+    busy_time_s: float = 0.0
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, now: float = 0.0) -> None:
+        self.cfg = config
+        self.kv = KVCache(
+            config.max_total_tokens,
+            config.eviction_policy,
+            session_refs=config.mode == "session-radix",
+        )
+        self.stats = SchedulerStats()
+        self.now = now
+        self.requests: dict[str, SimRequest] = {}  # every unfinished request
+        self.running: dict[str, SimRequest] = {}  # DECODE
+        self._waiting: list[tuple[tuple[int, int], int, SimRequest]] = []
+        self.num_waiting = 0
+        self._prefilling: set[SimRequest] = set()  # PREFILL (admitted, not decoding yet)
+        self.chunked: SimRequest | None = None
+        self._inflight: Batch | None = None
+        self._seq = 0
+        self._decode_ct = 0  # global decode step counter (G)
+        self._decode_reserved = 0
+        self._finish_heap: list[tuple[int, int, int, SimRequest]] = []
+        self._sum_clip = 0  # sum of min(max_new, clip) over running
+        self._sum_base = 0  # sum of (gen_base - g0) over running
+        self.init_ratio = min(config.init_new_token_ratio, 1.0)
+        self.min_ratio = min(self.init_ratio * config.min_new_token_ratio_factor, 1.0)
+        self.ratio_decay = (self.init_ratio - self.min_ratio) / max(
+            config.new_token_ratio_decay_steps, 1
+        )
+        self.new_token_ratio = self.init_ratio
+        self._tp_window_start = now
+        self._tp_window_tokens = 0
+        self._tp_window_steps = 0
+        # Sessions.
+        self.streaming_sessions: dict[str, StreamingSession] = {}
+        self.legacy_sessions: dict[str, LegacySession] = {}
+        self._radix_generations: dict[str, int] = {}
+        self._radix_closed: OrderedDict[str, None] = OrderedDict()
+        self._generation_ct = 0
+        # Requests finished inside schedule() (out-of-memory aborts); the shell drains it.
+        self.finished_outside: list[SimRequest] = []
+        self._next_reap = 0.0
+
+    # =============================================================== queries
+
+    def output_len(self, req: SimRequest) -> int:
+        if req.state is State.DECODE:
+            return req.gen_base + self._decode_ct - req.g0
+        return req.generated
+
+    def _decode_private(self, req: SimRequest) -> int:
+        # KV of prompt + output[:-1], minus what the tree holds for the request.
+        return req.prompt_tokens + self.output_len(req) - 1 - req.tree_len
+
+    def output_ids(self, req: SimRequest) -> list[int]:
+        assert req.out is not None
+        return req.out.ids(self.output_len(req))
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.running or self.num_waiting or self._prefilling)
+
+    def private_tokens(self) -> int:
+        """KV slots held outside the tree (running requests, sessions, reserved)."""
+        total = self._decode_reserved
+        for req in self.requests.values():
+            if req.state is State.DECODE:
+                total += self._decode_private(req)
+            else:
+                total += req.private
+        for s in self.streaming_sessions.values():
+            total += s.held
+        return total
+
+    def check_invariants(self) -> None:
+        self.kv.check_invariants(self.private_tokens())
+
+    def pool(self) -> dict[str, int]:
+        kv = self.kv
+        used = kv.max_total_tokens - kv.available - kv.evictable
+        return {
+            "max_total_num_tokens": kv.max_total_tokens,
+            "available": kv.available,
+            "evictable": kv.evictable,
+            "protected": kv.protected,
+            "used": used,
+        }
+
+    def token_usage(self) -> float:
+        kv = self.kv
+        return round((kv.max_total_tokens - kv.available - kv.evictable) / kv.max_total_tokens, 2)
+
+    def streaming_held_tokens(self) -> int:
+        return sum(s.held for s in self.streaming_sessions.values())
+
+    def next_deadline(self) -> float | None:
+        """Earliest simulated time at which an idle streaming session expires."""
+        best: float | None = None
+        for s in self.streaming_sessions.values():
+            t = self._session_timeout(s)
+            if t is not None and s.active is None:
+                deadline = s.last_active + t
+                if best is None or deadline < best:
+                    best = deadline
+        return None if best is None else max(best, self._next_reap)
+
+    # ============================================================ submission
+
+    def submit(
+        self,
+        req: SimRequest,
+        now: float,
+        *,
+        session_params: dict[str, Any] | None = None,
+        output_len: int | None = None,
+        stop_token_ids: tuple[int, ...] = (),
+        ignore_eos: bool = False,
+    ) -> SimRequest:
+        """Queue a request. Raises :class:`SimError` for what SGLang rejects."""
+        self.now = now
+        cfg = self.cfg
+        if req.rid in self.requests:
+            raise SimError(f"Duplicate request ID: {req.rid}")
+        if session_params is not None:
+            self._apply_session_params(req, session_params)
+        n_in = len(req.input_ids)
+        if n_in == 0:
+            raise SimError("The input is empty.")
+        if n_in >= cfg.context_length:
+            raise SimError(
+                f"The input ({n_in} tokens) is longer than the model's context length "
+                f"({cfg.context_length} tokens)."
+            )
+        if n_in + 1 > cfg.max_total_tokens:
+            raise SimError(
+                f"The input ({n_in} tokens) does not fit in the KV cache "
+                f"(max_total_num_tokens={cfg.max_total_tokens})."
+            )
+        if req.max_new_tokens < 0:
+            raise SimError("max_new_tokens must be at least 0")
+        req.max_new_tokens = min(req.max_new_tokens, cfg.context_length - n_in)
+        req.prompt_tokens = n_in
+        # Output length: max_new_tokens unless the workload asks for another one.
+        stop_token = stop_token_ids[0] if stop_token_ids else EOS_TOKEN_ID
+        target = req.max_new_tokens
+        if output_len is not None:
+            target = max(0, min(int(output_len), req.max_new_tokens))
+        elif cfg.output_len_dist == "uniform" and not ignore_eos and req.max_new_tokens > 0:
+            target = 1 + rid_seed(req.rid) % req.max_new_tokens
+        by_stop = 0 < target < req.max_new_tokens
+        req.target_len = target
+        req.stop_token = stop_token if by_stop else None
+        req.out = OutputStream(req.rid, target if by_stop else None, stop_token)
+        if req.session_id is not None and cfg.mode == "session-radix":
+            req.generation = self._ensure_generation(req.session_id)
+        self._seq += 1
+        req.seq = self._seq
+        prio_key = -req.priority if cfg.enable_priority_scheduling else 0
+        req.qkey = (prio_key, req.seq)
+        req.arrival = now
+        req.state = State.WAITING
+        self.requests[req.rid] = req
+        if req.stream_session is not None:
+            req.stream_session.active = req
+            req.stream_session.last_active = now
+        if req.legacy_session is not None:
+            req.legacy_session.active += 1
+        self._enqueue(req)
+        return req
+
+    def _apply_session_params(self, req: SimRequest, params: dict[str, Any]) -> None:
+        sid = params.get("id")
+        if sid is None:
+            return
+        sid = str(sid)
+        ss = self.streaming_sessions.get(sid)
+        if ss is not None:
+            if ss.close_pending:
+                raise SimError(f"Invalid request: session id {sid} does not exist")
+            if ss.active is not None:
+                raise SimError("Streaming session already has an active request.")
+            if params.get("replace") or params.get("drop_previous_output"):
+                raise SimError("Streaming sessions do not support replace or drop_previous_output.")
+            offset = params.get("offset")
+            if offset not in (None, 0, -1):
+                raise SimError("Streaming sessions do not support a non-zero offset.")
+            req.stream_session = ss
+            req.session_base_len = len(ss.context)
+            req.input_ids = ss.context + req.input_ids
+            return
+        ls = self.legacy_sessions.get(sid)
+        if ls is None:
+            raise SimError(f"Invalid request: session id {sid} does not exist")
+        req.legacy_session = ls
+        req.input_ids = ls.context + req.input_ids
+
+    def _enqueue(self, req: SimRequest) -> None:
+        heapq.heappush(self._waiting, (req.qkey, req.seq, req))
+        self.num_waiting += 1
+
+    # ============================================================== sessions
+
+    def open_session(
+        self, sid: str, now: float, *, streaming: bool = False, timeout_s: float | None = None
+    ) -> str:
+        if streaming and self.cfg.mode != "streaming":
+            raise SimError(
+                "Streaming sessions are disabled. Please relaunch with --enable-streaming-session."
+            )
+        if sid in self.streaming_sessions or sid in self.legacy_sessions:
+            raise SimError(
+                "Failed to open the session. Check if a session with the same id is still open."
+            )
+        if streaming:
+            self.streaming_sessions[sid] = StreamingSession(sid, timeout_s, now)
+        else:
+            self.legacy_sessions[sid] = LegacySession(sid)
+        return sid
+
+    def close_session(self, sid: str, now: float) -> None:
+        """Idempotent; an unknown id is a no-op."""
+        self.now = now
+        ss = self.streaming_sessions.get(sid)
+        if ss is not None:
+            if ss.active is not None:
+                ss.close_pending = True  # deferred until the request finishes
+            else:
+                self._free_streaming_session(ss)
+        self.legacy_sessions.pop(sid, None)
+        if self.cfg.mode == "session-radix" and sid not in self._radix_closed:
+            self._radix_closed[sid] = None
+            while len(self._radix_closed) > CLOSED_SESSION_TOMBSTONES:
+                self._radix_closed.popitem(last=False)
+            self._radix_generations.pop(sid, None)
+            self.kv.release_session(sid)
+
+    def _free_streaming_session(self, ss: StreamingSession) -> None:
+        if ss.node is not None:
+            self.kv.dec_lock(ss.node)
+            ss.node = None
+        self.kv.free(ss.held)
+        ss.held = 0
+        ss.tree_len = 0
+        self.streaming_sessions.pop(ss.sid, None)
+
+    def _session_timeout(self, ss: StreamingSession) -> float | None:
+        return ss.timeout_s if ss.timeout_s is not None else self.cfg.streaming_session_timeout_s
+
+    def maybe_reap(self, now: float, interval: float = 1.0) -> int:
+        """:meth:`reap` at most once per ``interval`` simulated seconds (as SGLang does)."""
+        if now < self._next_reap or not self.streaming_sessions:
+            return 0
+        self._next_reap = now + interval
+        return self.reap(now)
+
+    def reap(self, now: float) -> int:
+        """Close streaming sessions idle past their timeout; return how many."""
+        self.now = now
+        expired = [
+            s
+            for s in self.streaming_sessions.values()
+            if s.active is None
+            and (t := self._session_timeout(s)) is not None
+            and now - s.last_active >= t
+        ]
+        for s in expired:
+            self._free_streaming_session(s)
+        return len(expired)
+
+    def _ensure_generation(self, sid: str) -> int:
+        gen = self._radix_generations.get(sid)
+        if gen is None:
+            self._radix_closed.pop(sid, None)  # a new request re-opens a closed id
+            self._generation_ct += 1
+            gen = self._generation_ct
+            self._radix_generations[sid] = gen
+        return gen
+
+    def radix_sessions(self) -> list[str]:
+        return sorted(self._radix_generations)
+
+    # ================================================================ abort
+
+    def abort(
+        self, rid: str, now: float, *, abort_all: bool = False, exact: bool = False
+    ) -> list[SimRequest]:
+        """Abort live requests whose rid starts with ``rid`` (SGLang's prefix match).
+
+        Returns the requests finished by this call. A request inside the batch
+        that is being computed finishes when that batch completes.
+        """
+        self.now = now
+        if abort_all:
+            targets = list(self.requests.values())
+        elif exact:
+            r = self.requests.get(rid)
+            targets = [r] if r is not None else []
+        elif not rid:
+            return []
+        else:
+            targets = [r for r in self.requests.values() if r.rid.startswith(rid)]
+        done: list[SimRequest] = []
+        inflight = set(self._inflight.reqs) if self._inflight is not None else set()
+        for req in targets:
+            if req.state is State.WAITING:
+                req.epoch += 1
+                self.num_waiting -= 1
+                self._finish(req, _abort_reason("Abort in waiting queue"), insert=False)
+                done.append(req)
+            elif req.state is State.PREFILL:
+                if req in inflight:
+                    req.abort_pending = "Aborted"
+                else:
+                    self._prefilling.discard(req)
+                    if self.chunked is req:
+                        self.chunked = None
+                    self._finish(req, _abort_reason("Aborted"), insert=False)
+                    done.append(req)
+            elif req.state is State.DECODE:
+                self._leave_running(req)
+                self._finish(req, _abort_reason("Aborted"), insert=True)
+                done.append(req)
+        return done
+
+    # ============================================================ scheduling
+
+    def schedule(self, now: float) -> Batch | None:
+        """Pick the next batch (prefill first, else decode); None when idle."""
+        if self._inflight is not None:
+            raise RuntimeError("schedule() called while a batch is in flight")
+        self.now = now
+        batch = self._form_prefill(now)
+        if batch is None and self.running:
+            batch = self._form_decode(now)
+        self._inflight = batch
+        return batch
+
+    def _peek_waiting(self) -> SimRequest | None:
+        w = self._waiting
+        while w:
+            req = w[0][2]
+            if req.state is State.WAITING and w[0][0] == req.qkey:
+                return req
+            heapq.heappop(w)
+        return None
+
+    def _reserved_for_running(self) -> float:
+        n = len(self.running)
+        if not n:
+            return 0.0
+        remaining = self._sum_clip - (self._sum_base + n * self._decode_ct)
+        return max(remaining, 0) * self.new_token_ratio
+
+    def _form_prefill(self, now: float) -> Batch | None:
+        cfg = self.cfg
+        kv = self.kv
+        if self.num_waiting == 0 and self.chunked is None:
+            return None
+        chunking = cfg.chunked_prefill_size > 0
+        budget = cfg.chunked_prefill_size if chunking else cfg.max_prefill_tokens
+        batch = Batch("prefill", 0.0, 0)
+        ratio = self.new_token_ratio
+        clip = cfg.clip_max_new_tokens
+
+        if self.chunked is not None:
+            req = self.chunked
+            chunk = min(req.extend_len - req.prefill_done, budget)
+            batch.reqs.append(req)
+            batch.chunks.append(chunk)
+            budget -= chunk
+            if req.prefill_done + chunk >= req.extend_len:
+                self.chunked = None
+            else:
+                return self._close_prefill(batch)
+
+        reserved = self._reserved_for_running()
+        # Requests admitted earlier in this batch reserve their decode tokens too.
+        for r in batch.reqs:
+            reserved += min(r.max_new_tokens - r.generated, clip) * ratio
+        while budget > 0:
+            if len(self.running) + len(self._prefilling) >= cfg.max_running_requests:
+                break
+            req = self._peek_waiting()
+            if req is None:
+                break
+            fill_len = req.prompt_tokens + req.generated
+            remaining_new = min(req.max_new_tokens - req.generated, clip)
+            nothing_else = not self.running and not self._prefilling and not batch.reqs
+            if not nothing_else and 1 + remaining_new > kv.available + kv.evictable - reserved:
+                break  # even a full cache hit would not fit
+            ss = req.stream_session
+            if ss is not None and ss.node is not None and ss.tree_len + ss.held >= 1:
+                # O(1) restore of the session's held KV.
+                node, matched = ss.node, min(ss.tree_len + ss.held, fill_len - 1)
+                own_lock = False
+            else:
+                fill = req.input_ids if req.generated == 0 else self._fill_ids(req)
+                m = kv.match_prefix(fill[: fill_len - 1], now)
+                node, matched = m.node, m.length
+                kv.inc_lock(node)
+                own_lock = True
+            extend = fill_len - matched
+            rem_total = kv.available + kv.evictable - reserved
+            fits = extend + remaining_new <= rem_total or (
+                nothing_else and extend <= kv.available + kv.evictable
+            )
+            too_big = bool(batch.reqs) and not chunking and extend > budget
+            if not fits or too_big or not kv.alloc(extend):
+                if own_lock:
+                    kv.dec_lock(node)
+                break
+            heapq.heappop(self._waiting)
+            self.num_waiting -= 1
+            if req.first_token_time is None and req.num_retractions == 0:
+                self.stats.queue_time.observe(now - req.arrival)
+            req.state = State.PREFILL
+            self._prefilling.add(req)
+            if ss is not None and not own_lock:
+                # Take over the session's lock and held KV for this turn.
+                req.node, req.tree_len = ss.node, ss.tree_len
+                req.private += ss.held + extend
+                ss.node, ss.tree_len, ss.held = None, 0, 0
+            else:
+                req.node, req.tree_len = node, matched
+                req.private += extend
+            req.cached_tokens += matched
+            req.fill_len = fill_len
+            req.extend_len = extend
+            req.prefill_done = 0
+            chunk = min(extend, budget) if chunking else extend
+            batch.reqs.append(req)
+            batch.chunks.append(chunk)
+            batch.hit_tokens += matched
+            budget -= chunk
+            reserved += remaining_new * ratio
+            if chunk < extend:
+                self.chunked = req
+                break
+        if not batch.reqs:
+            return None
+        return self._close_prefill(batch)
+
+    def _close_prefill(self, batch: Batch) -> Batch:
+        batch.size = len(batch.reqs)
+        batch.tokens = sum(batch.chunks)
+        batch.duration = self.cfg.cost.prefill_s(batch.tokens)
+        total = batch.tokens + batch.hit_tokens
+        if batch.hit_tokens or total:
+            self.stats.cache_hit_rate = round(batch.hit_tokens / total, 4) if total else 0.0
+        return batch
+
+    def _fill_ids(self, req: SimRequest) -> list[int]:
+        assert req.out is not None
+        return req.input_ids + req.out.ids(req.generated)
+
+    def _form_decode(self, now: float) -> Batch | None:
+        kv = self.kv
+        n = len(self.running)
+        if n > kv.available:
+            kv.evict(n - kv.available)
+        if n > kv.available:
+            self._retract(now)
+            n = len(self.running)
+            if n == 0:
+                return None
+            if n > kv.available:
+                kv.evict(n - kv.available)
+            if n > kv.available:
+                # A single request that no longer fits at all: abort it (SGLang
+                # aborts what retraction cannot save).
+                for req in list(self.running.values()):
+                    self._leave_running(req)
+                    self._finish(
+                        req, _abort_reason("KV cache pool is full (out of memory)"), insert=True
+                    )
+                    self.finished_outside.append(req)
+                return None
+        kv.available -= n
+        self._decode_reserved = n
+        return Batch("decode", self.cfg.cost.decode_s(n), n, tokens=n)
+
+    def _retract(self, now: float) -> None:
+        # Checked against SGLang's ScheduleBatch.retract_decode (the reference does not
+        # describe it): sort by (output length, -prompt length), retract from the end
+        # until num_running * retract_decode_steps slots are free (at least one, never the
+        # last request), then re-estimate new_token_ratio.
+        kv = self.kv
+        steps = self.cfg.retract_decode_steps
+        # Streaming-session requests go last: retracting them loses the session's KV.
+        order = sorted(
+            self.running.values(),
+            key=lambda r: (
+                r.stream_session is not None,
+                self.output_len(r),
+                -r.prompt_tokens,
+            ),
+            reverse=True,
+        )
+        retracted: list[SimRequest] = []
+        first = True
+        while order:
+            need = len(order) * steps
+            if kv.available < need:
+                kv.evict(need - kv.available)
+            if not first and kv.available >= need:
+                break
+            if len(order) == 1:
+                break
+            first = False
+            req = order.pop()
+            gen = self.output_len(req)
+            self._leave_running(req)
+            req.generated = gen
+            self._release(req)
+            if req.stream_session is not None:
+                ss = req.stream_session
+                ss.node, ss.tree_len, ss.held = None, 0, 0
+            req.state = State.WAITING
+            req.epoch += 1
+            req.num_retractions += 1
+            self._enqueue(req)
+            retracted.append(req)
+        if retracted:
+            self.stats.num_retracted_reqs = len(retracted)
+            self.stats.num_retracted_requests_total += len(retracted)
+            total_decoded = sum(self.output_len(r) for r in self.running.values())
+            total_max_new = sum(r.max_new_tokens for r in self.running.values())
+            if total_max_new:
+                est = (total_decoded + steps * len(self.running)) / total_max_new
+                self.new_token_ratio = min(1.0, est)
+
+    def finish_batch(self, batch: Batch, now: float) -> StepEvents:
+        """Apply the results of ``batch`` at simulated time ``now``."""
+        if batch is not self._inflight:
+            raise RuntimeError("finish_batch() for a batch that is not in flight")
+        self._inflight = None
+        self.now = now
+        self.stats.busy_time_s += batch.duration
+        ev = StepEvents()
+        if batch.kind == "decode":
+            self._finish_decode(batch, now, ev)
+        else:
+            self._finish_prefill(batch, now, ev)
+        return ev
+
+    def _finish_prefill(self, batch: Batch, now: float, ev: StepEvents) -> None:
+        kv = self.kv
+        self.stats.prefill_batches += 1
+        for req, chunk in zip(batch.reqs, batch.chunks, strict=True):
+            if req.state is not State.PREFILL:
+                continue
+            req.prefill_done += chunk
+            if req.abort_pending is not None:
+                self._prefilling.discard(req)
+                if self.chunked is req:
+                    self.chunked = None
+                self._finish(req, _abort_reason(req.abort_pending), insert=False)
+                ev.finished.append(req)
+                continue
+            if req.prefill_done < req.extend_len:
+                continue
+            self._prefilling.discard(req)
+            if req.stream_session is None:
+                # cache_unfinished_req: the prompt's KV goes into the tree, still locked.
+                fill = req.input_ids if req.generated == 0 else self._fill_ids(req)
+                already, node = kv.insert(fill, now, req.priority)
+                dup = already - req.tree_len
+                if dup > 0:
+                    kv.free(dup)
+                req.private -= req.fill_len - req.tree_len
+                kv.inc_lock(node)
+                if req.node is not None:
+                    kv.dec_lock(req.node)
+                req.node = node
+                req.tree_len = req.fill_len
+            if req.target_len == 0:
+                self._finish(req, {"type": "length", "length": 0}, insert=True)
+                ev.finished.append(req)
+                continue
+            req.generated += 1
+            if req.first_token_time is None:
+                req.first_token_time = now
+                self.stats.ttft.observe(now - req.arrival)
+                ev.first_tokens.append(req)
+            if req.generated >= req.target_len:
+                self._finish(req, self._natural_reason(req), insert=True)
+                ev.finished.append(req)
+                continue
+            self._enter_running(req)
+
+    def _finish_decode(self, batch: Batch, now: float, ev: StepEvents) -> None:
+        self._decode_ct += 1
+        n = len(self.running)
+        # Slots reserved for requests aborted during the step go back to the pool.
+        self.kv.free(self._decode_reserved - n)
+        self._decode_reserved = 0
+        # Each running request's reserved slot is now its KV (derived from _decode_ct).
+        self.stats.decode_steps += 1
+        self.new_token_ratio = max(self.new_token_ratio - self.ratio_decay, self.min_ratio)
+        self._tp_window_tokens += n
+        self._tp_window_steps += 1
+        if self._tp_window_steps >= GEN_THROUGHPUT_LOG_STEPS:
+            elapsed = now - self._tp_window_start
+            if elapsed > 0:
+                self.stats.gen_throughput = round(self._tp_window_tokens / elapsed, 2)
+            self._tp_window_start = now
+            self._tp_window_tokens = 0
+            self._tp_window_steps = 0
+        heap = self._finish_heap
+        g = self._decode_ct
+        while heap and heap[0][0] <= g:
+            _, _, epoch, req = heapq.heappop(heap)
+            if req.state is not State.DECODE or req.epoch != epoch:
+                continue
+            self._leave_running(req)
+            self._finish(req, self._natural_reason(req), insert=True)
+            ev.finished.append(req)
+
+    def _enter_running(self, req: SimRequest) -> None:
+        req.state = State.DECODE
+        req.g0 = self._decode_ct
+        req.gen_base = req.generated
+        # While decoding, the private KV is derived from the step counter.
+        assert req.private == self._decode_private(req), (req.rid, req.private)
+        req.private = 0
+        self.running[req.rid] = req
+        self._sum_clip += min(req.max_new_tokens, self.cfg.clip_max_new_tokens)
+        self._sum_base += req.gen_base - req.g0
+        finish_at = req.g0 + req.target_len - req.gen_base
+        heapq.heappush(self._finish_heap, (finish_at, req.seq, req.epoch, req))
+        if self._tp_window_steps == 0 and not self._tp_window_tokens:
+            self._tp_window_start = self.now
+
+    def _leave_running(self, req: SimRequest) -> None:
+        gen = self.output_len(req)
+        del self.running[req.rid]
+        self._sum_clip -= min(req.max_new_tokens, self.cfg.clip_max_new_tokens)
+        self._sum_base -= req.gen_base - req.g0
+        req.generated = gen
+        req.private = req.prompt_tokens + gen - 1 - req.tree_len
+        req.state = State.PREFILL  # transient; the caller sets the final state
+        req.epoch += 1
+
+    def _natural_reason(self, req: SimRequest) -> dict[str, Any]:
+        if req.stop_token is not None and req.generated >= req.target_len:
+            return {"type": "stop", "matched": req.stop_token}
+        return {"type": "length", "length": req.max_new_tokens}
+
+    # ============================================================ finishing
+
+    def _release(self, req: SimRequest) -> None:
+        """Free the request's private KV and unlock its prefix (no insertion)."""
+        if req.private:
+            self.kv.free(req.private)
+            req.private = 0
+        if req.node is not None:
+            self.kv.dec_lock(req.node)
+            req.node = None
+        req.tree_len = 0
+
+    def _finish(self, req: SimRequest, reason: dict[str, Any], *, insert: bool) -> None:
+        kv = self.kv
+        ss = req.stream_session
+        if req.state is State.PREFILL:
+            self._prefilling.discard(req)
+        kv_len = req.tree_len + req.private
+        if ss is not None and insert and req.node is not None and not ss.close_pending:
+            # The session keeps the turn's KV outside the tree.
+            ss.node, ss.tree_len, ss.held = req.node, req.tree_len, req.private
+            req.node, req.tree_len, req.private = None, 0, 0
+        elif insert and req.node is not None and req.private >= 0 and kv_len > req.tree_len:
+            assert req.out is not None
+            seq = req.input_ids + req.out.ids(req.generated)
+            ids = seq[:kv_len]
+            already, node = kv.insert(ids, now=self.now, priority=req.priority)
+            dup = already - req.tree_len
+            if dup > 0:
+                kv.free(dup)
+            req.private = 0
+            kv.inc_lock(node)
+            kv.dec_lock(req.node)
+            req.node = node
+            req.tree_len = kv_len
+            self._maybe_tag_session(req, node, reason)
+            kv.dec_lock(node)
+            req.node = None
+        else:
+            if insert and req.node is not None:
+                self._maybe_tag_session(req, req.node, reason)
+            self._release(req)
+        req.state = State.FINISHED
+        req.finish_reason = reason
+        req.finish_time = self.now
+        self.requests.pop(req.rid, None)
+        st = self.stats
+        st.num_requests_total += 1
+        st.prompt_tokens_total += req.prompt_tokens
+        st.generation_tokens_total += req.generated
+        st.cached_tokens_total += req.cached_tokens
+        if req.stream:
+            st.stream_requests_total += 1
+            st.stream_prompt_tokens_total += req.prompt_tokens
+            st.stream_generation_tokens_total += req.generated
+        if reason.get("type") == "abort":
+            st.num_aborted_requests_total += 1
+        else:
+            st.e2e_latency.observe(self.now - req.arrival)
+        if ss is not None:
+            if ss.node is not None and req.out is not None:
+                ss.context = req.input_ids + req.out.ids(req.generated)
+            else:
+                # The turn's KV was released: keep the context from before the turn;
+                # the next turn re-prefills it (through the radix cache).
+                ss.context = req.input_ids[: req.session_base_len]
+            ss.active = None
+            ss.last_active = self.now
+            if ss.close_pending:
+                self._free_streaming_session(ss)
+        ls = req.legacy_session
+        if ls is not None:
+            ls.active -= 1
+            if reason.get("type") != "abort" and req.out is not None:
+                ls.context = req.input_ids + req.out.ids(req.generated)
+
+    def _maybe_tag_session(self, req: SimRequest, node: Node, reason: dict[str, Any]) -> None:
+        # Checked against SGLang's UnifiedSessionRefTracker.register_session_ref: only
+        # requests that finish normally, of the session's current generation, tag it;
+        # a closed id (tombstone) is never re-tagged by a late finish.
+        sid = req.session_id
+        if (
+            sid is None
+            or self.cfg.mode != "session-radix"
+            or reason.get("type") == "abort"
+            or sid in self._radix_closed
+            or self._radix_generations.get(sid) != req.generation
+        ):
+            return
+        self.kv.tag_session(node, sid)
+
+    # ================================================================ admin
+
+    def flush_cache(self) -> bool:
+        """Drop the radix cache; only when no request is queued or running."""
+        if self.requests:
+            return False
+        return self.kv.reset()
+
+    def snapshot(self) -> dict[str, Any]:
+        """JSON-able dump of the pool, queues and sessions (for ``/sim/state``)."""
+        kv = self.kv
+        waiting = sorted(
+            (r for r in self.requests.values() if r.state is State.WAITING), key=lambda r: r.qkey
+        )
+        return {
+            "pool": {
+                **self.pool(),
+                "tree_tokens": kv.tree_tokens,
+                "tree_nodes": kv.num_nodes,
+                "private": self.private_tokens(),
+                "session_referenced_evictable": kv.referenced_evictable_tokens(),
+                "streaming_held": self.streaming_held_tokens(),
+                "token_usage": self.token_usage(),
+                "evicted_total": kv.evicted_total,
+            },
+            "running": [r.rid for r in self.running.values()],
+            "prefilling": sorted(r.rid for r in self._prefilling),
+            "waiting": [r.rid for r in waiting],
+            "new_token_ratio": round(self.new_token_ratio, 4),
+            "decode_steps": self._decode_ct,
+            "now": self.now,
+            "sessions": {
+                "radix_open": self.radix_sessions(),
+                "radix_referenced": kv.referenced_sessions(),
+                "radix_closed": len(self._radix_closed),
+                "streaming": {
+                    sid: {
+                        "held": s.held,
+                        "tree_len": s.tree_len,
+                        "context_len": len(s.context),
+                        "active": s.active.rid if s.active else None,
+                        "close_pending": s.close_pending,
+                    }
+                    for sid, s in self.streaming_sessions.items()
+                },
+                "legacy": sorted(self.legacy_sessions),
+            },
+            "stats": {
+                "num_requests_total": self.stats.num_requests_total,
+                "num_aborted_requests_total": self.stats.num_aborted_requests_total,
+                "num_retracted_requests_total": self.stats.num_retracted_requests_total,
+                "prompt_tokens_total": self.stats.prompt_tokens_total,
+                "cached_tokens_total": self.stats.cached_tokens_total,
+                "generation_tokens_total": self.stats.generation_tokens_total,
+            },
+        }
+
+
+def _abort_reason(message: str) -> dict[str, Any]:
+    return {"type": "abort", "message": message, "status_code": None, "err_type": None}
