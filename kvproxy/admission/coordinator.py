@@ -1,0 +1,792 @@
+"""The admission coordinator: one global FIFO in front of the ledger (asyncio shell).
+
+One :class:`AdmissionController` lives in the proxy process and is its only writer:
+every decision, release, cancellation and poll runs on the event loop without
+awaiting in between, so the ledger and the FIFO need no lock.
+
+Decision order for one request (:meth:`AdmissionController.admit`):
+
+1. feature off -> ``pass``/``disabled``; out of scope (eval traffic with
+   ``scope: train``) -> ``pass``/``out_of_scope``. Forwarded untouched, not counted.
+2. a ticket cancelled before it asked -> ``bypass``/``cancelled`` (not counted; the
+   caller should not forward it).
+3. protected work -> ``bypass``/``protected``; the ledger is untouched.
+4. a ticket that already holds a lease -> ``admit`` with that lease (idempotent).
+5. the ledger is degraded (no engine has a fresh reading) -> ``bypass``/``degraded``.
+6. the reservation exceeds the whole ceiling -> ``bypass``/``oversized`` at once.
+7. an earlier waiter exists, or the ledger refuses (``pressure_guard`` /
+   ``capacity_exhausted``) -> the request waits in the FIFO, holding no connection
+   to the router; if the FIFO already holds ``max_queue`` waiters it bypasses instead
+   (``queue_full``, fail open).
+8. a waiter still waiting after ``max_wait_s`` -> ``bypass``/``aged`` (no lease).
+9. otherwise ``admit`` with a lease, held until the ``async with`` block exits and
+   released exactly once, whatever the exit path.
+
+The FIFO is a deque of waiter records plus a dict of live waiters by ticket;
+cancelled entries are skipped lazily when they reach the head, and the deque is
+compacted when dead entries dominate, so every operation is O(1) amortised.
+Draining stops at the first waiter the ledger refuses (strict arrival order).
+
+An aging timer is armed for the head's deadline, so a waiter leaves within a few
+milliseconds of ``max_wait_s`` even when nothing else happens.
+
+Polling: every ``poll_interval_s`` the coordinator scrapes ``{engine}/metrics`` for
+each engine the fleet reports healthy, concurrently, with ``metrics_timeout_s``. A
+failed or unparsable scrape keeps the engine's last reading, which goes stale after
+``effective_staleness_s``; engines that left the fleet leave the ledger. Every
+iteration is wrapped so that an exception never stops polling.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections import OrderedDict, deque
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+
+import aiohttp
+from prometheus_client.core import HistogramMetricFamily, Metric
+from prometheus_client.utils import floatToGoString
+
+from kvproxy.admission import classify
+from kvproxy.admission.ledger import (
+    CAPACITY_AVAILABLE,
+    DEGRADED,
+    OVERSIZED,
+    Ledger,
+)
+from kvproxy.admission.reservation import ReservationSizer
+from kvproxy.config import AdmissionConfig
+from kvproxy.fleet.engine_metrics import parse_engine_metrics
+from kvproxy.observability import WindowedCounters, counter_families, gauge_families
+
+log = logging.getLogger(__name__)
+
+ADMIT = "admit"
+BYPASS = "bypass"
+PASS = "pass"
+
+# Decision reasons.
+R_CAPACITY_AVAILABLE = CAPACITY_AVAILABLE
+R_PROTECTED = "protected"
+R_DEGRADED = "degraded"
+R_AGED = "aged"
+R_OVERSIZED = "oversized"
+R_QUEUE_FULL = "queue_full"
+R_CANCELLED = "cancelled"
+R_DISABLED = "disabled"
+R_OUT_OF_SCOPE = "out_of_scope"
+
+_A = "agentic_kv/admission/"
+_B = "agentic_kv/budget/"
+
+# Counters (cumulative on /metrics as *_total; windowed in /kvproxy/stats).
+C_ADMIT = _A + "admit"
+C_BYPASS = _A + "bypass"
+C_BYPASS_PROTECTED = _A + "bypass_protected"
+C_BYPASS_DEGRADED = _A + "bypass_degraded"
+C_BYPASS_AGED = _A + "bypass_aged"
+C_BYPASS_OVERSIZED = _A + "bypass_oversized"
+C_BYPASS_QUEUE_FULL = _A + "bypass_queue_full"
+C_BYPASS_DISABLED = _A + "bypass_disabled"
+C_WAIT = _A + "wait"
+C_CANCELLED = _A + "cancelled"
+C_WAIT_GRANTED = _A + "wait_granted"  # internal: grants after a wait
+C_WAIT_SECONDS_SUM = _A + "wait_seconds_sum"  # internal: their summed wait
+C_LEASE_EXPIRED = _B + "lease_expired"
+C_SCRAPE_FAILURE = _B + "scrape_failure"
+C_POLL_ERROR = _B + "poll_error"
+
+_BYPASS_REASON_COUNTER = {
+    R_PROTECTED: C_BYPASS_PROTECTED,
+    R_DEGRADED: C_BYPASS_DEGRADED,
+    R_AGED: C_BYPASS_AGED,
+    R_OVERSIZED: C_BYPASS_OVERSIZED,
+    R_QUEUE_FULL: C_BYPASS_QUEUE_FULL,
+    R_DISABLED: C_BYPASS_DISABLED,
+}
+_COUNTERS = (
+    C_ADMIT,
+    C_BYPASS,
+    C_BYPASS_PROTECTED,
+    C_BYPASS_DEGRADED,
+    C_BYPASS_AGED,
+    C_BYPASS_OVERSIZED,
+    C_BYPASS_QUEUE_FULL,
+    C_BYPASS_DISABLED,
+    C_WAIT,
+    C_CANCELLED,
+    C_WAIT_GRANTED,
+    C_WAIT_SECONDS_SUM,
+    C_LEASE_EXPIRED,
+    C_SCRAPE_FAILURE,
+    C_POLL_ERROR,
+)
+# Counters reported by stats() (the internal ones are folded into wait_seconds_mean).
+_STATS_COUNTERS = tuple(c for c in _COUNTERS if c not in (C_WAIT_GRANTED, C_WAIT_SECONDS_SUM))
+
+_HELP = {
+    C_ADMIT: "Requests admitted with a lease (at once or after waiting).",
+    C_BYPASS: "Requests forwarded without a lease by the coordinator, all reasons.",
+    C_BYPASS_PROTECTED: "Bypasses of protected work.",
+    C_BYPASS_DEGRADED: "Bypasses because no engine had a fresh capacity reading.",
+    C_BYPASS_AGED: "Bypasses of waiters that waited max_wait_s.",
+    C_BYPASS_OVERSIZED: "Bypasses of reservations larger than the whole ceiling.",
+    C_BYPASS_QUEUE_FULL: "Bypasses because the FIFO was full.",
+    C_BYPASS_DISABLED: "Waiters released when admission was disabled by a reload.",
+    C_WAIT: "Requests that entered the FIFO.",
+    C_CANCELLED: "Waiting requests cancelled (client gone) before a decision.",
+    C_LEASE_EXPIRED: "Leases reclaimed by the lease TTL.",
+    C_SCRAPE_FAILURE: "Engine /metrics scrapes that failed or carried no usage.",
+    C_POLL_ERROR: "Poll iterations that raised (polling continued).",
+    _A + "waiting": "Requests waiting in the FIFO now.",
+    _A + "defer_rate": "wait / (admit + wait + bypass), over the process lifetime.",
+    _A + "degraded_rate": "bypass_degraded / (admit + wait + bypass), over the process lifetime.",
+    _A + "wait_seconds_mean": "Mean wait of requests admitted after waiting, process lifetime.",
+    _A + "enabled": "1 when admission is enabled.",
+    _B + "ceiling": "int(sum of fresh engines' max_total_num_tokens x headroom).",
+    _B + "reserved": "Tokens held by live leases.",
+    _B + "available_tokens": "max(0, ceiling - reserved).",
+    _B + "reserved_utilization": "reserved / ceiling.",
+    _B + "lease_count": "Live leases.",
+    _B + "kv_token_usage_mean": "Mean token_usage over fresh engines, now.",
+    _B + "kv_token_usage_max": "Max token_usage over fresh engines, now (the pressure signal).",
+    _B + "epoch": "Generation of the fresh engine set.",
+    _B + "degraded": "1 when no engine has a fresh reading (every request bypasses).",
+    _B + "engines_fresh": "Engines with a fresh reading.",
+    _B + "engines_stale": "Engines known to the fleet without a fresh reading.",
+}
+
+WAIT_BUCKETS = (
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    20.0,
+    30.0,
+    60.0,
+    120.0,
+)
+WAIT_HISTOGRAM = "agentic_kv_admission_wait_seconds"
+
+# Cancel-before-acquire tombstones: bounded, and forgotten after the lease TTL.
+_MAX_TOMBSTONES = 100_000
+# Minimum seconds between two log lines of the same kind.
+_LOG_INTERVAL_S = 30.0
+
+
+@dataclass(frozen=True, slots=True)
+class AdmissionRequest:
+    ticket_id: str  # unique per forwarded attempt (the rid)
+    path: str  # "/generate", "/v1/chat/completions", "/v1/completions"
+    headers: Mapping[str, str]  # case-insensitive mapping (aiohttp CIMultiDictProxy)
+    body: Mapping[str, Any]  # parsed JSON object
+    session_id: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    action: str  # "admit" | "bypass" | "pass"
+    # capacity_available | protected | degraded | aged | oversized | queue_full |
+    # cancelled | disabled | out_of_scope
+    reason: str
+    lease_id: str | None
+    tokens: int
+    wait_s: float
+
+
+_PASS_DISABLED = Decision(PASS, R_DISABLED, None, 0, 0.0)
+_PASS_OUT_OF_SCOPE = Decision(PASS, R_OUT_OF_SCOPE, None, 0, 0.0)
+_BYPASS_CANCELLED = Decision(BYPASS, R_CANCELLED, None, 0, 0.0)
+_BYPASS_PROTECTED = Decision(BYPASS, R_PROTECTED, None, 0, 0.0)
+
+_WAITING, _RESOLVED, _CANCELLED = 0, 1, 2
+
+
+class _Waiter:
+    __slots__ = ("enqueued_at", "future", "state", "ticket", "tokens")
+
+    def __init__(
+        self, ticket: str, tokens: int, enqueued_at: float, future: asyncio.Future[Decision]
+    ) -> None:
+        self.ticket = ticket
+        self.tokens = tokens
+        self.enqueued_at = enqueued_at
+        self.future = future
+        self.state = _WAITING
+
+
+class _RateLimitedLog:
+    __slots__ = ("_last",)
+
+    def __init__(self) -> None:
+        self._last: dict[str, float] = {}
+
+    def warning(self, key: str, msg: str, *args: object, exc_info: bool = False) -> None:
+        now = time.monotonic()
+        if now - self._last.get(key, -math.inf) >= _LOG_INTERVAL_S:
+            self._last[key] = now
+            log.warning(msg, *args, exc_info=exc_info)
+
+
+class _Admission(AbstractAsyncContextManager[Decision]):
+    """The context manager returned by :meth:`AdmissionController.admit`."""
+
+    __slots__ = ("_ctl", "_lease_id", "_req")
+
+    def __init__(self, ctl: AdmissionController, req: AdmissionRequest) -> None:
+        self._ctl = ctl
+        self._req = req
+        self._lease_id: str | None = None
+
+    async def __aenter__(self) -> Decision:
+        ctl = self._ctl
+        outcome = ctl._decide(self._req)
+        if isinstance(outcome, Decision):
+            decision = outcome
+        else:
+            waiter, shared = outcome
+            try:
+                if waiter.future.done():
+                    decision = waiter.future.result()
+                elif shared:
+                    decision = await asyncio.shield(waiter.future)
+                else:
+                    decision = await waiter.future
+            except asyncio.CancelledError:
+                if not shared:  # a duplicate never cancels the original's ticket
+                    ctl._cancel_waiter(waiter)
+                task = asyncio.current_task()
+                if task is None or task.cancelling():
+                    raise
+                # The shared future was cancelled by its first holder, not us.
+                decision = _BYPASS_CANCELLED
+        self._lease_id = decision.lease_id
+        return decision
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        lease_id, self._lease_id = self._lease_id, None
+        if lease_id is not None:
+            self._ctl._release(lease_id)
+
+
+class AdmissionController:
+    """Program-aware admission in front of the router. See the module docstring."""
+
+    def __init__(
+        self,
+        cfg: AdmissionConfig,
+        *,
+        healthy_engines: Callable[[], Sequence[str]],
+        http: aiohttp.ClientSession | None,
+        clock: Callable[[], float] = time.monotonic,
+        fetch_metrics: Callable[[str], Awaitable[str]] | None = None,
+    ) -> None:
+        if http is None and fetch_metrics is None:
+            raise ValueError("AdmissionController needs http or fetch_metrics")
+        self._cfg = cfg
+        self._healthy_engines = healthy_engines
+        self._http = http
+        self._clock = clock
+        self._fetch = fetch_metrics or self._http_fetch
+        self.ledger = Ledger(
+            headroom=cfg.headroom,
+            pressure_threshold=cfg.pressure_threshold,
+            lease_ttl_s=cfg.lease_ttl_s,
+            staleness_s=cfg.effective_staleness_s,
+        )
+        self._sizer = ReservationSizer(cfg)
+        self._counters = WindowedCounters(_COUNTERS)
+        self._waiters: dict[str, _Waiter] = {}
+        self._order: deque[_Waiter] = deque()
+        self._tombstones: OrderedDict[str, float] = OrderedDict()
+        self._hist_counts = [0] * (len(WAIT_BUCKETS) + 1)
+        self._hist_sum = 0.0
+        self._poll_task: asyncio.Task[None] | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_deadline = math.inf
+        self._log = _RateLimitedLog()
+
+    # -- lifecycle ---------------------------------------------------------------------
+
+    @property
+    def config(self) -> AdmissionConfig:
+        return self._cfg
+
+    @property
+    def enabled(self) -> bool:
+        return self._cfg.enabled
+
+    async def start(self) -> None:
+        """If enabled: one poll, then the background poll task. Safe when disabled."""
+        if not self._cfg.enabled or self._poll_task is not None:
+            return
+        await self.poll_once()
+        self._poll_task = asyncio.create_task(self._poll_loop(), name="kvproxy-admission-poll")
+
+    async def stop(self) -> None:
+        """Stop polling and the aging timer; every waiter leaves as bypass/degraded."""
+        await self._stop_polling()
+        self._cancel_timer()
+        self._release_all_waiters(R_DEGRADED)
+        self.ledger.clear_engines()
+
+    async def reconfigure(self, cfg: AdmissionConfig) -> None:
+        """Hot reload. Thresholds apply to the next decision; toggling starts or stops."""
+        was_enabled = self._cfg.enabled
+        self._cfg = cfg
+        self.ledger.configure(
+            headroom=cfg.headroom,
+            pressure_threshold=cfg.pressure_threshold,
+            lease_ttl_s=cfg.lease_ttl_s,
+            staleness_s=cfg.effective_staleness_s,
+        )
+        self._sizer.configure(cfg)
+        if was_enabled and not cfg.enabled:
+            await self._stop_polling()
+            self._cancel_timer()
+            self._release_all_waiters(R_DISABLED)
+            self.ledger.clear_engines()
+        elif cfg.enabled and not was_enabled:
+            await self.start()
+        elif cfg.enabled:
+            self._cancel_timer()  # max_wait_s may have changed: re-arm from scratch
+            self._drain(self._clock())
+
+    async def _stop_polling(self) -> None:
+        task, self._poll_task = self._poll_task, None
+        if task is not None:
+            task.cancel()
+            try:
+                await task
+            except asyncio.CancelledError:
+                current = asyncio.current_task()
+                if current is not None and current.cancelling():
+                    raise
+
+    def _release_all_waiters(self, reason: str) -> None:
+        now = self._clock()
+        for w in self._order:
+            if w.state == _WAITING:
+                self._resolve(w, self._bypass(reason, w.tokens, now - w.enqueued_at))
+        self._order.clear()
+        self._waiters.clear()
+
+    # -- decisions ---------------------------------------------------------------------
+
+    def admit(self, req: AdmissionRequest) -> AbstractAsyncContextManager[Decision]:
+        """Decide for one upstream attempt; see the module docstring for the order.
+
+        The decision is made when the ``async with`` block is entered. If the task is
+        cancelled while waiting, the ticket is cancelled atomically (the waiter leaves
+        the FIFO and is counted ``cancelled``, or a lease granted in the race is
+        released) and CancelledError propagates. A granted lease is released exactly
+        once when the block exits, on every path.
+        """
+        return _Admission(self, req)
+
+    def _bypass(self, reason: str, tokens: int, wait_s: float = 0.0) -> Decision:
+        c = self._counters
+        c.inc(C_BYPASS)
+        c.inc(_BYPASS_REASON_COUNTER[reason])
+        return Decision(BYPASS, reason, None, tokens, wait_s)
+
+    def _decide(self, req: AdmissionRequest) -> Decision | tuple[_Waiter, bool]:
+        cfg = self._cfg
+        if not cfg.enabled:
+            return _PASS_DISABLED
+        if not classify.in_scope(cfg, req.path, req.headers):
+            return _PASS_OUT_OF_SCOPE
+        ticket = req.ticket_id
+        if self._tombstones and self._tombstones.pop(ticket, None) is not None:
+            return _BYPASS_CANCELLED
+        if classify.is_protected(cfg, req.headers, req.body):
+            self._counters.inc(C_BYPASS)
+            self._counters.inc(C_BYPASS_PROTECTED)
+            return _BYPASS_PROTECTED
+        ledger = self.ledger
+        lease = ledger.lease_for_ticket(ticket)
+        if lease is not None:
+            return Decision(ADMIT, R_CAPACITY_AVAILABLE, lease.lease_id, lease.tokens, 0.0)
+        existing = self._waiters.get(ticket)
+        if existing is not None:
+            return existing, True
+        try:
+            tokens = self._sizer.size(req.path, req.body, req.session_id).tokens
+        except Exception:  # fail open on a body the sizer cannot read
+            self._log.warning("size", "admission: cannot size request %s", ticket, exc_info=True)
+            return self._bypass(R_DEGRADED, 0)
+
+        now = self._clock()
+        if self._waiters:
+            self._drain(now)
+        if not self._waiters:
+            grant = ledger.reserve(ticket, tokens, now)
+            if grant.granted:
+                self._counters.inc(C_ADMIT)
+                return Decision(ADMIT, R_CAPACITY_AVAILABLE, grant.lease_id, grant.tokens, 0.0)
+            reason = grant.reason
+        else:
+            reason = ledger.check(tokens, now)
+        if reason == DEGRADED:
+            return self._bypass(R_DEGRADED, tokens)
+        if reason == OVERSIZED:
+            return self._bypass(R_OVERSIZED, tokens)
+        if len(self._waiters) >= cfg.max_queue:
+            return self._bypass(R_QUEUE_FULL, tokens)
+        # Wait in the FIFO (capacity_exhausted / pressure_guard, or an earlier waiter).
+        waiter = _Waiter(ticket, tokens, now, asyncio.get_running_loop().create_future())
+        self._waiters[ticket] = waiter
+        self._order.append(waiter)
+        self._counters.inc(C_WAIT)
+        if len(self._waiters) == 1:
+            self._drain(now)  # ages it at once when max_wait_s == 0; arms the timer
+        return waiter, False
+
+    def _resolve(self, w: _Waiter, decision: Decision) -> None:
+        w.state = _RESOLVED
+        del self._waiters[w.ticket]
+        self._observe_wait(decision.wait_s)
+        if not w.future.done():
+            w.future.set_result(decision)
+
+    def _drain(self, now: float) -> None:
+        """Resolve waiters from the head while the ledger admits them (strict FIFO)."""
+        order = self._order
+        ledger = self.ledger
+        max_wait = self._cfg.max_wait_s
+        while order:
+            w = order[0]
+            if w.state != _WAITING:
+                order.popleft()
+                continue
+            if w.future.done():  # its task was cancelled; the handler has not run yet
+                order.popleft()
+                self._drop_cancelled(w, now)
+                continue
+            waited = max(0.0, now - w.enqueued_at)
+            grant = ledger.reserve(w.ticket, w.tokens, now)
+            if grant.granted:
+                order.popleft()
+                c = self._counters
+                c.inc(C_ADMIT)
+                c.inc(C_WAIT_GRANTED)
+                c.inc(C_WAIT_SECONDS_SUM, waited)
+                self._resolve(
+                    w, Decision(ADMIT, R_CAPACITY_AVAILABLE, grant.lease_id, grant.tokens, waited)
+                )
+            elif grant.reason == DEGRADED or grant.reason == OVERSIZED:
+                order.popleft()
+                reason = R_DEGRADED if grant.reason == DEGRADED else R_OVERSIZED
+                self._resolve(w, self._bypass(reason, w.tokens, waited))
+            elif waited >= max_wait:  # refused at its deadline: fail open, no lease
+                order.popleft()
+                self._resolve(w, self._bypass(R_AGED, w.tokens, waited))
+            else:
+                break  # strict FIFO: nobody overtakes a refused head
+        if len(order) > 64 and len(order) > 2 * len(self._waiters):
+            self._order = deque(w for w in order if w.state == _WAITING)
+        self._arm_timer(now)
+
+    def _drop_cancelled(self, w: _Waiter, now: float) -> None:
+        w.state = _CANCELLED
+        if self._waiters.get(w.ticket) is w:
+            del self._waiters[w.ticket]
+        self._counters.inc(C_CANCELLED)
+        self._observe_wait(now - w.enqueued_at)
+
+    def _cancel_waiter(self, w: _Waiter) -> None:
+        """The awaiting task was cancelled: remove the waiter or release a raced lease."""
+        now = self._clock()
+        if w.state == _WAITING:
+            was_head = bool(self._order) and self._order[0] is w
+            self._drop_cancelled(w, now)
+            if not w.future.done():
+                w.future.set_result(_BYPASS_CANCELLED)
+            if was_head:
+                self._drain(now)
+        elif self.ledger.release_ticket(w.ticket) is not None:
+            self._drain(now)
+
+    def cancel(self, ticket_id: str) -> None:
+        """Cancel a ticket from outside its task (e.g. its session closed).
+
+        A waiting ticket leaves the FIFO and its ``admit`` returns
+        ``bypass``/``cancelled`` (counted ``cancelled``); a held lease is released;
+        an unknown ticket is remembered, so a later ``admit`` of it returns
+        ``bypass``/``cancelled`` at once. A caller that sees reason ``cancelled``
+        must not forward the request.
+        """
+        now = self._clock()
+        w = self._waiters.get(ticket_id)
+        if w is not None:
+            self._cancel_waiter(w)
+            return
+        if self.ledger.release_ticket(ticket_id) is not None:
+            self._drain(now)
+            return
+        self._tombstones[ticket_id] = now
+        if len(self._tombstones) > _MAX_TOMBSTONES:
+            self._tombstones.popitem(last=False)
+
+    def _release(self, lease_id: str) -> None:
+        if self.ledger.release(lease_id) is not None and self._waiters:
+            self._drain(self._clock())
+
+    def observe_prompt_tokens(self, req: AdmissionRequest, prompt_tokens: int) -> None:
+        """Calibrate the text-prompt estimate from an engine-reported ``prompt_tokens``."""
+        if not self._cfg.enabled:
+            return
+        try:
+            self._sizer.observe(req.body, req.session_id, int(prompt_tokens))
+        except Exception:
+            self._log.warning("calibrate", "admission: calibration failed", exc_info=True)
+
+    # -- aging timer -------------------------------------------------------------------
+
+    def _arm_timer(self, now: float) -> None:
+        # After a drain the head, if any, is a live waiter.
+        head = self._order[0] if self._order else None
+        if head is None or head.state != _WAITING:
+            self._cancel_timer()
+            return
+        deadline = head.enqueued_at + self._cfg.max_wait_s
+        if deadline == self._timer_deadline and self._timer is not None:
+            return
+        self._cancel_timer()
+        self._timer_deadline = deadline
+        delay = max(0.0, deadline - now)
+        self._timer = asyncio.get_running_loop().call_later(delay, self._on_timer)
+
+    def _cancel_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._timer_deadline = math.inf
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        self._timer_deadline = math.inf
+        try:
+            self._drain(self._clock())
+        except Exception:
+            self._log.warning("timer", "admission: aging timer failed", exc_info=True)
+
+    # -- polling -----------------------------------------------------------------------
+
+    async def _http_fetch(self, url: str) -> str:
+        assert self._http is not None
+        timeout = aiohttp.ClientTimeout(total=self._cfg.metrics_timeout_s)
+        async with self._http.get(url.rstrip("/") + "/metrics", timeout=timeout) as resp:
+            resp.raise_for_status()
+            return await resp.text(errors="replace")
+
+    async def _scrape(self, url: str) -> str:
+        return await asyncio.wait_for(self._fetch(url), self._cfg.metrics_timeout_s)
+
+    async def poll_once(self) -> None:
+        """Scrape every healthy engine once and reconcile the ledger; never raises."""
+        try:
+            urls = list(dict.fromkeys(self._healthy_engines()))
+            results = await asyncio.gather(*(self._scrape(u) for u in urls), return_exceptions=True)
+            now = self._clock()
+            ledger = self.ledger
+            ledger.retain(urls)
+            for url, result in zip(urls, results, strict=True):
+                if isinstance(result, BaseException):
+                    self._counters.inc(C_SCRAPE_FAILURE)
+                    self._log.warning(
+                        "scrape:" + url, "admission: /metrics of %s failed: %r", url, result
+                    )
+                    continue
+                m = parse_engine_metrics(result)
+                fresh = ledger.observe(
+                    url,
+                    now=now,
+                    max_total_num_tokens=m.max_total_num_tokens,
+                    token_usage=m.token_usage,
+                    num_used_tokens=m.num_used_tokens,
+                )
+                if not fresh:
+                    self._counters.inc(C_SCRAPE_FAILURE)
+                    self._log.warning(
+                        "usage:" + url, "admission: /metrics of %s has no KV usage gauges", url
+                    )
+            ledger.reconcile(now)
+            expired = ledger.expire(now)
+            if expired:
+                self._counters.inc(C_LEASE_EXPIRED, len(expired))
+            self._prune_tombstones(now)
+            self._drain(now)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            self._counters.inc(C_POLL_ERROR)
+            self._log.warning("poll", "admission: poll iteration failed", exc_info=True)
+
+    def _prune_tombstones(self, now: float) -> None:
+        ttl = self._cfg.lease_ttl_s
+        tomb = self._tombstones
+        while tomb:
+            ticket, at = next(iter(tomb.items()))
+            if now - at <= ttl:
+                break
+            del tomb[ticket]
+
+    async def _poll_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        next_at = loop.time() + self._cfg.poll_interval_s
+        while True:
+            try:
+                await asyncio.sleep(max(0.0, next_at - loop.time()))
+                next_at = loop.time() + self._cfg.poll_interval_s
+                await self.poll_once()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # poll_once never raises; belt and braces
+                self._counters.inc(C_POLL_ERROR)
+                self._log.warning("loop", "admission: poll loop error", exc_info=True)
+
+    # -- metrics -----------------------------------------------------------------------
+
+    def _observe_wait(self, seconds: float) -> None:
+        seconds = max(0.0, seconds)
+        self._hist_sum += seconds
+        for i, bound in enumerate(WAIT_BUCKETS):
+            if seconds <= bound:
+                self._hist_counts[i] += 1
+                return
+        self._hist_counts[-1] += 1
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiters)
+
+    @staticmethod
+    def _rates(values: Mapping[str, float]) -> dict[str, float]:
+        out: dict[str, float] = {}
+        events = values[C_ADMIT] + values[C_WAIT] + values[C_BYPASS]
+        if events > 0:
+            out[_A + "defer_rate"] = values[C_WAIT] / events
+            out[_A + "degraded_rate"] = values[C_BYPASS_DEGRADED] / events
+        if values[C_WAIT_GRANTED] > 0:
+            out[_A + "wait_seconds_mean"] = values[C_WAIT_SECONDS_SUM] / values[C_WAIT_GRANTED]
+        return out
+
+    def stats(self, *, reset: bool = False) -> dict[str, float]:
+        """``agentic_kv/admission/*`` and ``agentic_kv/budget/*`` over the current window.
+
+        Counters count events since the last reset. As in the Relax V2 design,
+        ``defer_rate`` / ``degraded_rate`` appear only when there was a decision,
+        ``wait_seconds_mean`` only when a request was admitted after waiting,
+        ``reserved_utilization`` only when the ceiling is positive and
+        ``lease_expired`` only when non-zero. ``reset=True`` then closes the window:
+        counters restart and the usage window restarts at the current level.
+        """
+        window = self._counters.window_items()
+        out: dict[str, float] = {_A + "enabled": 1.0 if self._cfg.enabled else 0.0}
+        for name in _STATS_COUNTERS:
+            if name == C_LEASE_EXPIRED and not window[name]:
+                continue
+            out[name] = window[name]
+        out[_A + "waiting"] = float(len(self._waiters))
+        out.update(self._rates(window))
+        out.update(self.ledger.snapshot(self._clock(), reset_usage_window=reset))
+        if reset:
+            self._counters.reset_window()
+        return out
+
+    def health(self) -> dict[str, Any]:
+        now = self._clock()
+        ledger = self.ledger
+        degraded = ledger.is_degraded(now)
+        engines = [
+            {
+                "url": e.url,
+                "fresh": e.fresh,
+                "token_usage": e.token_usage,
+                "max_total_num_tokens": e.max_total_num_tokens,
+                "age_s": None if e.age_s is None else round(e.age_s, 3),
+            }
+            for e in ledger.engines(now)
+        ]
+        return {
+            "enabled": self._cfg.enabled,
+            "degraded": degraded,
+            "epoch": ledger.epoch,
+            "ceiling": ledger.ceiling,
+            "reserved": ledger.reserved,
+            "pressure": ledger.pressure,
+            "lease_count": ledger.lease_count,
+            "waiting": len(self._waiters),
+            "engines_fresh": sum(1 for e in engines if e["fresh"]),
+            "engines_stale": sum(1 for e in engines if not e["fresh"]),
+            "engines": engines,
+        }
+
+    def collect(self) -> Iterable[Metric]:
+        """prometheus-client custom collector: counters, gauges, wait histogram."""
+        totals = self._counters.total_items()
+        exported = WindowedCounters()
+        for name in _STATS_COUNTERS:
+            exported.inc(name, totals[name])
+        yield from counter_families(exported, _HELP)
+
+        now = self._clock()
+        ledger = self.ledger
+        degraded = ledger.is_degraded(now)
+        gauges: dict[str, float] = {
+            _A + "enabled": 1.0 if self._cfg.enabled else 0.0,
+            _A + "waiting": float(len(self._waiters)),
+            **self._rates(totals),
+            _B + "ceiling": float(ledger.ceiling),
+            _B + "reserved": float(ledger.reserved),
+            _B + "available_tokens": float(max(0, ledger.ceiling - ledger.reserved)),
+            _B + "reserved_utilization": ledger.reserved / ledger.ceiling
+            if ledger.ceiling > 0
+            else 0.0,
+            _B + "lease_count": float(ledger.lease_count),
+            _B + "kv_token_usage_mean": ledger.mean_usage,
+            _B + "kv_token_usage_max": ledger.pressure,
+            _B + "epoch": float(ledger.epoch),
+            _B + "degraded": 1.0 if degraded else 0.0,
+            _B + "engines_fresh": float(ledger.fresh_count),
+            _B + "engines_stale": float(sum(1 for e in ledger.engines(now) if not e.fresh)),
+        }
+        yield from gauge_families(gauges, _HELP)
+
+        buckets: list[tuple[str, float]] = []
+        cumulative = 0
+        for bound, count in zip(WAIT_BUCKETS, self._hist_counts, strict=False):
+            cumulative += count
+            buckets.append((_le(bound), float(cumulative)))
+        cumulative += self._hist_counts[-1]
+        buckets.append(("+Inf", float(cumulative)))
+        hist = HistogramMetricFamily(
+            WAIT_HISTOGRAM,
+            "Seconds each request spent in the admission FIFO (any outcome).",
+        )
+        hist.add_metric([], buckets, self._hist_sum)
+        yield hist
+
+
+def _le(bound: float) -> str:
+    return floatToGoString(bound)

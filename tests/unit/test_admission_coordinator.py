@@ -1,0 +1,708 @@
+import asyncio
+import dataclasses
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+from multidict import CIMultiDict
+from prometheus_client import CollectorRegistry, generate_latest
+
+from kvproxy.admission.coordinator import (
+    AdmissionController,
+    AdmissionRequest,
+    Decision,
+)
+from kvproxy.config import AdmissionConfig
+
+A, B = "http://a:1", "http://b:1"
+HOUR = 3600.0
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class FakeFleet:
+    """Engines serving /metrics text, or raising, without a network."""
+
+    def __init__(self, engines: dict[str, tuple[int | None, float | None]]) -> None:
+        self.engines = engines
+        self.failing: set[str] = set()
+        self.garbage: set[str] = set()
+        self.fetched = asyncio.Event()
+
+    def healthy(self) -> list[str]:
+        return list(self.engines)
+
+    async def fetch(self, url: str) -> str:
+        self.fetched.set()
+        if url in self.failing:
+            raise aiohttp.ClientConnectionError(f"{url} down")
+        if url in self.garbage:
+            return "<html>not metrics</html>"
+        cap, usage = self.engines[url]
+        return metrics_text(cap, usage)
+
+
+def metrics_text(cap: int | None, usage: float | None) -> str:
+    lines = ["# HELP sglang:token_usage The token usage."]
+    if cap is not None:
+        lines.append(f'sglang:max_total_num_tokens{{model_name="m",tp_rank="0"}} {cap}.0')
+    if usage is not None:
+        lines.append(f'sglang:token_usage{{model_name="m",tp_rank="0"}} {usage}')
+    return "\n".join(lines) + "\n"
+
+
+def req(
+    ticket: str, tokens: int = 10, headers: dict[str, str] | None = None, **body: Any
+) -> AdmissionRequest:
+    full = {"input_ids": [0] * tokens, "sampling_params": {"max_new_tokens": 0}, **body}
+    return AdmissionRequest(ticket, "/generate", CIMultiDict(headers or {}), full, None)
+
+
+@dataclasses.dataclass
+class Env:
+    ctl: AdmissionController
+    fleet: FakeFleet
+    clock: FakeClock
+
+
+Factory = Callable[..., Awaitable[Env]]
+
+
+@pytest.fixture
+async def make_env() -> AsyncIterator[Factory]:
+    envs: list[Env] = []
+
+    async def factory(
+        engines: dict[str, tuple[int | None, float | None]] | None = None, **cfg: Any
+    ) -> Env:
+        fleet = FakeFleet({A: (100, 0.1)} if engines is None else engines)
+        clock = FakeClock()
+        settings: dict[str, Any] = {
+            "enabled": True,
+            "headroom": 1.0,
+            "pressure_threshold": 0.9,
+            "poll_interval_s": HOUR,  # polls are driven by the tests
+            "staleness_s": 6.0,
+            "max_wait_s": HOUR,
+        }
+        settings.update(cfg)
+        ctl = AdmissionController(
+            AdmissionConfig(**settings),
+            healthy_engines=fleet.healthy,
+            http=None,
+            clock=clock,
+            fetch_metrics=fleet.fetch,
+        )
+        await ctl.start()
+        env = Env(ctl, fleet, clock)
+        envs.append(env)
+        return env
+
+    yield factory
+    for env in envs:
+        await env.ctl.stop()
+
+
+class Holder:
+    """A request task that enters admission and holds its lease until told to exit."""
+
+    def __init__(self, ctl: AdmissionController, r: AdmissionRequest) -> None:
+        self.decision: asyncio.Future[Decision] = asyncio.get_running_loop().create_future()
+        self.exit = asyncio.Event()
+        self.task = asyncio.create_task(self._run(ctl, r))
+
+    async def _run(self, ctl: AdmissionController, r: AdmissionRequest) -> None:
+        async with ctl.admit(r) as d:
+            self.decision.set_result(d)
+            await self.exit.wait()
+
+    async def finish(self) -> None:
+        self.exit.set()
+        await self.task
+
+
+async def decided(h: Holder) -> Decision:
+    """The holder's decision; a hang is a failure, not a stuck suite."""
+    return await asyncio.wait_for(asyncio.shield(h.decision), 2.0)
+
+
+async def settle() -> None:
+    """Let ready tasks run until they block (yields to the loop; no timing)."""
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+def stat(ctl: AdmissionController, key: str) -> float:
+    return ctl.stats()[key]
+
+
+# -- decision order -----------------------------------------------------------------------
+
+
+async def test_disabled_and_out_of_scope_pass_uncounted(make_env: Factory) -> None:
+    env = await make_env(enabled=False)
+    async with env.ctl.admit(req("t")) as d:
+        assert (d.action, d.reason, d.lease_id) == ("pass", "disabled", None)
+    env = await make_env()
+    async with env.ctl.admit(req("t", headers={"X-KVProxy-Mode": "eval"})) as d:
+        assert (d.action, d.reason) == ("pass", "out_of_scope")
+    s = env.ctl.stats()
+    assert s["agentic_kv/admission/admit"] == 0 and s["agentic_kv/admission/bypass"] == 0
+    assert "agentic_kv/admission/defer_rate" not in s  # no counted decision
+    assert env.ctl.ledger.reserved == 0
+
+
+async def test_protected_bypasses_without_touching_ledger(make_env: Factory) -> None:
+    env = await make_env(protected_priority=5)
+    for r in (req("p1", headers={"X-KVProxy-Protected": "true"}), req("p2", priority=7)):
+        async with env.ctl.admit(r) as d:
+            assert (d.action, d.reason, d.lease_id) == ("bypass", "protected", None)
+            assert env.ctl.ledger.reserved == 0
+    s = env.ctl.stats()
+    assert s["agentic_kv/admission/bypass_protected"] == 2 and s["agentic_kv/admission/bypass"] == 2
+
+
+async def test_degraded_without_any_engine_signal(make_env: Factory) -> None:
+    env = await make_env(engines={})
+    async with env.ctl.admit(req("t")) as d:
+        assert (d.action, d.reason, d.lease_id) == ("bypass", "degraded", None)
+    assert stat(env.ctl, "agentic_kv/admission/bypass_degraded") == 1
+    assert stat(env.ctl, "agentic_kv/budget/degraded") == 1.0
+
+
+async def test_admit_then_release_on_exit_and_on_exception(make_env: Factory) -> None:
+    env = await make_env()
+    ctl = env.ctl
+    async with ctl.admit(req("t1", 30)) as d:
+        assert (d.action, d.reason, d.lease_id, d.tokens) == (
+            "admit",
+            "capacity_available",
+            "1:t1",
+            30,
+        )
+        assert ctl.ledger.reserved == 30
+    assert ctl.ledger.reserved == 0
+    with pytest.raises(RuntimeError):
+        async with ctl.admit(req("t2", 30)):
+            assert ctl.ledger.reserved == 30
+            raise RuntimeError("upstream failed")
+    assert ctl.ledger.reserved == 0 and ctl.ledger.lease_count == 0
+
+
+async def test_retried_ticket_is_not_double_charged(make_env: Factory) -> None:
+    env = await make_env()
+    async with env.ctl.admit(req("t", 40)) as first, env.ctl.admit(req("t", 40)) as again:
+        assert again.lease_id == first.lease_id
+        assert env.ctl.ledger.reserved == 40
+    assert env.ctl.ledger.reserved == 0
+    assert stat(env.ctl, "agentic_kv/admission/admit") == 1
+
+
+# -- FIFO ----------------------------------------------------------------------------------
+
+
+async def test_strict_fifo_grant_order_on_release(make_env: Factory) -> None:
+    env = await make_env()  # ceiling 100
+    ctl = env.ctl
+    first = Holder(ctl, req("first", 100))
+    await settle()
+    assert (await decided(first)).action == "admit"
+    second, third = Holder(ctl, req("second", 70)), Holder(ctl, req("third", 40))
+    await settle()
+    fourth = Holder(ctl, req("fourth", 10))  # would fit after second, but arrives later
+    await settle()
+    assert ctl.waiting == 3
+
+    await first.finish()
+    d2 = await decided(second)
+    assert (d2.action, d2.tokens) == ("admit", 70)
+    assert d2.wait_s >= 0.0
+    # third (40) does not fit next to second (70); fourth (10) would, but waits behind it.
+    assert not third.decision.done() and not fourth.decision.done()
+    assert ctl.waiting == 2 and ctl.ledger.reserved == 70
+
+    await second.finish()
+    assert (await decided(third)).action == "admit"
+    assert (await decided(fourth)).action == "admit"
+    assert ctl.ledger.reserved == 50
+    await third.finish()
+    await fourth.finish()
+    s = ctl.stats()
+    assert s["agentic_kv/admission/admit"] == 4 and s["agentic_kv/admission/wait"] == 3
+    assert s["agentic_kv/admission/defer_rate"] == pytest.approx(3 / 7)
+
+
+async def test_pressure_guard_waits_until_a_poll_clears_it(make_env: Factory) -> None:
+    env = await make_env(engines={A: (100, 0.95)})
+    h = Holder(env.ctl, req("t", 10))
+    await settle()
+    assert env.ctl.waiting == 1 and not h.decision.done()
+    env.fleet.engines[A] = (100, 0.5)
+    env.clock.now += 3.0
+    await env.ctl.poll_once()
+    d = await decided(h)
+    assert d.action == "admit" and d.wait_s == pytest.approx(3.0)
+    await h.finish()
+    assert stat(env.ctl, "agentic_kv/admission/wait_seconds_mean") == pytest.approx(3.0)
+
+
+async def test_queue_full_bypasses(make_env: Factory) -> None:
+    env = await make_env(max_queue=1)
+    first = Holder(env.ctl, req("first", 100))
+    second = Holder(env.ctl, req("second", 10))
+    await settle()
+    async with env.ctl.admit(req("third", 10)) as d:
+        assert (d.action, d.reason, d.lease_id) == ("bypass", "queue_full", None)
+    assert stat(env.ctl, "agentic_kv/admission/bypass_queue_full") == 1
+    await first.finish()
+    await second.finish()
+
+
+async def test_oversized_bypasses_at_once_and_never_blocks_the_head(make_env: Factory) -> None:
+    env = await make_env()  # ceiling 100
+    ctl = env.ctl
+    async with ctl.admit(req("huge", 150)) as d:  # empty queue
+        assert (d.action, d.reason, d.lease_id, d.tokens) == ("bypass", "oversized", None, 150)
+    first = Holder(ctl, req("first", 100))
+    second = Holder(ctl, req("second", 10))
+    await settle()
+    assert ctl.waiting == 1
+    async with ctl.admit(req("huge2", 101)) as d:  # queue non-empty
+        assert d.reason == "oversized"
+    assert ctl.waiting == 1
+    await first.finish()
+    assert (await decided(second)).action == "admit"
+    await second.finish()
+    assert stat(ctl, "agentic_kv/admission/bypass_oversized") == 2
+
+
+async def test_waiter_becomes_oversized_when_capacity_shrinks(make_env: Factory) -> None:
+    env = await make_env(engines={A: (100, 0.1), B: (100, 0.1)})  # ceiling 200
+    first = Holder(env.ctl, req("first", 150))
+    second = Holder(env.ctl, req("second", 120))
+    await settle()
+    assert env.ctl.waiting == 1
+    del env.fleet.engines[B]
+    await env.ctl.poll_once()  # ceiling 100: the head can never fit any more
+    d = await decided(second)
+    assert (d.action, d.reason) == ("bypass", "oversized")
+    await first.finish()
+    await second.finish()
+
+
+# -- cancellation --------------------------------------------------------------------------
+
+
+async def test_cancel_waiter_removes_it_and_promotes_next(make_env: Factory) -> None:
+    env = await make_env()
+    ctl = env.ctl
+    first = Holder(ctl, req("first", 60))
+    head = Holder(ctl, req("head", 60))
+    behind = Holder(ctl, req("behind", 30))
+    await settle()
+    assert ctl.waiting == 2
+    head.task.cancel()  # the client of the FIFO head disconnects
+    with pytest.raises(asyncio.CancelledError):
+        await head.task
+    # The next waiter fits next to first (60 + 30) and is granted at once.
+    assert (await decided(behind)).action == "admit"
+    assert ctl.waiting == 0 and ctl.ledger.reserved == 90
+    s = ctl.stats()
+    assert s["agentic_kv/admission/cancelled"] == 1 and s["agentic_kv/admission/admit"] == 2
+    await first.finish()
+    await behind.finish()
+    assert ctl.ledger.reserved == 0
+
+
+async def test_cancel_mid_queue_waiter(make_env: Factory) -> None:
+    env = await make_env()
+    ctl = env.ctl
+    first = Holder(ctl, req("first", 100))
+    waiters = [Holder(ctl, req(f"w{i}", 10)) for i in range(3)]
+    await settle()
+    waiters[1].task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiters[1].task
+    assert ctl.waiting == 2
+    await first.finish()
+    assert (await decided(waiters[0])).action == "admit"
+    assert (await decided(waiters[2])).action == "admit"
+    assert ctl.ledger.reserved == 20
+    for w in (waiters[0], waiters[2]):
+        await w.finish()
+
+
+async def test_cancel_after_grant_race_releases_the_lease(make_env: Factory) -> None:
+    env = await make_env()
+    ctl = env.ctl
+    first_cm = ctl.admit(req("first", 100))
+    assert (await first_cm.__aenter__()).action == "admit"
+    waiter = Holder(ctl, req("waiter", 50))
+    await settle()
+    assert ctl.waiting == 1
+    # Release grants the waiter a lease; its task is cancelled before it resumes.
+    await first_cm.__aexit__(None, None, None)
+    assert ctl.ledger.lease_for_ticket("waiter") is not None
+    waiter.task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiter.task
+    assert not waiter.decision.done()
+    assert ctl.ledger.reserved == 0 and ctl.ledger.lease_count == 0
+    assert stat(ctl, "agentic_kv/admission/cancelled") == 0  # it was granted, not dropped
+
+
+async def test_cancel_before_acquire(make_env: Factory) -> None:
+    env = await make_env()
+    ctl = env.ctl
+    # A task cancelled before it ever ran leaves no trace.
+    h = Holder(ctl, req("never", 10))
+    h.task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await h.task
+    assert ctl.ledger.lease_count == 0 and ctl.waiting == 0
+    # A ticket cancelled by id before it asks: the later admit returns cancelled at once.
+    ctl.cancel("late")
+    async with ctl.admit(req("late", 10)) as d:
+        assert (d.action, d.reason, d.lease_id) == ("bypass", "cancelled", None)
+    assert ctl.ledger.reserved == 0
+    s = ctl.stats()
+    assert s["agentic_kv/admission/bypass"] == 0 and s["agentic_kv/admission/cancelled"] == 0
+    # The tombstone is consumed: the same id is decided normally afterwards.
+    async with ctl.admit(req("late", 10)) as d:
+        assert d.action == "admit"
+
+
+async def test_cancel_by_id_resolves_waiter_and_releases_lease(make_env: Factory) -> None:
+    env = await make_env()
+    ctl = env.ctl
+    first = Holder(ctl, req("first", 100))
+    waiter = Holder(ctl, req("waiter", 10))
+    await settle()
+    ctl.cancel("waiter")
+    d = await decided(waiter)
+    assert (d.action, d.reason) == ("bypass", "cancelled")
+    await waiter.finish()
+    ctl.cancel("first")  # releases the held lease
+    assert ctl.ledger.reserved == 0
+    await first.finish()  # its own release is now a no-op
+    assert ctl.ledger.reserved == 0 and stat(ctl, "agentic_kv/admission/cancelled") == 1
+
+
+# -- aging ---------------------------------------------------------------------------------
+
+
+async def test_aging_bypasses_without_a_lease(make_env: Factory) -> None:
+    env = await make_env(max_wait_s=0.0)
+    ctl = env.ctl
+    async with ctl.admit(req("first", 100)) as d1:
+        assert d1.action == "admit"
+        async with ctl.admit(req("second", 50)) as d2:
+            assert (d2.action, d2.reason, d2.lease_id) == ("bypass", "aged", None)
+            assert ctl.ledger.reserved == 100 and ctl.ledger.lease_count == 1
+    s = ctl.stats()
+    assert s["agentic_kv/admission/wait"] == 1 and s["agentic_kv/admission/bypass_aged"] == 1
+
+
+async def test_aging_timer_releases_waiter_on_time_with_no_other_event() -> None:
+    fleet = FakeFleet({A: (100, 0.1)})
+    cfg = AdmissionConfig(
+        enabled=True, headroom=1.0, max_wait_s=0.2, poll_interval_s=HOUR, staleness_s=HOUR
+    )
+    ctl = AdmissionController(
+        cfg, healthy_engines=fleet.healthy, http=None, fetch_metrics=fleet.fetch
+    )
+    await ctl.start()
+    try:
+        first = Holder(ctl, req("first", 100))
+        await settle()
+        t0 = time.monotonic()
+        waiter = Holder(ctl, req("waiter", 10))
+        d = await decided(waiter)
+        elapsed = time.monotonic() - t0
+        assert (d.action, d.reason) == ("bypass", "aged")
+        assert 0.2 <= elapsed < 0.3
+        assert d.wait_s == pytest.approx(0.2, abs=0.1)
+        await waiter.finish()
+        await first.finish()
+    finally:
+        await ctl.stop()
+
+
+# -- polling -------------------------------------------------------------------------------
+
+
+async def test_failing_engine_is_excluded_while_the_rest_keep_admitting(make_env: Factory) -> None:
+    env = await make_env(engines={A: (100, 0.1), B: (100, 0.1)})
+    ctl = env.ctl
+    assert ctl.ledger.ceiling == 200 and ctl.ledger.epoch == 1
+    env.fleet.failing.add(B)
+    env.clock.now += 3.0
+    await ctl.poll_once()
+    assert ctl.ledger.ceiling == 200  # B's last reading is still fresh
+    env.clock.now += 4.0  # B's reading is now 7 s old (staleness 6 s)
+    await ctl.poll_once()
+    assert ctl.ledger.ceiling == 100 and ctl.ledger.epoch == 2
+    async with ctl.admit(req("t", 60)) as d:
+        assert d.action == "admit"
+    s = ctl.stats()
+    assert s["agentic_kv/budget/degraded"] == 0.0
+    assert s["agentic_kv/budget/engines_fresh"] == 1 and s["agentic_kv/budget/engines_stale"] == 1
+    assert s["agentic_kv/budget/scrape_failure"] == 2
+    health = ctl.health()
+    assert not health["degraded"]
+    assert {e["url"]: e["fresh"] for e in health["engines"]} == {A: True, B: False}
+    # Garbage from A too: no engine is fresh any more -> degraded, fail open.
+    env.fleet.garbage.add(A)
+    env.clock.now += 7.0
+    await ctl.poll_once()
+    async with ctl.admit(req("u", 10)) as d:
+        assert (d.action, d.reason) == ("bypass", "degraded")
+
+
+async def test_max_total_emitted_once_is_cached(make_env: Factory) -> None:
+    env = await make_env(engines={A: (500, 0.1)})
+    env.fleet.engines[A] = (None, 0.2)  # later scrapes carry only token_usage
+    env.clock.now += 5.0
+    await env.ctl.poll_once()
+    env.clock.now += 5.0
+    await env.ctl.poll_once()
+    assert env.ctl.ledger.ceiling == 500 and env.ctl.ledger.pressure == 0.2
+    assert not env.ctl.ledger.is_degraded(env.clock.now)
+
+
+async def test_engine_leaving_the_fleet_leaves_the_ledger(make_env: Factory) -> None:
+    env = await make_env(engines={A: (100, 0.1), B: (100, 0.1)})
+    del env.fleet.engines[B]
+    await env.ctl.poll_once()
+    assert env.ctl.ledger.ceiling == 100 and env.ctl.ledger.epoch == 2
+    assert [e["url"] for e in env.ctl.health()["engines"]] == [A]
+
+
+async def test_poll_once_survives_exceptions(make_env: Factory) -> None:
+    env = await make_env()
+    calls = 0
+
+    def broken() -> list[str]:
+        nonlocal calls
+        calls += 1
+        raise RuntimeError("fleet exploded")
+
+    env.ctl._healthy_engines = broken
+    await env.ctl.poll_once()  # does not raise
+    assert calls == 1 and stat(env.ctl, "agentic_kv/budget/poll_error") == 1
+
+
+async def test_poll_loop_keeps_running_after_exceptions() -> None:
+    fleet = FakeFleet({A: (100, 0.1)})
+    calls = 0
+    recovered = asyncio.Event()
+
+    def flaky() -> list[str]:
+        nonlocal calls
+        calls += 1
+        if calls <= 3:
+            raise RuntimeError(f"boom {calls}")
+        recovered.set()
+        return fleet.healthy()
+
+    cfg = AdmissionConfig(enabled=True, poll_interval_s=0.01, staleness_s=HOUR)
+    ctl = AdmissionController(cfg, healthy_engines=flaky, http=None, fetch_metrics=fleet.fetch)
+    await ctl.start()  # the first poll fails
+    try:
+        assert ctl.ledger.is_degraded(time.monotonic())
+        await asyncio.wait_for(recovered.wait(), 2.0)
+        await settle()
+        assert not ctl.ledger.is_degraded(time.monotonic())
+        assert ctl.stats()["agentic_kv/budget/poll_error"] == 3
+    finally:
+        await ctl.stop()
+
+
+async def test_ttl_reclaims_leases_of_vanished_holders(make_env: Factory) -> None:
+    env = await make_env(lease_ttl_s=60.0)
+    cm = env.ctl.admit(req("lost", 40))
+    await cm.__aenter__()  # the holder never exits
+    env.clock.now += 61.0
+    env.fleet.engines[A] = (100, 0.1)
+    await env.ctl.poll_once()
+    assert env.ctl.ledger.reserved == 0
+    assert env.ctl.stats()["agentic_kv/budget/lease_expired"] == 1
+
+
+async def test_real_http_scrape(aiohttp_server: Any) -> None:
+    async def metrics(_: web.Request) -> web.Response:
+        return web.Response(text=metrics_text(1000, 0.3))
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    server = await aiohttp_server(app, host="127.0.0.1")
+    url = str(server.make_url("/")).rstrip("/")
+    async with aiohttp.ClientSession() as http:
+        cfg = AdmissionConfig(enabled=True, headroom=0.9, poll_interval_s=HOUR)
+        ctl = AdmissionController(
+            cfg, healthy_engines=lambda: [url, "http://127.0.0.1:9"], http=http
+        )
+        await ctl.start()
+        try:
+            assert ctl.ledger.ceiling == 900 and ctl.ledger.pressure == 0.3
+            assert ctl.stats()["agentic_kv/budget/scrape_failure"] == 1  # the closed port
+        finally:
+            await ctl.stop()
+
+
+# -- lifecycle -----------------------------------------------------------------------------
+
+
+async def test_stop_releases_waiters_as_degraded(make_env: Factory) -> None:
+    env = await make_env()
+    first = Holder(env.ctl, req("first", 100))
+    waiter = Holder(env.ctl, req("waiter", 10))
+    await settle()
+    await env.ctl.stop()
+    d = await decided(waiter)
+    assert (d.action, d.reason) == ("bypass", "degraded")
+    await waiter.finish()
+    await first.finish()
+
+
+async def test_reconfigure_disable_releases_waiters_and_enable_restarts(make_env: Factory) -> None:
+    env = await make_env()
+    ctl = env.ctl
+    first = Holder(ctl, req("first", 100))
+    waiter = Holder(ctl, req("waiter", 10))
+    await settle()
+    await ctl.reconfigure(dataclasses.replace(ctl.config, enabled=False))
+    d = await decided(waiter)
+    assert (d.action, d.reason) == ("bypass", "disabled")
+    async with ctl.admit(req("off", 10)) as d:
+        assert (d.action, d.reason) == ("pass", "disabled")
+    await waiter.finish()
+    await first.finish()
+    assert ctl.stats() == {**ctl.stats(), "agentic_kv/admission/enabled": 0.0}
+
+    await ctl.reconfigure(dataclasses.replace(ctl.config, enabled=True))
+    assert ctl.ledger.ceiling == 100  # polled again on enable
+    async with ctl.admit(req("on", 10)) as d:
+        assert d.action == "admit"
+    # Thresholds apply to the next decision.
+    await ctl.reconfigure(dataclasses.replace(ctl.config, pressure_threshold=0.05, max_wait_s=0.0))
+    async with ctl.admit(req("pressured", 10)) as d:
+        assert (d.action, d.reason) == ("bypass", "aged")
+
+
+# -- metrics -------------------------------------------------------------------------------
+
+
+ADMISSION_KEYS = {
+    "agentic_kv/admission/" + k
+    for k in [
+        "enabled",
+        "admit",
+        "bypass",
+        "bypass_protected",
+        "bypass_degraded",
+        "bypass_aged",
+        "bypass_oversized",
+        "bypass_queue_full",
+        "bypass_disabled",
+        "wait",
+        "waiting",
+        "cancelled",
+        "defer_rate",
+        "degraded_rate",
+        "wait_seconds_mean",
+    ]
+}
+BUDGET_KEYS = {
+    "agentic_kv/budget/" + k
+    for k in [
+        "ceiling",
+        "reserved",
+        "available_tokens",
+        "reserved_utilization",
+        "lease_count",
+        "kv_token_usage_mean",
+        "kv_token_usage_max",
+        "epoch",
+        "degraded",
+        "engines_fresh",
+        "engines_stale",
+        "scrape_failure",
+        "poll_error",
+    ]
+}
+
+
+async def test_stats_keys_values_and_reset(make_env: Factory) -> None:
+    env = await make_env(engines={A: (1000, 0.4)})
+    ctl = env.ctl
+    first = Holder(ctl, req("first", 1000))
+    waiter = Holder(ctl, req("waiter", 100))
+    await settle()
+    env.clock.now += 2.0
+    await first.finish()
+    await decided(waiter)
+    await waiter.finish()
+    async with ctl.admit(req("degraded-check", 1, headers={"X-KVProxy-Protected": "1"})):
+        pass
+    s = ctl.stats(reset=True)
+    assert set(s) == ADMISSION_KEYS | BUDGET_KEYS
+    assert s["agentic_kv/admission/admit"] == 2
+    assert s["agentic_kv/admission/wait"] == 1
+    assert s["agentic_kv/admission/bypass"] == 1
+    assert s["agentic_kv/admission/defer_rate"] == pytest.approx(1 / 4)
+    assert s["agentic_kv/admission/degraded_rate"] == 0.0
+    assert s["agentic_kv/admission/wait_seconds_mean"] == pytest.approx(2.0)
+    assert s["agentic_kv/budget/ceiling"] == 1000 and s["agentic_kv/budget/epoch"] == 1
+    assert s["agentic_kv/budget/kv_token_usage_max"] == pytest.approx(0.4)
+    after = ctl.stats()
+    assert after["agentic_kv/admission/admit"] == 0 and after["agentic_kv/admission/wait"] == 0
+    assert "agentic_kv/admission/defer_rate" not in after
+    assert "agentic_kv/admission/wait_seconds_mean" not in after
+    assert "agentic_kv/budget/lease_expired" not in after
+
+
+async def test_prometheus_collect(make_env: Factory) -> None:
+    env = await make_env()
+    ctl = env.ctl
+    first = Holder(ctl, req("first", 100))
+    waiter = Holder(ctl, req("waiter", 10))
+    await settle()
+    env.clock.now += 0.3
+    await first.finish()
+    await decided(waiter)
+    await waiter.finish()
+    ctl.stats(reset=True)  # the window reset does not touch cumulative series
+    registry = CollectorRegistry()
+    registry.register(ctl)  # type: ignore[arg-type]
+    text = generate_latest(registry).decode()
+    assert "agentic_kv_admission_admit_total 2.0" in text
+    assert "agentic_kv_admission_wait_total 1.0" in text
+    assert "agentic_kv_admission_bypass_aged_total 0.0" in text
+    assert "agentic_kv_budget_ceiling 100.0" in text
+    assert "agentic_kv_admission_waiting 0.0" in text
+    assert 'agentic_kv_admission_wait_seconds_bucket{le="0.25"} 0.0' in text
+    assert 'agentic_kv_admission_wait_seconds_bucket{le="0.5"} 1.0' in text
+    assert 'agentic_kv_admission_wait_seconds_bucket{le="+Inf"} 1.0' in text
+    assert "agentic_kv_admission_wait_seconds_count 1.0" in text
+    assert "wait_granted" not in text
+
+
+async def test_observe_prompt_tokens_calibrates_text_requests(make_env: Factory) -> None:
+    env = await make_env(engines={A: (10_000, 0.1)}, default_completion_tokens=1)
+    body = {"text": "x" * 400, "sampling_params": {"max_new_tokens": 0}}
+    r = AdmissionRequest("t1", "/generate", CIMultiDict(), body, "sess")
+    async with env.ctl.admit(r) as d:
+        assert d.tokens == 100  # 4 chars / token before calibration
+    env.ctl.observe_prompt_tokens(r, 200)
+    async with env.ctl.admit(dataclasses.replace(r, ticket_id="t2")) as d:
+        assert d.tokens == 200
