@@ -1,0 +1,320 @@
+"""Session identity: where a request's session id comes from, and what to inject.
+
+Pure: no I/O, no clock. The proxy calls :func:`split_session_path` on the raw path,
+:func:`resolve_identity` on the request, then :func:`injection_plan` to learn which
+top-level fields and headers to add before forwarding.
+
+A session id is 1..``id_max_length`` characters from ``[A-Za-z0-9._:@-]``. The set
+is deliberately narrow: ids travel in URLs, headers, JSON and log lines, and the
+engine's ``/abort_request`` / ``/close_session`` compare them verbatim.
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import unquote
+
+from kvproxy.config import SessionLifecycleConfig
+
+ROUTING_KEY_HEADER = "X-SMG-Routing-Key"
+SESSION_PATH_PREFIX = "/sessions/"
+RID_LENGTH = 32  # uuid4().hex
+
+_ID_RE = re.compile(r"[A-Za-z0-9._:@-]+")
+_TRUE_VALUES = frozenset({"1", "true", "yes"})
+
+# Why an injection was skipped (InjectionPlan.skip_reason).
+SKIP_DISABLED = "disabled"
+SKIP_NO_SESSION = "no_session"
+SKIP_NOT_JSON_OBJECT = "not_json_object"
+SKIP_SESSION_PARAMS = "session_params"
+SKIP_ALREADY_PRESENT = "already_present"
+
+
+class InvalidSessionId(ValueError):
+    """A session id failed validation. ``str(exc)`` is safe to return to the client."""
+
+    def __init__(self, source: str, reason: str) -> None:
+        self.source = source
+        self.reason = reason
+        super().__init__(f"invalid session id from {_SOURCE_LABELS.get(source, source)}: {reason}")
+
+
+_SOURCE_LABELS = {
+    "body": "the body field session_id",
+    "header": "the session header",
+    "nvext": "the body field nvext.session_control.session_id",
+    "routing_key": f"the {ROUTING_KEY_HEADER} header",
+    "path": "the /sessions/{session_id}/ path prefix",
+    "close": "the close request",
+}
+
+
+def validate_session_id(value: Any, max_length: int, *, source: str) -> str:
+    """Return ``value`` if it is a valid session id, else raise :class:`InvalidSessionId`."""
+    if not isinstance(value, str):
+        raise InvalidSessionId(source, f"must be a string (got {type(value).__name__})")
+    if not value:
+        raise InvalidSessionId(source, "must not be empty")
+    if len(value) > max_length:
+        raise InvalidSessionId(
+            source, f"is {len(value)} characters long (at most {max_length} allowed)"
+        )
+    if not _ID_RE.fullmatch(value):
+        bad = sorted({c for c in value if not _ID_RE.fullmatch(c)})
+        shown = "".join(bad[:8])
+        raise InvalidSessionId(
+            source,
+            f"contains characters outside [A-Za-z0-9._:@-] ({shown!r})",
+        )
+    return value
+
+
+def split_session_path(path: str) -> tuple[str | None, str]:
+    """Split a ``/sessions/{session_id}/...`` prefix off ``path``.
+
+    ``"/sessions/abc/v1/chat/completions"`` -> ``("abc", "/v1/chat/completions")``;
+    ``"/sessions/abc"`` -> ``("abc", "/")``; any other path -> ``(None, path)``.
+
+    ``path`` may be raw (percent-encoded) or already decoded. The id segment is
+    percent-decoded once, strictly (malformed escapes or invalid UTF-8 raise
+    :class:`InvalidSessionId`); the rest of the path is returned unchanged. The id
+    is not checked against the character set here: :func:`resolve_identity` does
+    that, with the configured length limit.
+    """
+    if not path.startswith(SESSION_PATH_PREFIX):
+        return None, path
+    tail = path[len(SESSION_PATH_PREFIX) :]
+    segment, slash, rest = tail.partition("/")
+    if not segment:
+        raise InvalidSessionId("path", "the segment after /sessions/ is empty")
+    if "%" in segment:
+        if re.search(r"%(?![0-9A-Fa-f]{2})", segment):
+            raise InvalidSessionId("path", "malformed percent-encoding")
+        try:
+            segment = unquote(segment, errors="strict")
+        except UnicodeDecodeError as exc:
+            raise InvalidSessionId("path", "percent-encoding is not valid UTF-8") from exc
+    return segment, (slash + rest) if slash else "/"
+
+
+@dataclass(frozen=True, slots=True)
+class SessionIdentity:
+    session_id: str | None
+    source: str | None
+    # The request is the session's last turn: close the session once it completes.
+    close_after: bool
+
+    @property
+    def present(self) -> bool:
+        return self.session_id is not None
+
+
+NO_IDENTITY = SessionIdentity(None, None, False)
+
+
+def _header(headers: Mapping[str, str], name: str) -> str | None:
+    """Case-insensitive header lookup (works for plain dicts and multidicts)."""
+    value = headers.get(name)
+    if value is not None:
+        return value
+    lname = name.lower()
+    for key, val in headers.items():
+        if key.lower() == lname:
+            return val
+    return None
+
+
+def _session_control(body: Mapping[str, Any] | None) -> Mapping[str, Any] | None:
+    if not isinstance(body, Mapping):
+        return None
+    nvext = body.get("nvext")
+    if not isinstance(nvext, Mapping):
+        return None
+    control = nvext.get("session_control")
+    return control if isinstance(control, Mapping) else None
+
+
+def resolve_identity(
+    cfg: SessionLifecycleConfig,
+    *,
+    path_session_id: str | None,
+    headers: Mapping[str, str],
+    body: Mapping[str, Any] | None,
+) -> SessionIdentity:
+    """Find the request's session id in the sources ``cfg.id_sources``, in order.
+
+    The first source that carries a value wins, and that value must be valid
+    (otherwise :class:`InvalidSessionId`; later sources are not consulted). A JSON
+    ``null`` counts as absent. With the feature disabled nothing is read or
+    validated and the request has no identity.
+    """
+    if not cfg.enabled:
+        return NO_IDENTITY
+    control = _session_control(body)
+    session_id: str | None = None
+    source: str | None = None
+    for src in cfg.id_sources:
+        value: Any = None
+        if src == "body":
+            value = body.get("session_id") if isinstance(body, Mapping) else None
+        elif src == "header":
+            value = _header(headers, cfg.id_header)
+        elif src == "nvext":
+            value = control.get("session_id") if control is not None else None
+        elif src == "routing_key":
+            value = _header(headers, ROUTING_KEY_HEADER)
+        elif src == "path":
+            value = path_session_id
+        if value is None:
+            continue
+        session_id = validate_session_id(value, cfg.id_max_length, source=src)
+        source = src
+        break
+    if session_id is None:
+        return NO_IDENTITY
+    close_after = bool(control is not None and control.get("action") == "close")
+    if not close_after and cfg.final_header:
+        final = _header(headers, cfg.final_header)
+        close_after = final is not None and final.strip().lower() in _TRUE_VALUES
+    return SessionIdentity(session_id, source, close_after)
+
+
+def new_rid() -> str:
+    """A fixed-length request id (uuid4 hex, 32 characters).
+
+    SGLang's scheduler aborts by rid *prefix*; equal-length random ids cannot be
+    prefixes of one another.
+    """
+    return uuid.uuid4().hex
+
+
+@dataclass(frozen=True, slots=True)
+class InjectionPlan:
+    # Top-level JSON fields to set. A key listed in ``overwrites`` is already in the
+    # body (with another value) and must be replaced; every other key is new.
+    fields: Mapping[str, Any] = field(default_factory=dict)
+    overwrites: tuple[str, ...] = ()
+    # Request headers to set on the forwarded request.
+    headers: Mapping[str, str] = field(default_factory=dict)
+    # The rid the engine will see (generated or the client's), None when unknown
+    # (no JSON object body, or a non-string rid such as a batch list).
+    rid: str | None = None
+    # Every rid an abort of this request must name: the rid, and for n > 1 the
+    # engine-expanded ``{rid}_{i}`` (SGLang's tokenizer matches rids exactly).
+    abort_rids: tuple[str, ...] = ()
+    rid_generated: bool = False
+    # Why no session_id is injected (None when it is): one of the SKIP_* values.
+    skip_reason: str | None = None
+
+    @property
+    def injects_session_id(self) -> bool:
+        return "session_id" in self.fields
+
+    @property
+    def counts_as_skipped(self) -> bool:
+        """The session id was withheld on purpose (counted as injection_skipped)."""
+        return self.skip_reason == SKIP_SESSION_PARAMS
+
+    @property
+    def empty(self) -> bool:
+        return not self.fields and not self.headers
+
+
+EMPTY_PLAN = InjectionPlan(skip_reason=SKIP_DISABLED)
+
+
+def _sample_count(body: Mapping[str, Any]) -> int:
+    """n of the request: ``sampling_params.n`` (/generate) or top-level ``n`` (OpenAI)."""
+    n: Any = None
+    sp = body.get("sampling_params")
+    if isinstance(sp, Mapping):
+        n = sp.get("n")
+    if n is None:
+        n = body.get("n")
+    if isinstance(n, int) and not isinstance(n, bool) and 1 < n <= 1024:
+        return n
+    return 1
+
+
+def _abort_rids(rid: Any, n: int) -> tuple[str, ...]:
+    if isinstance(rid, str) and rid:
+        if n > 1:
+            return (rid, *(f"{rid}_{i}" for i in range(n)))
+        return (rid,)
+    if isinstance(rid, list) and rid and all(isinstance(r, str) and r for r in rid):
+        return tuple(rid)
+    return ()
+
+
+def injection_plan(
+    cfg: SessionLifecycleConfig,
+    identity: SessionIdentity,
+    body: Mapping[str, Any] | None,
+    *,
+    headers: Mapping[str, str] | None = None,
+) -> InjectionPlan:
+    """Decide which top-level fields and headers to add to an intercepted request.
+
+    - ``session_id``: added when the request has an identity, unless the body has
+      ``session_params`` (SGLang rejects both together; skip_reason
+      ``session_params``) or already carries the same top-level ``session_id``.
+    - ``rid``: a new fixed-length rid when the body has none (JSON null counts as
+      none), so the request can be aborted. Applies with or without a session.
+    - ``X-SMG-Routing-Key: <session_id>`` when ``sticky_routing`` is on, unless the
+      client sent its own routing key (``headers``, when given).
+
+    Nothing else in the body changes.
+    """
+    if not cfg.enabled:
+        return EMPTY_PLAN
+    if not isinstance(body, Mapping):
+        return InjectionPlan(skip_reason=SKIP_NOT_JSON_OBJECT)
+    fields: dict[str, Any] = {}
+    overwrites: list[str] = []
+    out_headers: dict[str, str] = {}
+    skip: str | None = None
+
+    sid = identity.session_id
+    if sid is None:
+        skip = SKIP_NO_SESSION
+    elif body.get("session_params") is not None:
+        skip = SKIP_SESSION_PARAMS
+    else:
+        existing = body.get("session_id")
+        if existing == sid:
+            skip = SKIP_ALREADY_PRESENT
+        else:
+            fields["session_id"] = sid
+            if "session_id" in body:
+                overwrites.append("session_id")
+
+    rid: Any = body.get("rid")
+    generated = False
+    if rid is None:
+        rid = new_rid()
+        generated = True
+        fields["rid"] = rid
+        if "rid" in body:  # explicit null
+            overwrites.append("rid")
+
+    if (
+        sid is not None
+        and cfg.sticky_routing
+        and (headers is None or _header(headers, ROUTING_KEY_HEADER) is None)
+    ):
+        out_headers[ROUTING_KEY_HEADER] = sid
+
+    return InjectionPlan(
+        fields=fields,
+        overwrites=tuple(overwrites),
+        headers=out_headers,
+        rid=rid if isinstance(rid, str) else None,
+        abort_rids=_abort_rids(rid, _sample_count(body)),
+        rid_generated=generated,
+        skip_reason=skip,
+    )

@@ -1,0 +1,778 @@
+"""Session lifecycle: track each session's requests, close sessions on every engine.
+
+The asyncio shell around :class:`~kvproxy.sessions.table.SessionTable`. The proxy
+wraps each intercepted request of a session in :meth:`SessionManager.track` and calls
+:meth:`SessionManager.close` when a session ends. The close sequence:
+
+1. the session is marked closing: new requests of it get :class:`SessionClosed`;
+2. requests still queued in the proxy get :class:`SessionClosed` (at once);
+3. forwarded requests are aborted on every engine (``on_close: abort``) and then
+   awaited, or awaited first and the leftovers aborted (``on_close: wait``);
+4. ``POST /close_session {"session_id"}`` goes to every engine base URL in parallel,
+   bounded by ``close_timeout_s``;
+5. the session becomes a tombstone; a later request with the same id starts a new
+   session.
+
+One task per session runs the sequence; concurrent and repeated closes await that
+task (shielded, so a caller that goes away does not cancel it). Engine failures are
+counted and logged (rate-limited), never raised.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import re
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator, Sequence
+from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import aiohttp
+from prometheus_client.core import Metric
+
+from kvproxy.config import SessionLifecycleConfig
+from kvproxy.fleet.engine_info import EngineSessionMode, mode_warnings, probe
+from kvproxy.fleet.fanout import post_to_all
+from kvproxy.observability import WindowedCounters, counter_families, gauge_families
+from kvproxy.sessions.identity import InjectionPlan
+from kvproxy.sessions.table import CloseStatus, SessionTable
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+_P = "agentic_kv/session/"
+LIFECYCLE_ENABLED = _P + "lifecycle_enabled"
+# Counters (window semantics in /kvproxy/stats; cumulative *_total in /metrics).
+CLOSE = _P + "close"
+CLOSE_FAILURE = _P + "close_failure"
+CLOSED_IDLE = _P + "closed_idle"
+CLOSED_FINAL = _P + "closed_final"
+STARTED = _P + "started"
+REOPENED = _P + "reopened"
+EVICTED = _P + "evicted"
+ABORTED_REQUESTS = _P + "aborted_requests"
+ABORT_FAILURE = _P + "abort_failure"
+DISCONNECT_ABORTS = _P + "disconnect_aborts"
+REJECTED_QUEUED = _P + "rejected_queued"
+REJECTED_CLOSING = _P + "rejected_closing"
+INJECTED = _P + "injected"
+INJECTION_SKIPPED = _P + "injection_skipped"
+# Gauges.
+OPEN = _P + "open"
+CLOSING = _P + "closing"
+CLOSED_REMEMBERED = _P + "closed_remembered"
+QUEUED_REQUESTS = _P + "queued_requests"
+FORWARDED_REQUESTS = _P + "forwarded_requests"
+
+COUNTER_HELP: dict[str, str] = {
+    CLOSE: "Session closes run (fan-out of /close_session to every engine).",
+    CLOSE_FAILURE: "Session closes where at least one engine failed or timed out.",
+    CLOSED_IDLE: "Sessions closed by the idle timeout.",
+    CLOSED_FINAL: "Sessions closed after a request marked as the final turn.",
+    STARTED: "Sessions started (first request of an id, or of an id closed earlier).",
+    REOPENED: "Sessions started with the id of a session closed earlier.",
+    EVICTED: "Idle sessions forgotten (not closed) to keep the session table bounded.",
+    ABORTED_REQUESTS: "Forwarded requests aborted on the engines (close or client disconnect).",
+    ABORT_FAILURE: "Abort fan-outs where at least one engine failed or timed out.",
+    DISCONNECT_ABORTS: "Forwarded requests aborted because the client disconnected.",
+    REJECTED_QUEUED: "Requests queued in the proxy answered session_closed by a close.",
+    REJECTED_CLOSING: "Requests that arrived for a session while it was closing.",
+    INJECTED: "Requests given a top-level session_id.",
+    INJECTION_SKIPPED: "Requests of a session not given a session_id (they carry session_params).",
+}
+GAUGE_HELP: dict[str, str] = {
+    LIFECYCLE_ENABLED: "1 when session lifecycle is enabled.",
+    OPEN: "Open sessions in the session table.",
+    CLOSING: "Sessions whose close is in progress.",
+    CLOSED_REMEMBERED: "Closed session ids remembered (tombstones).",
+    QUEUED_REQUESTS: "Requests of a session queued in the proxy.",
+    FORWARDED_REQUESTS: "Requests of a session forwarded upstream and not finished.",
+}
+
+# Start-up check of the engines' session mode.
+_PROBE_TIMEOUT_S = 5.0
+_CHECK_ROUNDS = 12
+_CHECK_FIRST_DELAY_S = 0.5
+_CHECK_MAX_DELAY_S = 30.0
+# At most one WARNING per (engine, operation) in this many seconds.
+_WARN_INTERVAL_S = 30.0
+_WARN_KEYS_MAX = 1024
+_RANK_SUFFIX = re.compile(r"@\d+$")
+
+
+class SessionClosed(Exception):
+    """The request's session is closing or closed; it is not forwarded (HTTP 409)."""
+
+    error_type = "session_closed"
+
+    def __init__(self, session_id: str, message: str | None = None) -> None:
+        self.session_id = session_id
+        super().__init__(
+            message or f"session {session_id!r} is closing; the request was not forwarded"
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {"error": {"type": self.error_type, "message": str(self)}}
+
+
+@dataclass(slots=True)
+class CloseResult:
+    session_id: str
+    engines_told: int = 0  # engines that answered /close_session with 2xx
+    engines_failed: int = 0  # engines that did not (error, non-2xx, timeout)
+    aborted: int = 0  # forwarded requests aborted on the engines
+    awaited: int = 0  # forwarded requests that finished on their own (on_close=wait)
+    rejected_queued: int = 0  # requests queued in the proxy answered session_closed
+    already_closed: bool = False  # closed earlier: nothing was sent
+    reason: str = ""
+    failures: dict[str, str] = field(default_factory=dict)  # engine url -> error
+    note: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "session_id": self.session_id,
+            "engines_told": self.engines_told,
+            "engines_failed": self.engines_failed,
+            "aborted": self.aborted,
+            "awaited": self.awaited,
+            "rejected_queued": self.rejected_queued,
+            "already_closed": self.already_closed,
+            "reason": self.reason,
+        }
+        if self.failures:
+            out["failures"] = dict(self.failures)
+        if self.note:
+            out["note"] = self.note
+        return out
+
+
+class TrackedRequest:
+    """One request of a session, from entering the proxy until it leaves."""
+
+    __slots__ = (
+        "_abort_sent",
+        "_finished",
+        "_forwarded",
+        "_manager",
+        "_rejected",
+        "_rejection",
+        "abort_rids",
+        "close_after",
+        "rid",
+        "session_id",
+        "token",
+    )
+
+    def __init__(
+        self,
+        manager: SessionManager,
+        session_id: str,
+        token: int,
+        rid: str,
+        abort_rids: tuple[str, ...],
+        close_after: bool,
+    ) -> None:
+        self._manager = manager
+        self.session_id = session_id
+        self.token = token
+        self.rid = rid
+        self.abort_rids = abort_rids
+        self.close_after = close_after
+        self._forwarded = False
+        self._rejected = False
+        self._abort_sent = False
+        self._rejection: asyncio.Future[None] | None = None
+        self._finished: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    @property
+    def is_forwarded(self) -> bool:
+        return self._forwarded
+
+    @property
+    def rejected(self) -> bool:
+        return self._rejected
+
+    async def until_forwarded(self, aw: Awaitable[T]) -> T:
+        """Await ``aw`` (e.g. the admission wait) unless the session starts closing first.
+
+        If the close comes first, ``aw`` is cancelled and :class:`SessionClosed` is
+        raised. If ``aw`` has completed, its result is returned even when a close has
+        just begun (a granted lease is not lost); :meth:`forwarded` then raises.
+        """
+        if self._rejected:
+            _discard(aw)
+            raise SessionClosed(self.session_id)
+        task = asyncio.ensure_future(aw)
+        if self._rejection is None:
+            self._rejection = asyncio.get_running_loop().create_future()
+        rejection = self._rejection
+        try:
+            await asyncio.wait((task, rejection), return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+            raise
+        if task.done():
+            return task.result()
+        task.cancel()
+        with contextlib.suppress(BaseException):
+            await task
+        raise SessionClosed(self.session_id)
+
+    def forwarded(self) -> None:
+        """The request is about to go upstream with its rid.
+
+        Raises :class:`SessionClosed` if the session started closing while the
+        request was queued (it must not reach the engines after the close began).
+        """
+        if self._rejected:
+            raise SessionClosed(self.session_id)
+        if self._forwarded:
+            return
+        self._forwarded = True
+        self._manager._mark_forwarded(self)
+
+    def disconnected(self) -> None:
+        """The client went away. If forwarded, abort the request on every engine.
+
+        Fire-and-forget (bounded by close_timeout_s); idempotent.
+        """
+        if not self._forwarded or self._abort_sent or self._finished.done():
+            return
+        self._abort_sent = True
+        self._manager._abort_on_disconnect(self)
+
+    def _reject(self) -> None:
+        self._rejected = True
+        if self._rejection is not None and not self._rejection.done():
+            self._rejection.set_result(None)
+
+
+def _discard(aw: Awaitable[Any]) -> None:
+    """Dispose of an awaitable that will never be awaited."""
+    if asyncio.iscoroutine(aw):
+        aw.close()
+    elif isinstance(aw, asyncio.Future):
+        aw.cancel()
+
+
+def _base_urls(urls: Sequence[str]) -> list[str]:
+    out: dict[str, None] = {}
+    for url in urls:
+        base = _RANK_SUFFIX.sub("", url.strip()).rstrip("/")
+        if base:
+            out.setdefault(base, None)
+    return list(out)
+
+
+class SessionManager:
+    """Owns the session table, the close tasks and the engine session-mode check."""
+
+    TrackedRequest = TrackedRequest
+
+    def __init__(
+        self,
+        cfg: SessionLifecycleConfig,
+        *,
+        all_engines: Callable[[], Sequence[str]],
+        http: aiohttp.ClientSession,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._cfg = cfg
+        self._all_engines = all_engines
+        self._http = http
+        self._clock = clock
+        self._table = SessionTable(
+            max_sessions=cfg.max_sessions,
+            closed_ttl_s=cfg.closed_ttl_s,
+            idle_timeout_s=cfg.idle_timeout_s,
+        )
+        self._counters = WindowedCounters(COUNTER_HELP)
+        self._requests: dict[int, TrackedRequest] = {}
+        self._closes: dict[str, asyncio.Task[CloseResult]] = {}
+        self._background: set[asyncio.Task[Any]] = set()
+        self._reaper: asyncio.Task[None] | None = None
+        self._checker: asyncio.Task[None] | None = None
+        self._started = False
+        self._check_state = "not_started"
+        self._modes: dict[str, EngineSessionMode] = {}
+        self._probe_errors: dict[str, str] = {}
+        self._logged_warnings: set[str] = set()
+        self._warned_at: dict[tuple[str, str], tuple[float, int]] = {}
+
+    # -- configuration and background tasks -----------------------------------
+
+    @property
+    def config(self) -> SessionLifecycleConfig:
+        return self._cfg
+
+    @property
+    def enabled(self) -> bool:
+        return self._cfg.enabled
+
+    async def start(self) -> None:
+        """Start the idle reaper (if idle_timeout_s) and schedule the engine check."""
+        self._started = True
+        self._start_tasks(reaper=True, checker=True)
+
+    async def stop(self) -> None:
+        """Stop background tasks; let running closes finish, bounded, then cancel them."""
+        self._started = False
+        await self._stop_task("_reaper")
+        await self._stop_task("_checker")
+        pending = [t for t in (*self._closes.values(), *self._background) if not t.done()]
+        if pending:
+            _, late = await asyncio.wait(pending, timeout=self._cfg.close_timeout_s + 1.0)
+            for task in late:
+                task.cancel()
+            if late:
+                await asyncio.gather(*late, return_exceptions=True)
+
+    async def reconfigure(self, cfg: SessionLifecycleConfig) -> None:
+        """Apply a new configuration (table bounds, timeouts, background tasks)."""
+        old, self._cfg = self._cfg, cfg
+        self._table.configure(
+            max_sessions=cfg.max_sessions,
+            closed_ttl_s=cfg.closed_ttl_s,
+            idle_timeout_s=cfg.idle_timeout_s,
+        )
+        if not self._started:
+            return
+        restart_reaper = (old.enabled, old.idle_timeout_s) != (cfg.enabled, cfg.idle_timeout_s)
+        restart_checker = (
+            cfg.enabled and cfg.check_engines and not (old.enabled and old.check_engines)
+        )
+        if restart_reaper:
+            await self._stop_task("_reaper")
+        if not cfg.enabled or not cfg.check_engines:
+            await self._stop_task("_checker")
+        self._start_tasks(reaper=restart_reaper, checker=restart_checker)
+
+    def _start_tasks(self, *, reaper: bool, checker: bool) -> None:
+        cfg = self._cfg
+        if not cfg.enabled:
+            return
+        if reaper and cfg.idle_timeout_s is not None and self._reaper is None:
+            self._reaper = asyncio.create_task(self._reap_loop(), name="kvproxy-session-reaper")
+        if checker and cfg.check_engines and self._checker is None:
+            self._check_state = "pending"
+            self._checker = asyncio.create_task(
+                self._check_loop(), name="kvproxy-session-engine-check"
+            )
+
+    async def _stop_task(self, attr: str) -> None:
+        task: asyncio.Task[None] | None = getattr(self, attr)
+        setattr(self, attr, None)
+        if task is not None and not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    def _engines(self) -> list[str]:
+        try:
+            return _base_urls(self._all_engines())
+        except Exception:
+            log.exception("listing engines failed")
+            return []
+
+    def _spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
+        task = asyncio.create_task(coro, name=name)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return task
+
+    # -- requests --------------------------------------------------------------
+
+    def state(self, session_id: str) -> str | None:
+        """``open``, ``closing``, ``closed`` (remembered) or None (unknown)."""
+        st = self._table.state(session_id)
+        return None if st is None else str(st)
+
+    def note_injection(self, plan: InjectionPlan) -> None:
+        """Count what :func:`~kvproxy.sessions.identity.injection_plan` decided."""
+        if plan.counts_as_skipped:
+            self._counters.inc(INJECTION_SKIPPED)
+        elif plan.injects_session_id:
+            self._counters.inc(INJECTED)
+
+    def track(
+        self,
+        session_id: str,
+        rid: str,
+        *,
+        close_after: bool,
+        abort_rids: Sequence[str] | None = None,
+    ) -> AbstractAsyncContextManager[TrackedRequest]:
+        """Track one request of ``session_id`` while it is in the proxy.
+
+        Entering registers it as queued; a session that is closing raises
+        :class:`SessionClosed` at once, and a session whose close completed starts
+        again as a new session. Leaving removes it. With ``close_after`` the session's
+        close starts once the request has left (scheduled, not awaited).
+        ``abort_rids`` (default ``(rid,)``) are the rids an abort must name.
+        """
+        rids = tuple(abort_rids) if abort_rids else (rid,)
+        return self._track(session_id, rid, rids, close_after)
+
+    @contextlib.asynccontextmanager
+    async def _track(
+        self, session_id: str, rid: str, rids: tuple[str, ...], close_after: bool
+    ) -> AsyncIterator[TrackedRequest]:
+        begin = self._table.begin(session_id, self._clock())
+        if begin.token is None:
+            self._counters.inc(REJECTED_CLOSING)
+            raise SessionClosed(session_id)
+        if begin.created:
+            self._counters.inc(STARTED)
+        if begin.reopened:
+            self._counters.inc(REOPENED)
+        if begin.evicted:
+            self._counters.inc(EVICTED, len(begin.evicted))
+        req = TrackedRequest(self, session_id, begin.token, rid, rids, close_after)
+        self._requests[begin.token] = req
+        try:
+            yield req
+        finally:
+            self._requests.pop(req.token, None)
+            self._table.end(session_id, req.token, self._clock())
+            if not req._finished.done():
+                req._finished.set_result(None)
+            if (
+                close_after
+                and self._cfg.enabled
+                and session_id not in self._closes
+                and self._begin_close(session_id, "final_turn") is not None
+            ):
+                self._counters.inc(CLOSED_FINAL)
+
+    def _mark_forwarded(self, req: TrackedRequest) -> None:
+        self._table.forwarded(req.session_id, req.token, req.abort_rids, self._clock())
+
+    def _abort_on_disconnect(self, req: TrackedRequest) -> None:
+        self._counters.inc(DISCONNECT_ABORTS)
+        self._counters.inc(ABORTED_REQUESTS)
+        self._spawn(self._abort(req.abort_rids), name=f"kvproxy-abort-{req.rid}")
+
+    def abort_in_background(self, rids: Sequence[str]) -> None:
+        """Abort forwarded requests that belong to no session (e.g. client disconnect)."""
+        if rids:
+            self._counters.inc(DISCONNECT_ABORTS)
+            self._counters.inc(ABORTED_REQUESTS)
+            self._spawn(self._abort(tuple(rids)), name="kvproxy-abort")
+
+    async def _abort(self, rids: Sequence[str]) -> bool:
+        """POST /abort_request for every rid to every engine; True if all succeeded."""
+        urls = self._engines()
+        if not rids or not urls:
+            return not rids
+        timeout_s = self._cfg.close_timeout_s
+        results = await asyncio.gather(
+            *(
+                post_to_all(self._http, urls, "/abort_request", {"rid": rid}, timeout_s=timeout_s)
+                for rid in rids
+            )
+        )
+        ok = True
+        for res in results:
+            for url, error in res.failed.items():
+                ok = False
+                self._warn_engine(url, "abort_request", error)
+        if not ok:
+            self._counters.inc(ABORT_FAILURE)
+        return ok
+
+    # -- close -----------------------------------------------------------------
+
+    async def close(self, session_id: str, *, reason: str) -> CloseResult:
+        """Close ``session_id`` (the close sequence); idempotent, never raises for engines.
+
+        Concurrent callers await the same close. A session closed earlier (and still
+        remembered) answers ``already_closed`` without contacting the engines. A
+        session the proxy never saw is closed on the engines all the same.
+        """
+        if not self._cfg.enabled:
+            return CloseResult(session_id, reason=reason, note="session lifecycle is disabled")
+        task = self._closes.get(session_id) or self._begin_close(session_id, reason)
+        if task is None:
+            return CloseResult(session_id, reason=reason, already_closed=True)
+        return await asyncio.shield(task)
+
+    def _begin_close(self, session_id: str, reason: str) -> asyncio.Task[CloseResult] | None:
+        """Start the close (synchronously rejecting queued requests); None if closed."""
+        task = self._closes.get(session_id)
+        if task is not None:
+            return task
+        start = self._table.start_close(session_id, self._clock())
+        if start.status is not CloseStatus.STARTED:
+            # CLOSED: a tombstone. CLOSING without a task cannot happen: every close
+            # goes through here and the task removes itself only after finish_close.
+            return None
+        rejected = 0
+        for token in start.queued:
+            req = self._requests.get(token)
+            if req is not None:
+                req._reject()
+                rejected += 1
+        if rejected:
+            self._counters.inc(REJECTED_QUEUED, rejected)
+        task = asyncio.create_task(
+            self._close_sequence(session_id, reason, rejected, start.forwarded),
+            name=f"kvproxy-close-{session_id}",
+        )
+        self._closes[session_id] = task
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return task
+
+    async def _close_sequence(
+        self,
+        session_id: str,
+        reason: str,
+        rejected: int,
+        forwarded: tuple[tuple[int, tuple[str, ...]], ...],
+    ) -> CloseResult:
+        cfg = self._cfg
+        result = CloseResult(session_id, rejected_queued=rejected, reason=reason)
+        failed = True
+        try:
+            tokens = [token for token, _ in forwarded]
+            rids_of = dict(forwarded)
+            if tokens and cfg.on_close == "wait":
+                done = await self._wait_finished(tokens, cfg.wait_timeout_s)
+                result.awaited = len(done)
+                leftovers = [t for t in tokens if t not in done]
+                if leftovers:
+                    await self._abort_for_close(leftovers, rids_of)
+                    result.aborted = len(leftovers)
+                    await self._wait_finished(leftovers, cfg.close_timeout_s)
+            elif tokens:
+                await self._abort_for_close(tokens, rids_of)
+                result.aborted = len(tokens)
+                await self._wait_finished(tokens, cfg.wait_timeout_s)
+            urls = self._engines()
+            fan = await post_to_all(
+                self._http,
+                urls,
+                "/close_session",
+                {"session_id": session_id},
+                timeout_s=cfg.close_timeout_s,
+            )
+            result.engines_told = len(fan.ok)
+            result.engines_failed = len(fan.failed)
+            result.failures = fan.failed
+            for url, error in fan.failed.items():
+                self._warn_engine(url, "close_session", error)
+            if not urls:
+                result.note = "no engines known"
+                self._warn_engine("-", "close_session", "no engines known; nothing was told")
+            failed = bool(fan.failed) or not urls
+        except Exception:
+            log.exception("closing session %s failed", session_id)
+            result.note = "internal error during close"
+        finally:
+            self._table.finish_close(session_id, self._clock())
+            if self._closes.get(session_id) is asyncio.current_task():
+                del self._closes[session_id]
+            self._counters.inc(CLOSE)
+            if failed:
+                self._counters.inc(CLOSE_FAILURE)
+        log.debug(
+            "session %s closed (%s): told %d, failed %d, aborted %d, awaited %d, rejected %d",
+            session_id,
+            reason,
+            result.engines_told,
+            result.engines_failed,
+            result.aborted,
+            result.awaited,
+            result.rejected_queued,
+        )
+        return result
+
+    async def _abort_for_close(
+        self, tokens: list[int], rids_of: dict[int, tuple[str, ...]]
+    ) -> None:
+        rids: list[str] = []
+        for token in tokens:
+            req = self._requests.get(token)
+            if req is not None:
+                req._abort_sent = True
+            rids.extend(rids_of.get(token, ()))
+        self._counters.inc(ABORTED_REQUESTS, len(tokens))
+        await self._abort(rids)
+
+    async def _wait_finished(self, tokens: list[int], timeout_s: float) -> set[int]:
+        """Wait up to ``timeout_s`` for these requests to leave the proxy; the ones that did."""
+        waiting: dict[asyncio.Future[None], int] = {}
+        for token in tokens:
+            req = self._requests.get(token)
+            if req is not None and not req._finished.done():
+                waiting[req._finished] = token
+        if waiting and timeout_s > 0:
+            await asyncio.wait(waiting, timeout=timeout_s)
+        still_running = {tok for fut, tok in waiting.items() if not fut.done()}
+        return {t for t in tokens if t not in still_running}
+
+    # -- idle timeout ----------------------------------------------------------
+
+    def reap_idle(self) -> list[str]:
+        """Start the close of every session idle for idle_timeout_s; returns their ids."""
+        now = self._clock()
+        self._table.prune(now)
+        started: list[str] = []
+        for sid in self._table.expired(now):
+            if self._begin_close(sid, "idle") is not None:
+                self._counters.inc(CLOSED_IDLE)
+                started.append(sid)
+        return started
+
+    async def _reap_loop(self) -> None:
+        while True:
+            idle = self._cfg.idle_timeout_s
+            if idle is None or not self._cfg.enabled:
+                return
+            await asyncio.sleep(max(0.01, min(idle / 4.0, 5.0)))
+            try:
+                self.reap_idle()
+            except Exception:
+                log.exception("idle session sweep failed")
+
+    # -- engine session-mode check ---------------------------------------------
+
+    async def check_engines(self) -> bool:
+        """Probe engines whose session mode is not known yet.
+
+        Returns True when engines are known and every one of them has been read.
+        """
+        urls = self._engines()
+        todo = [u for u in urls if u not in self._modes]
+        if todo:
+            results = await asyncio.gather(
+                *(probe(self._http, u, _PROBE_TIMEOUT_S) for u in todo), return_exceptions=True
+            )
+            for url, res in zip(todo, results, strict=True):
+                if isinstance(res, EngineSessionMode):
+                    self._modes[url] = res
+                    self._probe_errors.pop(url, None)
+                elif isinstance(res, BaseException):
+                    self._probe_errors[url] = str(res) or type(res).__name__
+            for warning in mode_warnings([self._modes[u] for u in todo if u in self._modes]):
+                if warning not in self._logged_warnings and len(self._logged_warnings) < 256:
+                    self._logged_warnings.add(warning)
+                    log.warning("session lifecycle: %s", warning)
+        return bool(urls) and all(u in self._modes for u in urls)
+
+    async def _check_loop(self) -> None:
+        delay = _CHECK_FIRST_DELAY_S
+        try:
+            for _ in range(_CHECK_ROUNDS):
+                try:
+                    if await self.check_engines():
+                        self._check_state = "done"
+                        return
+                except Exception:
+                    log.exception("engine session-mode check failed")
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, _CHECK_MAX_DELAY_S)
+            self._check_state = "incomplete"
+            if self._probe_errors:
+                log.warning(
+                    "session lifecycle: could not read the session mode of %d engine(s): %s",
+                    len(self._probe_errors),
+                    "; ".join(sorted(self._probe_errors.values())[:5]),
+                )
+        finally:
+            if self._check_state == "pending":
+                self._check_state = "stopped"
+
+    def health(self) -> dict[str, Any]:
+        """Engine session modes found by the start-up check, and warnings."""
+        cfg = self._cfg
+        if not cfg.enabled:
+            return {"enabled": False}
+        engines: dict[str, Any] = {u: m.to_json() for u, m in self._modes.items()}
+        for url, error in self._probe_errors.items():
+            if url not in engines:
+                engines[url] = {"mode": "unknown", "error": error}
+        if cfg.check_engines:
+            for url in self._engines():
+                engines.setdefault(url, {"mode": "unchecked"})
+        warnings = mode_warnings(list(self._modes.values()))
+        if self._check_state in ("done", "incomplete") and not self._modes:
+            warnings.append("no engine answered /server_info: session modes unknown")
+        elif self._probe_errors:
+            warnings.append(
+                f"{len(self._probe_errors)} engine(s) did not answer /server_info: "
+                "their session mode is unknown"
+            )
+        return {
+            "enabled": True,
+            "on_close": cfg.on_close,
+            "sticky_routing": cfg.sticky_routing,
+            "idle_timeout_s": cfg.idle_timeout_s,
+            "engine_check": self._check_state,
+            "engines": engines,
+            "warnings": warnings,
+            "open": self._table.open_count,
+            "closing": self._table.closing_count,
+        }
+
+    # -- metrics ---------------------------------------------------------------
+
+    def _gauges(self) -> dict[str, float]:
+        t = self._table
+        return {
+            OPEN: float(t.open_count),
+            CLOSING: float(t.closing_count),
+            CLOSED_REMEMBERED: float(t.closed_count),
+            QUEUED_REQUESTS: float(t.queued_count),
+            FORWARDED_REQUESTS: float(t.forwarded_count),
+        }
+
+    def stats(self, *, reset: bool = False) -> dict[str, float]:
+        """JSON stats: window counters (reset when ``reset``) and current gauges.
+
+        Empty when the feature is disabled (``lifecycle_enabled`` is then absent).
+        """
+        out: dict[str, float] = {}
+        if self._cfg.enabled:
+            out[LIFECYCLE_ENABLED] = 1.0
+            out.update(self._counters.window_items())
+            out.update(self._gauges())
+        if reset:
+            self._counters.reset_window()
+        return out
+
+    def collect(self) -> Iterator[Metric]:
+        """prometheus-client custom collector: cumulative counters and gauges."""
+        yield from gauge_families(
+            {LIFECYCLE_ENABLED: 1.0 if self._cfg.enabled else 0.0}, GAUGE_HELP
+        )
+        yield from counter_families(self._counters, COUNTER_HELP)
+        yield from gauge_families(self._gauges(), GAUGE_HELP)
+
+    # -- logging ---------------------------------------------------------------
+
+    def _warn_engine(self, url: str, operation: str, error: str) -> None:
+        """WARNING about an engine failure, at most once per engine and operation per 30 s."""
+        now = time.monotonic()
+        key = (url, operation)
+        last = self._warned_at.get(key)
+        if last is not None and now - last[0] < _WARN_INTERVAL_S:
+            self._warned_at[key] = (last[0], last[1] + 1)
+            return
+        suppressed = last[1] if last is not None else 0
+        if len(self._warned_at) >= _WARN_KEYS_MAX and key not in self._warned_at:
+            self._warned_at.clear()
+        self._warned_at[key] = (now, 0)
+        log.warning(
+            "session lifecycle: %s on engine %s failed: %s%s",
+            operation,
+            url,
+            error,
+            f" ({suppressed} similar failures suppressed)" if suppressed else "",
+        )
