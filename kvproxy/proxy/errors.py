@@ -19,6 +19,7 @@ class ErrorType(StrEnum):
     SHUTTING_DOWN = "shutting_down"  # 503
     INVALID_SESSION_ID = "invalid_session_id"  # 400
     SESSION_CLOSED = "session_closed"  # 409
+    REQUEST_CANCELLED = "request_cancelled"  # 409
     INVALID_REQUEST = "invalid_request"  # 400
     INVALID_CONFIG = "invalid_config"  # 400
     UNAUTHORIZED = "unauthorized"  # 401
@@ -31,6 +32,7 @@ STATUS: dict[ErrorType, int] = {
     ErrorType.SHUTTING_DOWN: 503,
     ErrorType.INVALID_SESSION_ID: 400,
     ErrorType.SESSION_CLOSED: 409,
+    ErrorType.REQUEST_CANCELLED: 409,
     ErrorType.INVALID_REQUEST: 400,
     ErrorType.INVALID_CONFIG: 400,
     ErrorType.UNAUTHORIZED: 401,

@@ -207,6 +207,16 @@ class ProxyHandlers:
                         tracked.until_forwarded(enter) if tracked else enter
                     )
                     waited = decision.wait_s
+                    if decision.reason == "cancelled":
+                        # The ticket was cancelled from outside (e.g. a duplicate rid whose
+                        # twin was withdrawn): it must not reach the engines.
+                        return self._count(
+                            path,
+                            error_response(
+                                ErrorType.REQUEST_CANCELLED,
+                                f"request {ticket} was cancelled before it was forwarded",
+                            ),
+                        )
                     if decision.action != "pass":
                         response_headers = {
                             "X-KVProxy-Admission": decision.action

@@ -1,0 +1,431 @@
+"""The proxy core through the real router (smg) and simulated engines."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from pathlib import Path
+
+import aiohttp
+import orjson
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+
+from kvproxy import stack
+from kvproxy.config import RouterConfig
+from kvproxy.fleet.discovery import RouterFlavor
+from kvproxy.fleet.registry import Fleet
+
+from .conftest import MakeProxy, recorded, set_faults, sim_state, wait_until
+
+pytestmark = pytest.mark.usefixtures("router")
+
+
+def _marker() -> str:
+    return uuid.uuid4().hex
+
+
+async def test_request_bodies_reach_the_engine_byte_identical_with_features_off(
+    make_proxy: MakeProxy,
+    router: stack.ManagedProcess,
+    http: aiohttp.ClientSession,
+    engine_urls: list[str],
+) -> None:
+    proxy = await make_proxy()
+    for path, make_body in (
+        (
+            "/generate",
+            lambda m: {"text": f"hello {m}", "rid": m, "sampling_params": {"max_new_tokens": 3}},
+        ),
+        (
+            "/v1/completions",
+            lambda m: {
+                "model": "kvproxy/sim-model",
+                "prompt": f"p {m}",
+                "rid": m,
+                "max_tokens": 3,
+                "my_extension": {"k": [1, 2]},
+            },
+        ),
+    ):
+        seen: list[str] = []
+        for base in (router.url, proxy.url):
+            marker = _marker()
+            raw = orjson.dumps(make_body(marker))
+            async with http.post(
+                base + path, data=raw, headers={"Content-Type": "application/json"}
+            ) as resp:
+                assert resp.status == 200, await resp.text()
+                await resp.read()
+            got = [r for r in await recorded(http, engine_urls, path=path) if marker in r["body"]]
+            assert len(got) == 1
+            seen.append(got[0]["body"].replace(marker, "<m>"))
+        direct, through_proxy = seen
+        # What the engine receives is exactly what it receives without kvproxy.
+        assert through_proxy == direct
+
+
+async def test_non_json_bodies_are_forwarded_and_answered_by_the_router(
+    make_proxy: MakeProxy, router: stack.ManagedProcess, http: aiohttp.ClientSession
+) -> None:
+    proxy = await make_proxy(session_lifecycle={"enabled": True}, admission={"enabled": True})
+    answers = []
+    for base in (router.url, proxy.url):
+        async with http.post(
+            base + "/generate", data=b"[1, 2", headers={"Content-Type": "application/json"}
+        ) as resp:
+            answers.append((resp.status, await resp.read()))
+    assert answers[0] == answers[1]
+    assert answers[0][0] >= 400
+
+
+async def test_streaming_chunks_arrive_incrementally(
+    make_proxy: MakeProxy, http: aiohttp.ClientSession
+) -> None:
+    proxy = await make_proxy()
+    body = {"input_ids": list(range(20)), "sampling_params": {"max_new_tokens": 200}, "stream": True}
+    arrivals: list[float] = []
+    events = 0
+    async with http.post(proxy.url + "/generate", json=body) as resp:
+        assert resp.status == 200
+        assert resp.headers["Content-Type"].startswith("text/event-stream")
+        buf = b""
+        async for chunk in resp.content.iter_any():
+            arrivals.append(time.monotonic())
+            buf += chunk
+        events = buf.count(b"data: ")
+    assert buf.endswith(b"data: [DONE]\n\n")
+    assert events == 201  # 200 cumulative chunks + [DONE]
+    # Relayed as produced, not buffered until the end: many separate reads spread in time
+    # (200 decode steps take about 0.12 s of wall time at the engines' time scale).
+    assert len(arrivals) >= 20
+    assert arrivals[-1] - arrivals[0] > 0.05
+
+
+async def test_client_disconnect_aborts_the_upstream_request(
+    make_proxy: MakeProxy, http: aiohttp.ClientSession, engine_urls: list[str]
+) -> None:
+    proxy = await make_proxy()
+    rid = _marker()
+    body = {
+        "input_ids": list(range(30)),
+        "rid": rid,
+        "stream": True,
+        "sampling_params": {"max_new_tokens": 2000},
+    }
+
+    async def running_anywhere() -> bool:
+        for url in engine_urls:
+            state = await sim_state(http, url)
+            if any(
+                rid in r.get("running", []) or rid in r.get("queued", []) for r in state["ranks"]
+            ):
+                return True
+        return False
+
+    resp = await http.post(proxy.url + "/generate", json=body)
+    assert resp.status == 200
+    first = await resp.content.readany()
+    assert first.startswith(b"data: ")
+    assert await running_anywhere()
+    resp.close()  # the client goes away mid-stream
+
+    async def gone() -> bool:
+        return not await running_anywhere()
+
+    # 2000 tokens would take many seconds; the request must be gone long before.
+    await wait_until(gone, timeout_s=5, what="the engine to drop the aborted request")
+
+
+async def test_router_unreachable_is_502_json(
+    make_proxy: MakeProxy, http: aiohttp.ClientSession
+) -> None:
+    proxy = await make_proxy(
+        router={"url": f"http://127.0.0.1:{stack.free_port()}", "connect_timeout_s": 1}
+    )
+    async with http.post(proxy.url + "/generate", json={"text": "x"}) as resp:
+        assert resp.status == 502
+        doc = await resp.json()
+    assert doc["error"]["type"] == "router_unreachable"
+    assert "cannot reach the router" in doc["error"]["message"]
+
+
+async def test_router_timeout_is_504_json(
+    make_proxy: MakeProxy, http: aiohttp.ClientSession, engine_urls: list[str]
+) -> None:
+    proxy = await make_proxy(router={"request_timeout_s": 0.5})
+    await set_faults(http, engine_urls, latency_s=3.0)
+    started = time.monotonic()
+    async with http.post(
+        proxy.url + "/generate", json={"text": "slow", "sampling_params": {"max_new_tokens": 2}}
+    ) as resp:
+        assert resp.status == 504
+        doc = await resp.json()
+    assert doc["error"]["type"] == "router_timeout"
+    assert time.monotonic() - started < 2.5
+
+
+async def test_body_over_the_limit_is_413_json(
+    make_proxy: MakeProxy, http: aiohttp.ClientSession
+) -> None:
+    proxy = await make_proxy(server={"max_body_bytes": 2048})
+    big = orjson.dumps({"input_ids": list(range(2000))})
+    for path in ("/generate", "/some/other/path"):
+        async with http.post(
+            proxy.url + path, data=big, headers={"Content-Type": "application/json"}
+        ) as resp:
+            assert resp.status == 413
+            assert (await resp.json())["error"]["type"] == "body_too_large"
+
+
+async def test_other_paths_pass_through_with_query_strings(
+    make_proxy: MakeProxy, router: stack.ManagedProcess, http: aiohttp.ClientSession
+) -> None:
+    proxy = await make_proxy()
+    for path in ("/workers", "/readiness", "/v1/models", "/nope?x=1"):
+        results = []
+        for base in (router.url, proxy.url):
+            async with http.get(base + path) as resp:
+                body = await resp.read()
+                results.append(
+                    (resp.status, body if path != "/workers" else orjson.loads(body)["total"])
+                )
+        assert results[0] == results[1], path
+
+
+async def test_health_stats_and_metrics_endpoints(
+    make_proxy: MakeProxy, http: aiohttp.ClientSession, engine_urls: list[str]
+) -> None:
+    proxy = await make_proxy(
+        session_lifecycle={"enabled": True}, admission={"enabled": True, "poll_interval_s": 0.5}
+    )
+    async with http.post(
+        proxy.url + "/generate",
+        json={"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2}},
+        headers={"X-Session-ID": _marker()},
+    ) as resp:
+        assert resp.status == 200
+        await resp.read()
+    async with http.get(proxy.url + "/kvproxy/health") as resp:
+        health = await resp.json()
+    assert health["status"] == "ok"
+    assert health["router_reachable"] is True
+    assert health["engines_known"] == 2 and health["engines_healthy"] == 2
+    assert set(health["fleet"]["engines"]["healthy"]) == set(engine_urls)
+    assert health["features"] == {"session_lifecycle": True, "admission": True}
+    async with http.get(proxy.url + "/kvproxy/stats") as resp:
+        stats = await resp.json()
+    assert stats["agentic_kv/session/lifecycle_enabled"] == 1.0
+    assert stats["agentic_kv/admission/admit"] == 1.0
+    async with http.get(proxy.url + "/kvproxy/stats?reset=true") as resp:
+        assert (await resp.json())["agentic_kv/admission/admit"] == 1.0
+    async with http.get(proxy.url + "/kvproxy/stats") as resp:
+        assert (await resp.json())["agentic_kv/admission/admit"] == 0.0
+    async with http.get(proxy.url + "/metrics") as resp:
+        text = await resp.text()
+    assert 'kvproxy_requests_total{path="/generate",status="200"} 1.0' in text
+    assert "kvproxy_added_latency_seconds_bucket" in text
+    assert "agentic_kv_admission_admit_total 1.0" in text  # cumulative: not reset
+    assert "agentic_kv_session_lifecycle_enabled" in text
+    async with http.get(proxy.url + "/kvproxy/dashboard") as resp:
+        assert resp.status == 200 and "kvproxy" in await resp.text()
+
+
+async def test_discovery_reads_the_real_router(
+    router: stack.ManagedProcess, engine_urls: list[str]
+) -> None:
+    async with aiohttp.ClientSession() as session:
+        fleet = Fleet(RouterConfig(url=router.url), session)
+        found = await fleet.refresh()
+    assert found.flavor is RouterFlavor.SMG
+    assert set(found.healthy) == set(engine_urls) and found.unhealthy == ()
+
+
+LEGACY_WORKERS = {
+    "workers": [
+        {
+            "id": "a",
+            "url": "http://127.0.0.1:9@0",
+            "metadata": {"dp_size": "2"},
+            "is_healthy": True,
+        },
+        {
+            "id": "b",
+            "url": "http://127.0.0.1:9@1",
+            "metadata": {"dp_size": "2"},
+            "is_healthy": True,
+        },
+        {"id": "c", "url": "http://127.0.0.1:8", "metadata": {}, "is_healthy": False},
+    ],
+    "total": 3,
+}
+
+
+@pytest.mark.parametrize(
+    ("routes", "flavor", "healthy", "unhealthy"),
+    [
+        (
+            {"/workers": LEGACY_WORKERS},
+            RouterFlavor.LEGACY_WORKERS,
+            ["http://127.0.0.1:9"],
+            ["http://127.0.0.1:8"],
+        ),
+        (
+            {"/list_workers": {"urls": ["http://127.0.0.1:7", "http://127.0.0.1:7"]}},
+            RouterFlavor.LEGACY_LIST,
+            ["http://127.0.0.1:7"],
+            [],
+        ),
+    ],
+)
+async def test_discovery_of_legacy_routers_and_the_warning(
+    routes: dict,
+    flavor: RouterFlavor,
+    healthy: list[str],
+    unhealthy: list[str],
+    make_proxy: MakeProxy,
+    http: aiohttp.ClientSession,
+) -> None:
+    legacy = web.Application()
+    for path, doc in routes.items():
+        legacy.router.add_get(path, lambda _r, doc=doc: web.json_response(doc))
+    server = TestServer(legacy, host="127.0.0.1")
+    await server.start_server()
+    try:
+        proxy = await make_proxy(
+            router={"url": str(server.make_url("")).rstrip("/")},
+            session_lifecycle={"enabled": True, "check_engines": False},
+        )
+        found = proxy.runtime.fleet.engines
+        assert found.flavor is flavor
+        assert list(found.healthy) == healthy and list(found.unhealthy) == unhealthy
+        async with http.get(proxy.url + "/kvproxy/health") as resp:
+            warnings = (await resp.json())["warnings"]
+        assert any("drops a top-level session_id" in w for w in warnings)
+    finally:
+        await server.close()
+
+
+async def test_static_engines_override_discovery(
+    make_proxy: MakeProxy, engine_urls: list[str]
+) -> None:
+    proxy = await make_proxy(router={"engines": [engine_urls[0]]})
+    assert proxy.runtime.fleet.all_engines() == (engine_urls[0],)
+
+
+async def test_reload_applies_and_an_invalid_file_is_refused(
+    make_proxy: MakeProxy, http: aiohttp.ClientSession, tmp_path: Path, router: stack.ManagedProcess
+) -> None:
+    cfg = tmp_path / "kvproxy.yaml"
+    cfg.write_text(f"router:\n  url: {router.url}\n")
+    proxy = await make_proxy(source=str(cfg))
+    assert not proxy.runtime.config.admission.enabled
+
+    cfg.write_text(f"router:\n  url: {router.url}\nadmission:\n  enabled: true\n  headroom: 0.5\n")
+    async with http.post(proxy.url + "/kvproxy/config/reload") as resp:
+        assert resp.status == 200
+        doc = await resp.json()
+    assert "admission.enabled" in doc["applied"] and "admission.headroom" in doc["applied"]
+    assert proxy.runtime.config.admission.enabled
+    async with http.get(proxy.url + "/kvproxy/health") as resp:
+        assert (await resp.json())["features"]["admission"] is True
+
+    cfg.write_text(f"router:\n  url: {router.url}\nadmission:\n  enabled: true\n  headroom: 3\n")
+    async with http.post(proxy.url + "/kvproxy/config/reload") as resp:
+        assert resp.status == 400
+        doc = await resp.json()
+    assert doc["error"]["type"] == "invalid_config"
+    assert "admission.headroom" in doc["error"]["message"]
+    assert proxy.runtime.config.admission.headroom == 0.5  # the running config stays
+
+    cfg.write_text(f"router:\n  url: {router.url}\nserver:\n  port: 1234\n")
+    async with http.post(proxy.url + "/kvproxy/config/reload") as resp:
+        doc = await resp.json()
+    assert doc["restart_required"] == ["server.port"]
+    assert not proxy.runtime.config.admission.enabled
+
+
+def test_sighup_reloads_a_running_server(tmp_path: Path, router: stack.ManagedProcess) -> None:
+    cfg = tmp_path / "kvproxy.yaml"
+    cfg.write_text("admission:\n  enabled: false\n")
+    proc = stack.start_kvproxy(config_path=cfg, router_url=router.url, log_dir=tmp_path)
+    try:
+
+        def features() -> dict:
+            with stack_get(proc.url + "/kvproxy/health") as doc:
+                return doc["features"]
+
+        assert features()["admission"] is False
+        cfg.write_text("admission:\n  enabled: true\n")
+        proc.popen.send_signal(__import__("signal").SIGHUP)
+        deadline = time.monotonic() + 10
+        while features()["admission"] is not True:
+            assert time.monotonic() < deadline, "SIGHUP did not reload"
+            time.sleep(0.05)
+        cfg.write_text("admission:\n  enabled: true\n  headroom: 9\n")
+        proc.popen.send_signal(__import__("signal").SIGHUP)
+        deadline = time.monotonic() + 10
+        while "reload rejected" not in proc.log_tail():
+            assert time.monotonic() < deadline, "invalid reload was not reported"
+            time.sleep(0.05)
+        assert features()["admission"] is True and proc.alive()
+    finally:
+        proc.stop()
+
+
+class stack_get:
+    def __init__(self, url: str) -> None:
+        self.url = url
+
+    def __enter__(self) -> dict:
+        import urllib.request
+
+        with urllib.request.urlopen(self.url, timeout=5) as resp:
+            return orjson.loads(resp.read())
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+async def test_shutting_down_answers_503(
+    make_proxy: MakeProxy, http: aiohttp.ClientSession
+) -> None:
+    proxy = await make_proxy()
+    proxy.runtime.shutting_down = True
+    async with http.post(proxy.url + "/generate", json={"text": "x"}) as resp:
+        assert resp.status == 503
+        assert (await resp.json())["error"]["type"] == "shutting_down"
+
+
+async def test_concurrent_mixed_traffic_all_succeeds(
+    make_proxy: MakeProxy, http: aiohttp.ClientSession
+) -> None:
+    proxy = await make_proxy(
+        session_lifecycle={"enabled": True}, admission={"enabled": True, "poll_interval_s": 0.5}
+    )
+
+    async def one(i: int) -> int:
+        body = {
+            "input_ids": list(range(i, i + 40)),
+            "sampling_params": {"max_new_tokens": 4},
+            "stream": i % 2 == 0,
+        }
+        async with http.post(
+            proxy.url + "/generate", json=body, headers={"X-Session-ID": f"mix-{i % 5}"}
+        ) as resp:
+            await resp.read()
+            return resp.status
+
+    statuses = await asyncio.gather(*(one(i) for i in range(40)))
+    assert statuses == [200] * 40
+    await wait_until(
+        lambda: _true(proxy.runtime.admission.stats()["agentic_kv/budget/lease_count"] == 0),
+        timeout_s=5,
+        what="leases to drain",
+    )
+
+
+async def _true(value: bool) -> bool:
+    return value
