@@ -83,15 +83,21 @@ class ProxyHandlers:
             return self._count(
                 request.path, error_response(ErrorType.SHUTTING_DOWN, "kvproxy is shutting down")
             )
+        lifecycle_on = rt.config.session_lifecycle.enabled
         try:
             path_sid, path = split_session_path(request.path)
         except InvalidSessionId as exc:
-            return self._count(request.path, error_response(ErrorType.INVALID_SESSION_ID, str(exc)))
+            if lifecycle_on:
+                return self._count(
+                    request.path, error_response(ErrorType.INVALID_SESSION_ID, str(exc))
+                )
+            # The feature is off: nothing reads the id, so the path goes as it came.
+            path_sid, path = None, request.path
         if request.method == "POST":
             if path in INTERCEPTED_PATHS:
                 return await self.intercepted(request, path, path_sid, started)
-            if path == "/close_session" and rt.config.session_lifecycle.enabled:
-                return self._count(path, await self.close_session_api(request))
+            if path == "/close_session" and lifecycle_on:
+                return self._count(path, await self.close_session_api(request, path_sid))
         return await self.passthrough(request, path, started)
 
     def _count(self, path: str, response: web.StreamResponse) -> web.StreamResponse:
@@ -384,15 +390,31 @@ class ProxyHandlers:
         return self._count(path, response)
 
     # ------------------------------------------------------------- session close
-    async def close_session_api(self, request: web.Request) -> web.Response:
-        """``POST /close_session {"session_id": ...}``: SGLang's API, served by the proxy."""
-        try:
-            doc = orjson.loads(await request.read())
-        except orjson.JSONDecodeError:
-            return error_response(
-                ErrorType.INVALID_REQUEST, "body must be a JSON object with a session_id"
-            )
-        sid = doc.get("session_id") if isinstance(doc, dict) else None
+    async def close_session_api(self, request: web.Request, path_sid: str | None) -> web.Response:
+        """``POST /close_session {"session_id": ...}``: SGLang's API, served by the proxy.
+
+        Under ``/sessions/{id}/`` the path names the session and the body may be empty;
+        a body naming another session is refused.
+        """
+        raw = await request.read()
+        sid: object = None
+        if raw.strip():
+            try:
+                doc = orjson.loads(raw)
+            except orjson.JSONDecodeError:
+                doc = None
+            if not isinstance(doc, dict):
+                return error_response(
+                    ErrorType.INVALID_REQUEST, "body must be a JSON object with a session_id"
+                )
+            sid = doc.get("session_id")
+        if path_sid is not None:
+            if sid is not None and sid != path_sid:
+                return error_response(
+                    ErrorType.INVALID_REQUEST,
+                    f"body session_id {sid!r} does not match the path's session {path_sid!r}",
+                )
+            sid = path_sid
         if not isinstance(sid, str):
             return error_response(
                 ErrorType.INVALID_REQUEST, "body must be a JSON object with a string session_id"
