@@ -497,7 +497,9 @@ class AdmissionController:
                 order.popleft()
                 reason = R_DEGRADED if grant.reason == DEGRADED else R_OVERSIZED
                 self._resolve(w, self._bypass(reason, w.tokens, waited))
-            elif waited >= max_wait:  # refused at its deadline: fail open, no lease
+            elif now >= w.enqueued_at + max_wait:  # refused at its deadline: fail open
+                # (the timer's own deadline sum: a timer firing at the deadline always
+                # ages the head, never re-arms for ~0 s on a rounding difference)
                 order.popleft()
                 self._resolve(w, self._bypass(R_AGED, w.tokens, waited))
             else:
