@@ -85,7 +85,11 @@ async def test_streaming_chunks_arrive_incrementally(
     make_proxy: MakeProxy, http: aiohttp.ClientSession
 ) -> None:
     proxy = await make_proxy()
-    body = {"input_ids": list(range(20)), "sampling_params": {"max_new_tokens": 200}, "stream": True}
+    body = {
+        "input_ids": list(range(20)),
+        "sampling_params": {"max_new_tokens": 200},
+        "stream": True,
+    }
     arrivals: list[float] = []
     events = 0
     async with http.post(proxy.url + "/generate", json=body) as resp:
@@ -290,7 +294,11 @@ async def test_discovery_of_legacy_routers_and_the_warning(
 ) -> None:
     legacy = web.Application()
     for path, doc in routes.items():
-        legacy.router.add_get(path, lambda _r, doc=doc: web.json_response(doc))
+
+        async def answer(_request: web.Request, doc: dict = doc) -> web.Response:
+            return web.json_response(doc)
+
+        legacy.router.add_get(path, answer)
     server = TestServer(legacy, host="127.0.0.1")
     await server.start_server()
     try:

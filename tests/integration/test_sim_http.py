@@ -697,6 +697,7 @@ async def test_fault_knobs_at_run_time(make_client: ClientFactory) -> None:
         "latency_s": 0.0,
         "drop_stream_after_chunks": None,
         "status_503": False,
+        "token_usage": None,
     }
     await client.post("/sim/faults", json={"metrics": "error"})
     assert (await client.get("/metrics")).status == 500
@@ -719,6 +720,28 @@ async def test_fault_knobs_at_run_time(make_client: ClientFactory) -> None:
     assert bad.status == 400
     bad = await client.post("/sim/faults", json={"nonsense": 1})
     assert bad.status == 400
+    bad = await client.post("/sim/faults", json={"token_usage": 1.5})
+    assert bad.status == 400
+
+
+async def test_token_usage_override_reset_and_request_recording(
+    make_client: ClientFactory,
+) -> None:
+    client = await make_client(record_requests=2)
+    await client.post("/sim/faults", json={"token_usage": 0.97, "latency_s": 0.01})
+    text = await (await client.get("/metrics")).text()
+    assert 'sglang:token_usage{engine_type="unified"' in text
+    usage = [ln for ln in text.splitlines() if ln.startswith("sglang:token_usage{")]
+    assert usage and all(ln.endswith(" 0.97") for ln in usage)
+    after_reset = await (await client.post("/sim/faults", json={"reset": True})).json()
+    assert after_reset["token_usage"] is None and after_reset["latency_s"] == 0.0
+    for i in range(3):
+        body = {"input_ids": [i], "sampling_params": {"max_new_tokens": 1}}
+        assert (await client.post("/generate", json=body, headers={"X-Mark": str(i)})).status == 200
+    recorded = (await (await client.get("/sim/requests")).json())["requests"]
+    # a ring of the last two, oldest first, with the raw body and headers as received
+    assert [r["headers"]["X-Mark"] for r in recorded] == ["1", "2"]
+    assert recorded[0]["path"] == "/generate" and recorded[0]["body"].startswith('{"input_ids": [1]')
 
 
 async def test_fault_drop_stream_mid_way(make_client: ClientFactory) -> None:
