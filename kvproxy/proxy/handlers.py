@@ -335,10 +335,6 @@ class ProxyHandlers:
             if on_disconnect is not None:
                 on_disconnect()
             raise
-        except (TimeoutError, aiohttp.ClientError):
-            upstream.close()
-            rt.metrics.upstream_errors.labels("midstream").inc()
-            raise
         finally:
             await upstream_cm.__aexit__(None, None, None)
 
@@ -366,7 +362,21 @@ class ProxyHandlers:
             and length <= _RESPONSE_BUFFER_LIMIT
             and "text/event-stream" not in content_type
         ):
-            data = await upstream.read()
+            try:
+                data = await upstream.read()
+            except (
+                TimeoutError,
+                aiohttp.ClientPayloadError,
+                aiohttp.ServerDisconnectedError,
+            ) as exc:
+                rt.metrics.upstream_errors.labels("midstream").inc()
+                return self._count(
+                    path,
+                    error_response(
+                        ErrorType.ROUTER_UNREACHABLE,
+                        f"the router's response broke off: {type(exc).__name__}",
+                    ),
+                )
             read_at = time.perf_counter()
             response = web.Response(status=upstream.status, headers=headers, body=data)
             rt.metrics.added_latency.observe(overhead + (time.perf_counter() - read_at))
@@ -380,10 +390,21 @@ class ProxyHandlers:
         await response.prepare(request)
         rt.metrics.added_latency.observe(overhead + (time.perf_counter() - headers_at))
         tail = b""
-        async for chunk in upstream.content.iter_any():
-            await response.write(chunk)
-            if observe_tail is not None:
-                tail = (tail + chunk)[-_TAIL_BYTES:]
+        try:
+            async for chunk in upstream.content.iter_any():
+                await response.write(chunk)
+                if observe_tail is not None:
+                    tail = (tail + chunk)[-_TAIL_BYTES:]
+        except ConnectionResetError:  # the client went away (aiohttp's reset error included)
+            raise
+        except (TimeoutError, aiohttp.ClientError):
+            # The upstream broke mid-stream. End the client's stream the same way the
+            # router does (no terminating chunk, no [DONE]) without an error traceback.
+            rt.metrics.upstream_errors.labels("midstream").inc()
+            upstream.close()
+            if request.transport is not None:
+                request.transport.abort()
+            return self._count(path, response)
         await response.write_eof()
         if observe_tail is not None and upstream.status == 200:
             observe_tail(tail)

@@ -437,3 +437,28 @@ async def test_concurrent_mixed_traffic_all_succeeds(
 
 async def _true(value: bool) -> bool:
     return value
+
+
+async def test_an_upstream_stream_that_breaks_is_cut_for_the_client_too(
+    make_proxy: MakeProxy,
+    http: aiohttp.ClientSession,
+    engine_urls: list[str],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # smg 1.13 turns a broken engine stream into an error event plus [DONE]; older
+    # routers cut the client's stream. Put kvproxy straight in front of an engine to see
+    # a cut upstream stream.
+    proxy = await make_proxy(router={"url": engine_urls[0]})
+    await set_faults(http, engine_urls, drop_stream_after_chunks=2)
+    body = {"input_ids": list(range(10)), "stream": True, "sampling_params": {"max_new_tokens": 50}}
+    buf = b""
+    async with http.post(proxy.url + "/generate", json=body) as resp:
+        assert resp.status == 200
+        with pytest.raises(aiohttp.ClientPayloadError):
+            async for chunk in resp.content.iter_any():
+                buf += chunk
+    # What arrived is what the engine sent before it dropped: no [DONE], no made-up ending.
+    assert buf.count(b"data: ") == 2 and b"[DONE]" not in buf
+    text = await (await http.get(proxy.url + "/metrics")).text()
+    assert 'kvproxy_upstream_errors_total{type="midstream"} 1.0' in text
+    assert not [r for r in caplog.records if r.levelname == "ERROR"]
