@@ -26,7 +26,7 @@ from kvproxy.config import Config, ConfigError, apply_overrides, load_config
 from kvproxy.fleet.registry import Fleet, legacy_warning
 from kvproxy.proxy.dashboard import DASHBOARD_HTML
 from kvproxy.proxy.errors import ErrorType, error_response
-from kvproxy.proxy.handlers import ProxyHandlers
+from kvproxy.proxy.handlers import INTERCEPTED_PATHS, ProxyHandlers
 from kvproxy.proxy.metrics import ProxyMetrics
 from kvproxy.proxy.upstream import create_client_session
 from kvproxy.sessions.lifecycle import SessionManager
@@ -213,6 +213,7 @@ async def reload_config(rt: Runtime) -> dict[str, Any]:
             host=rt.config.server.host,
             port=rt.config.server.port,
             max_body_bytes=rt.config.server.max_body_bytes,
+            backlog=rt.config.server.backlog,
         ),
         router=dataclasses.replace(
             new.router, url=rt.config.router.url, max_connections=rt.config.router.max_connections
@@ -274,6 +275,9 @@ def create_app(config: Config, *, overrides: Mapping[str, Any] | None = None) ->
             )
         return await handlers.close_session_admin(request)
 
+    # The hot paths first: the router matches routes in registration order.
+    for path in INTERCEPTED_PATHS:
+        app.router.add_post(path, handlers.dispatch)
     app.router.add_get("/kvproxy/health", handle_health)
     app.router.add_get("/kvproxy/stats", handle_stats)
     app.router.add_get("/kvproxy/dashboard", handle_dashboard)

@@ -37,6 +37,8 @@ class ServerConfig:
     admin_token: str | None = None
     # Seconds to let in-flight requests finish on SIGTERM / SIGINT.
     shutdown_grace_s: float = 10.0
+    # Listen backlog: bursts of new connections beyond it wait for SYN retransmits.
+    backlog: int = 2048
     log_level: str = "WARNING"
 
 

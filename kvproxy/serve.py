@@ -109,6 +109,7 @@ def run(args: argparse.Namespace) -> int:
         port=cfg.server.port,
         handler_cancellation=True,
         shutdown_timeout=cfg.server.shutdown_grace_s,
+        backlog=cfg.server.backlog,
         access_log=None,
         print=None,
         loop=uvloop.new_event_loop() if uvloop is not None else None,
