@@ -1,8 +1,8 @@
 """Command line: ``kvproxy serve | sim-engine | demo``.
 
-Each subcommand module exposes ``add_arguments(parser)`` and ``run(args) -> int``;
-they are imported lazily so that ``kvproxy sim-engine`` never loads the proxy and
-``kvproxy serve`` never loads the simulator.
+Each subcommand module exposes ``add_arguments(parser)`` and ``run(args) -> int``.
+Only the module of the command being run is imported, so ``kvproxy sim-engine`` never
+loads the proxy and ``kvproxy serve`` never loads the simulator or the demo.
 """
 
 from __future__ import annotations
@@ -18,17 +18,24 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvproxy", description=__doc__.splitlines()[0])
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser; only ``command``'s module is imported to add its arguments."""
+    parser = argparse.ArgumentParser(
+        prog="kvproxy",
+        description="A KV-cache-aware reverse proxy for agentic LLM rollouts.",
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (module, help_text) in SUBCOMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
-        importlib.import_module(module).add_arguments(p)
+        if name == command:
+            importlib.import_module(module).add_arguments(p)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    command = next((a for a in argv if not a.startswith("-")), None)
+    args = build_parser(command if command in SUBCOMMANDS else None).parse_args(argv)
     module = importlib.import_module(SUBCOMMANDS[args.command][0])
     return int(module.run(args) or 0)
 
