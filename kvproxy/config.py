@@ -113,6 +113,13 @@ class AdmissionConfig:
     # Prompt-size estimate for text / chat bodies (no input_ids): characters per token
     # before calibration from the engines' reported prompt_tokens.
     chars_per_token: float = 4.0
+    # Program-aware mode: count a session's KV between its turns (its residency) and
+    # hold new sessions, never turns of sessions already resident. False: every
+    # request is admitted on its own (the per-request behaviour).
+    session_residency: bool = True
+    # A session with no request for this long stops being counted resident (its KV is
+    # evictable anyway); this releases residency when sessions never close explicitly.
+    session_idle_s: float = 600.0
 
     @property
     def effective_staleness_s(self) -> float:
@@ -344,6 +351,10 @@ def validate(cfg: Config) -> None:
         _check(
             a.chars_per_token > 0,
             f"admission.chars_per_token: must be > 0 (got {a.chars_per_token})",
+        )
+        _check(
+            a.session_idle_s > 0,
+            f"admission.session_idle_s: must be > 0 (got {a.session_idle_s})",
         )
 
 

@@ -22,13 +22,24 @@ Decision order for one request (:meth:`AdmissionController.admit`):
 9. otherwise ``admit`` with a lease, held until the ``async with`` block exits and
    released exactly once, whatever the exit path.
 
-The FIFO is a deque of waiter records plus a dict of live waiters by ticket;
-cancelled entries are skipped lazily when they reach the head, and the deque is
+Session residency (``session_residency: true``, the default; docs/admission.md):
+the ledger counts each session's KV between its turns, so a request of a session
+that is already resident (a *continuing* request) is never held for capacity, only
+by the pressure guard, while a request of a new session (or one without a session
+id) is held until ``committed + tokens`` fits the ceiling. There are two FIFOs:
+``continuing`` and ``new``. Draining grants the continuing FIFO's head(s) first,
+then the new FIFO's head(s), each in strict arrival order; a refused new head never
+blocks a continuing request, and a continuing request never waits behind a new one.
+``end_session`` (a session closed) and idle expiry (``session_idle_s``, applied by
+the poll loop) end a session's residency and free room for new sessions.
+
+Each FIFO is a deque of waiter records; a dict of live waiters by ticket covers
+both. Cancelled entries are skipped lazily when they reach a head, and a deque is
 compacted when dead entries dominate, so every operation is O(1) amortised.
 Draining stops at the first waiter the ledger refuses (strict arrival order).
 
-An aging timer is armed for the head's deadline, so a waiter leaves within a few
-milliseconds of ``max_wait_s`` even when nothing else happens.
+An aging timer is armed for the earlier of the two heads' deadlines, so a waiter
+leaves within a few milliseconds of ``max_wait_s`` even when nothing else happens.
 
 Polling: every ``poll_interval_s`` the coordinator scrapes ``{engine}/metrics`` for
 each engine the fleet reports healthy, concurrently, with ``metrics_timeout_s``. A
@@ -97,11 +108,16 @@ C_BYPASS_QUEUE_FULL = _A + "bypass_queue_full"
 C_BYPASS_DISABLED = _A + "bypass_disabled"
 C_WAIT = _A + "wait"
 C_CANCELLED = _A + "cancelled"
+C_WAIT_NEW_SESSION = _A + "wait_new_session"
+C_WAIT_CONTINUING = _A + "wait_continuing"
 C_WAIT_GRANTED = _A + "wait_granted"  # internal: grants after a wait
 C_WAIT_SECONDS_SUM = _A + "wait_seconds_sum"  # internal: their summed wait
 C_LEASE_EXPIRED = _B + "lease_expired"
 C_SCRAPE_FAILURE = _B + "scrape_failure"
 C_POLL_ERROR = _B + "poll_error"
+C_RESIDENCY_EXPIRED = _B + "residency_expired"
+C_RESIDENCY_EVICTED = _B + "residency_evicted"
+C_SESSION_ENDED = _B + "session_ended"
 
 _BYPASS_REASON_COUNTER = {
     R_PROTECTED: C_BYPASS_PROTECTED,
@@ -122,11 +138,16 @@ _COUNTERS = (
     C_BYPASS_DISABLED,
     C_WAIT,
     C_CANCELLED,
+    C_WAIT_NEW_SESSION,
+    C_WAIT_CONTINUING,
     C_WAIT_GRANTED,
     C_WAIT_SECONDS_SUM,
     C_LEASE_EXPIRED,
     C_SCRAPE_FAILURE,
     C_POLL_ERROR,
+    C_RESIDENCY_EXPIRED,
+    C_RESIDENCY_EVICTED,
+    C_SESSION_ENDED,
 )
 # Counters reported by stats() (the internal ones are folded into wait_seconds_mean).
 _STATS_COUNTERS = tuple(c for c in _COUNTERS if c not in (C_WAIT_GRANTED, C_WAIT_SECONDS_SUM))
@@ -142,18 +163,28 @@ _HELP = {
     C_BYPASS_DISABLED: "Waiters released when admission was disabled by a reload.",
     C_WAIT: "Requests that entered the FIFO.",
     C_CANCELLED: "Waiting requests cancelled (client gone) before a decision.",
+    C_WAIT_NEW_SESSION: "Requests of new (not resident) sessions that entered the new FIFO.",
+    C_WAIT_CONTINUING: "Requests of resident sessions that waited (pressure guard).",
+    C_RESIDENCY_EXPIRED: "Sessions whose residency ended after session_idle_s without a request.",
+    C_RESIDENCY_EVICTED: "Idle resident sessions dropped by the residency table bound.",
+    C_SESSION_ENDED: "Resident sessions ended by end_session (session close).",
     C_LEASE_EXPIRED: "Leases reclaimed by the lease TTL.",
     C_SCRAPE_FAILURE: "Engine /metrics scrapes that failed or carried no usage.",
     C_POLL_ERROR: "Poll iterations that raised (polling continued).",
-    _A + "waiting": "Requests waiting in the FIFO now.",
+    _A + "waiting": "Requests waiting in the FIFOs now.",
+    _A + "waiting_continuing": "Requests of resident sessions waiting now.",
+    _A + "waiting_new": "Requests of new sessions (or without one) waiting now.",
     _A + "defer_rate": "wait / (admit + wait + bypass), over the process lifetime.",
     _A + "degraded_rate": "bypass_degraded / (admit + wait + bypass), over the process lifetime.",
     _A + "wait_seconds_mean": "Mean wait of requests admitted after waiting, process lifetime.",
     _A + "enabled": "1 when admission is enabled.",
     _B + "ceiling": "int(sum of fresh engines' max_total_num_tokens x headroom).",
     _B + "reserved": "Tokens held by live leases.",
-    _B + "available_tokens": "max(0, ceiling - reserved).",
-    _B + "reserved_utilization": "reserved / ceiling.",
+    _B + "resident": "Tokens of resident sessions between their turns.",
+    _B + "resident_sessions": "Resident sessions.",
+    _B + "committed": "reserved + resident.",
+    _B + "available_tokens": "max(0, ceiling - committed).",
+    _B + "reserved_utilization": "committed / ceiling.",
     _B + "lease_count": "Live leases.",
     _B + "kv_token_usage_mean": "Mean token_usage over fresh engines, now.",
     _B + "kv_token_usage_max": "Max token_usage over fresh engines, now (the pressure signal).",
@@ -217,15 +248,23 @@ _WAITING, _RESOLVED, _CANCELLED = 0, 1, 2
 
 
 class _Waiter:
-    __slots__ = ("enqueued_at", "future", "state", "ticket", "tokens")
+    __slots__ = ("continuing", "enqueued_at", "future", "session", "state", "ticket", "tokens")
 
     def __init__(
-        self, ticket: str, tokens: int, enqueued_at: float, future: asyncio.Future[Decision]
+        self,
+        ticket: str,
+        tokens: int,
+        enqueued_at: float,
+        future: asyncio.Future[Decision],
+        session: str | None = None,
+        continuing: bool = False,
     ) -> None:
         self.ticket = ticket
         self.tokens = tokens
         self.enqueued_at = enqueued_at
         self.future = future
+        self.session = session  # passed to the ledger (None when residency is off)
+        self.continuing = continuing  # in the continuing FIFO
         self.state = _WAITING
 
 
@@ -245,12 +284,14 @@ class _RateLimitedLog:
 class _Admission(AbstractAsyncContextManager[Decision]):
     """The context manager returned by :meth:`AdmissionController.admit`."""
 
-    __slots__ = ("_ctl", "_lease_id", "_req")
+    __slots__ = ("_aged", "_ctl", "_lease_id", "_req")
 
     def __init__(self, ctl: AdmissionController, req: AdmissionRequest) -> None:
         self._ctl = ctl
         self._req = req
         self._lease_id: str | None = None
+        # Tokens of an aged bypass of a session: noted as its residency at exit.
+        self._aged: int | None = None
 
     async def __aenter__(self) -> Decision:
         ctl = self._ctl
@@ -275,6 +316,8 @@ class _Admission(AbstractAsyncContextManager[Decision]):
                 # The shared future was cancelled by its first holder, not us.
                 decision = _BYPASS_CANCELLED
         self._lease_id = decision.lease_id
+        if decision.reason == R_AGED and self._req.session_id is not None:
+            self._aged = decision.tokens
         return decision
 
     async def __aexit__(
@@ -286,6 +329,9 @@ class _Admission(AbstractAsyncContextManager[Decision]):
         lease_id, self._lease_id = self._lease_id, None
         if lease_id is not None:
             self._ctl._release(lease_id)
+        elif self._aged is not None:
+            tokens, self._aged = self._aged, None
+            self._ctl._aged_turn_ended(self._req, tokens)
 
 
 class AdmissionController:
@@ -312,11 +358,15 @@ class AdmissionController:
             pressure_threshold=cfg.pressure_threshold,
             lease_ttl_s=cfg.lease_ttl_s,
             staleness_s=cfg.effective_staleness_s,
+            session_residency=cfg.session_residency,
         )
         self._sizer = ReservationSizer(cfg)
         self._counters = WindowedCounters(_COUNTERS)
-        self._waiters: dict[str, _Waiter] = {}
-        self._order: deque[_Waiter] = deque()
+        self._waiters: dict[str, _Waiter] = {}  # live waiters of both FIFOs
+        self._cont: deque[_Waiter] = deque()  # requests of resident sessions
+        self._new: deque[_Waiter] = deque()  # everything else
+        self._n_cont = 0  # live waiters in the continuing FIFO
+        self._evicted_seen = 0  # ledger.residency_evicted already counted
         self._tombstones: OrderedDict[str, float] = OrderedDict()
         self._hist_counts = [0] * (len(WAIT_BUCKETS) + 1)
         self._hist_sum = 0.0
@@ -348,6 +398,7 @@ class AdmissionController:
         self._cancel_timer()
         self._release_all_waiters(R_DEGRADED)
         self.ledger.clear_engines()
+        self.ledger.clear_residency()
 
     async def reconfigure(self, cfg: AdmissionConfig) -> None:
         """Hot reload. Thresholds apply to the next decision; toggling starts or stops."""
@@ -358,6 +409,7 @@ class AdmissionController:
             pressure_threshold=cfg.pressure_threshold,
             lease_ttl_s=cfg.lease_ttl_s,
             staleness_s=cfg.effective_staleness_s,
+            session_residency=cfg.session_residency,
         )
         self._sizer.configure(cfg)
         if was_enabled and not cfg.enabled:
@@ -365,6 +417,7 @@ class AdmissionController:
             self._cancel_timer()
             self._release_all_waiters(R_DISABLED)
             self.ledger.clear_engines()
+            self.ledger.clear_residency()
         elif cfg.enabled and not was_enabled:
             await self.start()
         elif cfg.enabled:
@@ -384,11 +437,13 @@ class AdmissionController:
 
     def _release_all_waiters(self, reason: str) -> None:
         now = self._clock()
-        for w in self._order:
-            if w.state == _WAITING:
-                self._resolve(w, self._bypass(reason, w.tokens, now - w.enqueued_at))
-        self._order.clear()
+        for order in (self._cont, self._new):
+            for w in order:
+                if w.state == _WAITING:
+                    self._resolve(w, self._bypass(reason, w.tokens, now - w.enqueued_at))
+            order.clear()
         self._waiters.clear()
+        self._n_cont = 0
 
     # -- decisions ---------------------------------------------------------------------
 
@@ -425,7 +480,7 @@ class AdmissionController:
         ledger = self.ledger
         lease = ledger.lease_for_ticket(ticket)
         if lease is not None:
-            return Decision(ADMIT, R_CAPACITY_AVAILABLE, lease.lease_id, lease.tokens, 0.0)
+            return Decision(ADMIT, R_CAPACITY_AVAILABLE, lease.lease_id, lease.full_tokens, 0.0)
         existing = self._waiters.get(ticket)
         if existing is not None:
             return existing, True
@@ -436,41 +491,72 @@ class AdmissionController:
             return self._bypass(R_DEGRADED, 0)
 
         now = self._clock()
+        sid = req.session_id if cfg.session_residency else None
+        continuing = ledger.is_resident(sid)
+        if continuing:
+            assert sid is not None
+            ledger.touch(sid, now)  # active: not idle-expired while it waits
         if self._waiters:
             self._drain(now)
-        if not self._waiters:
-            grant = ledger.reserve(ticket, tokens, now)
+        queued = self._n_cont if continuing else len(self._waiters) - self._n_cont
+        if not queued:  # fast path: nobody ahead of it in its FIFO
+            grant = ledger.reserve(ticket, tokens, now, sid, continuing=continuing)
             if grant.granted:
                 self._counters.inc(C_ADMIT)
                 return Decision(ADMIT, R_CAPACITY_AVAILABLE, grant.lease_id, grant.tokens, 0.0)
             reason = grant.reason
         else:
-            reason = ledger.check(tokens, now)
+            reason = ledger.check(tokens, now, sid, continuing=continuing)
         if reason == DEGRADED:
             return self._bypass(R_DEGRADED, tokens)
         if reason == OVERSIZED:
             return self._bypass(R_OVERSIZED, tokens)
         if len(self._waiters) >= cfg.max_queue:
             return self._bypass(R_QUEUE_FULL, tokens)
-        # Wait in the FIFO (capacity_exhausted / pressure_guard, or an earlier waiter).
-        waiter = _Waiter(ticket, tokens, now, asyncio.get_running_loop().create_future())
+        # Wait in its FIFO (capacity_exhausted / pressure_guard, or an earlier waiter).
+        waiter = _Waiter(
+            ticket, tokens, now, asyncio.get_running_loop().create_future(), sid, continuing
+        )
         self._waiters[ticket] = waiter
-        self._order.append(waiter)
-        self._counters.inc(C_WAIT)
-        if len(self._waiters) == 1:
+        c = self._counters
+        c.inc(C_WAIT)
+        if continuing:
+            self._cont.append(waiter)
+            self._n_cont += 1
+            c.inc(C_WAIT_CONTINUING)
+        else:
+            self._new.append(waiter)
+            if sid is not None:
+                c.inc(C_WAIT_NEW_SESSION)
+        if not queued:
             self._drain(now)  # ages it at once when max_wait_s == 0; arms the timer
         return waiter, False
 
     def _resolve(self, w: _Waiter, decision: Decision) -> None:
         w.state = _RESOLVED
         del self._waiters[w.ticket]
+        if w.continuing:
+            self._n_cont -= 1
         self._observe_wait(decision.wait_s)
         if not w.future.done():
             w.future.set_result(decision)
 
     def _drain(self, now: float) -> None:
-        """Resolve waiters from the head while the ledger admits them (strict FIFO)."""
-        order = self._order
+        """Resolve waiters from the heads while the ledger admits them.
+
+        The continuing FIFO first, then the new FIFO; each in strict arrival order.
+        """
+        self._drain_fifo(self._cont, now)
+        self._drain_fifo(self._new, now)
+        live_cont = self._n_cont
+        live_new = len(self._waiters) - live_cont
+        if len(self._cont) > 64 and len(self._cont) > 2 * live_cont:
+            self._cont = deque(w for w in self._cont if w.state == _WAITING)
+        if len(self._new) > 64 and len(self._new) > 2 * live_new:
+            self._new = deque(w for w in self._new if w.state == _WAITING)
+        self._arm_timer(now)
+
+    def _drain_fifo(self, order: deque[_Waiter], now: float) -> None:
         ledger = self.ledger
         max_wait = self._cfg.max_wait_s
         while order:
@@ -483,7 +569,7 @@ class AdmissionController:
                 self._drop_cancelled(w, now)
                 continue
             waited = max(0.0, now - w.enqueued_at)
-            grant = ledger.reserve(w.ticket, w.tokens, now)
+            grant = ledger.reserve(w.ticket, w.tokens, now, w.session, continuing=w.continuing)
             if grant.granted:
                 order.popleft()
                 c = self._counters
@@ -504,14 +590,13 @@ class AdmissionController:
                 self._resolve(w, self._bypass(R_AGED, w.tokens, waited))
             else:
                 break  # strict FIFO: nobody overtakes a refused head
-        if len(order) > 64 and len(order) > 2 * len(self._waiters):
-            self._order = deque(w for w in order if w.state == _WAITING)
-        self._arm_timer(now)
 
     def _drop_cancelled(self, w: _Waiter, now: float) -> None:
         w.state = _CANCELLED
         if self._waiters.get(w.ticket) is w:
             del self._waiters[w.ticket]
+            if w.continuing:
+                self._n_cont -= 1
         self._counters.inc(C_CANCELLED)
         self._observe_wait(now - w.enqueued_at)
 
@@ -519,13 +604,14 @@ class AdmissionController:
         """The awaiting task was cancelled: remove the waiter or release a raced lease."""
         now = self._clock()
         if w.state == _WAITING:
-            was_head = bool(self._order) and self._order[0] is w
+            order = self._cont if w.continuing else self._new
+            was_head = bool(order) and order[0] is w
             self._drop_cancelled(w, now)
             if not w.future.done():
                 w.future.set_result(_BYPASS_CANCELLED)
             if was_head:
                 self._drain(now)
-        elif self.ledger.release_ticket(w.ticket) is not None:
+        elif self.ledger.release_ticket(w.ticket, now, ran=False) is not None:
             self._drain(now)
 
     def cancel(self, ticket_id: str) -> None:
@@ -542,7 +628,7 @@ class AdmissionController:
         if w is not None:
             self._cancel_waiter(w)
             return
-        if self.ledger.release_ticket(ticket_id) is not None:
+        if self.ledger.release_ticket(ticket_id, now) is not None:
             self._drain(now)
             return
         self._tombstones[ticket_id] = now
@@ -550,8 +636,25 @@ class AdmissionController:
             self._tombstones.popitem(last=False)
 
     def _release(self, lease_id: str) -> None:
-        if self.ledger.release(lease_id) is not None and self._waiters:
-            self._drain(self._clock())
+        now = self._clock()
+        if self.ledger.release(lease_id, now) is not None and self._waiters:
+            self._drain(now)
+
+    def _aged_turn_ended(self, req: AdmissionRequest, tokens: int) -> None:
+        """An aged (lease-less) turn of a session ended: the session is resident now."""
+        if self._cfg.enabled and self._cfg.session_residency and req.session_id is not None:
+            self.ledger.note_unleased_turn(req.session_id, tokens, self._clock())
+
+    def end_session(self, session_id: str) -> None:
+        """The session closed: drop its residency (idempotent), freeing room for new ones.
+
+        Its waiting requests are not touched (the caller cancels tickets it owns); a
+        lease of it still live is released normally but adds no residency.
+        """
+        if self.ledger.end_session(session_id):
+            self._counters.inc(C_SESSION_ENDED)
+            if self._waiters:
+                self._drain(self._clock())
 
     def observe_prompt_tokens(self, req: AdmissionRequest, prompt_tokens: int) -> None:
         """Calibrate the text-prompt estimate from an engine-reported ``prompt_tokens``."""
@@ -565,12 +668,15 @@ class AdmissionController:
     # -- aging timer -------------------------------------------------------------------
 
     def _arm_timer(self, now: float) -> None:
-        # After a drain the head, if any, is a live waiter.
-        head = self._order[0] if self._order else None
-        if head is None or head.state != _WAITING:
+        # After a drain each head, if any, is a live waiter; arm for the earlier one.
+        first = math.inf
+        for order in (self._cont, self._new):
+            if order and order[0].state == _WAITING and order[0].enqueued_at < first:
+                first = order[0].enqueued_at
+        if first == math.inf:
             self._cancel_timer()
             return
-        deadline = head.enqueued_at + self._cfg.max_wait_s
+        deadline = first + self._cfg.max_wait_s
         if deadline == self._timer_deadline and self._timer is not None:
             return
         self._cancel_timer()
@@ -636,6 +742,10 @@ class AdmissionController:
             expired = ledger.expire(now)
             if expired:
                 self._counters.inc(C_LEASE_EXPIRED, len(expired))
+            idle = ledger.expire_sessions(now, self._cfg.session_idle_s)
+            if idle:
+                self._counters.inc(C_RESIDENCY_EXPIRED, len(idle))
+            self._sync_evicted()
             self._prune_tombstones(now)
             self._drain(now)
         except asyncio.CancelledError:
@@ -678,9 +788,23 @@ class AdmissionController:
                 return
         self._hist_counts[-1] += 1
 
+    def _sync_evicted(self) -> None:
+        evicted = self.ledger.residency_evicted
+        if evicted > self._evicted_seen:
+            self._counters.inc(C_RESIDENCY_EVICTED, evicted - self._evicted_seen)
+        self._evicted_seen = evicted
+
     @property
     def waiting(self) -> int:
         return len(self._waiters)
+
+    @property
+    def waiting_continuing(self) -> int:
+        return self._n_cont
+
+    @property
+    def waiting_new(self) -> int:
+        return len(self._waiters) - self._n_cont
 
     @staticmethod
     def _rates(values: Mapping[str, float]) -> dict[str, float]:
@@ -703,6 +827,7 @@ class AdmissionController:
         ``lease_expired`` only when non-zero. ``reset=True`` then closes the window:
         counters restart and the usage window restarts at the current level.
         """
+        self._sync_evicted()
         window = self._counters.window_items()
         out: dict[str, float] = {_A + "enabled": 1.0 if self._cfg.enabled else 0.0}
         for name in _STATS_COUNTERS:
@@ -710,6 +835,8 @@ class AdmissionController:
                 continue
             out[name] = window[name]
         out[_A + "waiting"] = float(len(self._waiters))
+        out[_A + "waiting_continuing"] = float(self._n_cont)
+        out[_A + "waiting_new"] = float(len(self._waiters) - self._n_cont)
         out.update(self._rates(window))
         out.update(self.ledger.snapshot(self._clock(), reset_usage_window=reset))
         if reset:
@@ -736,9 +863,15 @@ class AdmissionController:
             "epoch": ledger.epoch,
             "ceiling": ledger.ceiling,
             "reserved": ledger.reserved,
+            "resident": ledger.resident_total,
+            "resident_sessions": ledger.resident_sessions,
+            "committed": ledger.committed,
+            "session_residency": self._cfg.session_residency,
             "pressure": ledger.pressure,
             "lease_count": ledger.lease_count,
             "waiting": len(self._waiters),
+            "waiting_continuing": self._n_cont,
+            "waiting_new": len(self._waiters) - self._n_cont,
             "engines_fresh": sum(1 for e in engines if e["fresh"]),
             "engines_stale": sum(1 for e in engines if not e["fresh"]),
             "engines": engines,
@@ -746,6 +879,7 @@ class AdmissionController:
 
     def collect(self) -> Iterable[Metric]:
         """prometheus-client custom collector: counters, gauges, wait histogram."""
+        self._sync_evicted()
         totals = self._counters.total_items()
         exported = WindowedCounters()
         for name in _STATS_COUNTERS:
@@ -758,11 +892,16 @@ class AdmissionController:
         gauges: dict[str, float] = {
             _A + "enabled": 1.0 if self._cfg.enabled else 0.0,
             _A + "waiting": float(len(self._waiters)),
+            _A + "waiting_continuing": float(self._n_cont),
+            _A + "waiting_new": float(len(self._waiters) - self._n_cont),
             **self._rates(totals),
             _B + "ceiling": float(ledger.ceiling),
             _B + "reserved": float(ledger.reserved),
-            _B + "available_tokens": float(max(0, ledger.ceiling - ledger.reserved)),
-            _B + "reserved_utilization": ledger.reserved / ledger.ceiling
+            _B + "resident": float(ledger.resident_total),
+            _B + "resident_sessions": float(ledger.resident_sessions),
+            _B + "committed": float(ledger.committed),
+            _B + "available_tokens": float(max(0, ledger.ceiling - ledger.committed)),
+            _B + "reserved_utilization": ledger.committed / ledger.ceiling
             if ledger.ceiling > 0
             else 0.0,
             _B + "lease_count": float(ledger.lease_count),

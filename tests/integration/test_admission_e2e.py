@@ -508,6 +508,10 @@ ADMISSION_KEYS = {
         "wait",
         "waiting",
         "cancelled",
+        "wait_new_session",
+        "wait_continuing",
+        "waiting_continuing",
+        "waiting_new",
         "defer_rate",
         "degraded_rate",
         "wait_seconds_mean",
@@ -529,6 +533,12 @@ BUDGET_KEYS = {
         "engines_stale",
         "scrape_failure",
         "poll_error",
+        "resident",
+        "resident_sessions",
+        "committed",
+        "residency_expired",
+        "residency_evicted",
+        "session_ended",
     )
 }
 

@@ -667,6 +667,10 @@ ADMISSION_KEYS = {
         "wait",
         "waiting",
         "cancelled",
+        "wait_new_session",
+        "wait_continuing",
+        "waiting_continuing",
+        "waiting_new",
         "defer_rate",
         "degraded_rate",
         "wait_seconds_mean",
@@ -688,6 +692,12 @@ BUDGET_KEYS = {
         "engines_stale",
         "scrape_failure",
         "poll_error",
+        "resident",
+        "resident_sessions",
+        "committed",
+        "residency_expired",
+        "residency_evicted",
+        "session_ended",
     ]
 }
 
@@ -756,3 +766,203 @@ async def test_observe_prompt_tokens_calibrates_text_requests(make_env: Factory)
     env.ctl.observe_prompt_tokens(r, 200)
     async with env.ctl.admit(dataclasses.replace(r, ticket_id="t2")) as d:
         assert d.tokens == 200
+
+
+# -- session residency (program-aware mode) -------------------------------------------
+
+
+def sreq(ticket: str, session: str | None, tokens: int) -> AdmissionRequest:
+    body = {"input_ids": [0] * tokens, "sampling_params": {"max_new_tokens": 0}}
+    return AdmissionRequest(ticket, "/generate", CIMultiDict(), body, session)
+
+
+async def turn(ctl: AdmissionController, ticket: str, session: str, tokens: int) -> None:
+    """One completed turn: the session becomes resident with ``tokens``."""
+    async with ctl.admit(sreq(ticket, session, tokens)) as d:
+        assert d.action == "admit", d
+
+
+class Recorder(Holder):
+    """A holder that appends its ticket to ``order`` when its decision arrives."""
+
+    def __init__(self, ctl: AdmissionController, r: AdmissionRequest, order: list[str]) -> None:
+        self.order = order
+        self.ticket = r.ticket_id
+        super().__init__(ctl, r)
+
+    async def _run(self, ctl: AdmissionController, r: AdmissionRequest) -> None:
+        async with ctl.admit(r) as d:
+            self.order.append(self.ticket)
+            self.decision.set_result(d)
+            await self.exit.wait()
+
+
+async def set_usage(env: Env, usage: float) -> None:
+    cap, _ = env.fleet.engines[A]
+    env.fleet.engines[A] = (cap, usage)
+    await env.ctl.poll_once()
+
+
+async def test_new_session_head_does_not_block_a_continuing_request(make_env: Factory) -> None:
+    env = await make_env(engines={A: (1000, 0.1)})
+    ctl = env.ctl
+    await turn(ctl, "s1:1", "s1", 600)
+    running = Holder(ctl, sreq("s2:1", "s2", 300))
+    assert (await decided(running)).action == "admit"
+    new = Holder(ctl, sreq("s3:1", "s3", 200))  # 900 + 200 > 1000: waits
+    await settle()
+    assert ctl.waiting_new == 1 and not new.decision.done()
+    # s1's next turn (growth 100, over the ceiling) is admitted at once, not behind s3.
+    cont = Holder(ctl, sreq("s1:2", "s1", 700))
+    d = await decided(cont)
+    assert (d.action, d.reason, d.tokens, d.wait_s) == ("admit", "capacity_available", 700, 0.0)
+    assert ctl.ledger.committed == 1000 and not new.decision.done()
+    s = ctl.stats()
+    assert s["agentic_kv/admission/wait_new_session"] == 1
+    assert s["agentic_kv/admission/wait_continuing"] == 0
+    assert s["agentic_kv/budget/resident"] == 600 and s["agentic_kv/budget/committed"] == 1000
+    # Under pressure a continuing request waits, and it is granted when pressure
+    # clears even though the new head is still refused for capacity.
+    await set_usage(env, 0.95)
+    held = Holder(ctl, sreq("s1:3", "s1", 700))
+    await settle()
+    assert ctl.waiting_continuing == 1 and not held.decision.done()
+    await set_usage(env, 0.1)
+    assert (await decided(held)).action == "admit"
+    assert not new.decision.done() and ctl.waiting == 1
+    for h in (cont, held, running):
+        await h.finish()
+    # The turns ended, but s1 (700) and s2 (300) stay resident: s3 still waits ...
+    await settle()
+    assert ctl.ledger.committed == 1000 and not new.decision.done()
+    ctl.end_session("s2")  # ... until a session closes
+    assert (await decided(new)).action == "admit"
+    await new.finish()
+
+
+async def test_continuing_requests_wait_under_pressure_and_go_in_fifo_order(
+    make_env: Factory,
+) -> None:
+    env = await make_env(engines={A: (1000, 0.1)})
+    ctl = env.ctl
+    await turn(ctl, "s1:1", "s1", 100)
+    await turn(ctl, "s2:1", "s2", 100)
+    await set_usage(env, 0.95)
+    order: list[str] = []
+    holders = [Recorder(ctl, sreq(t, t.split(":")[0], 150), order) for t in ("s2:2", "s1:2")]
+    holders.append(Recorder(ctl, sreq("s1:3", "s1", 150), order))
+    await settle()
+    assert ctl.waiting_continuing == 3 and not order
+    assert stat(ctl, "agentic_kv/admission/wait_continuing") == 3
+    await set_usage(env, 0.1)
+    for h in holders:
+        assert (await decided(h)).action == "admit"
+    assert order == ["s2:2", "s1:2", "s1:3"]
+    for h in holders:
+        await h.finish()
+    assert ctl.ledger.reserved == 0 and ctl.ledger.resident_total == 300
+
+
+async def test_new_sessions_go_in_fifo_order_as_end_session_frees_room(
+    make_env: Factory,
+) -> None:
+    env = await make_env(engines={A: (1000, 0.1)})
+    ctl = env.ctl
+    await turn(ctl, "s1:1", "s1", 900)
+    order: list[str] = []
+    holders = [Recorder(ctl, sreq(f"n{i}:1", f"n{i}", n), order) for i, n in enumerate((200, 50))]
+    await settle()
+    # n1 (50) would fit, but it does not overtake the refused head n0.
+    assert ctl.waiting_new == 2 and not order
+    ctl.end_session("s1")
+    ctl.end_session("s1")  # idempotent
+    for h in holders:
+        assert (await decided(h)).action == "admit"
+    assert order == ["n0:1", "n1:1"]
+    s = ctl.stats()
+    assert s["agentic_kv/budget/session_ended"] == 1
+    assert s["agentic_kv/budget/resident_sessions"] == 0
+    for h in holders:
+        await h.finish()
+    assert ctl.ledger.resident_sessions == 2
+
+
+async def test_aging_covers_both_fifos(make_env: Factory) -> None:
+    env = await make_env(engines={A: (1000, 0.1)}, max_wait_s=5.0)
+    ctl, clock = env.ctl, env.clock
+    await turn(ctl, "s1:1", "s1", 950)
+    new = Holder(ctl, sreq("n:1", "n", 100))
+    await settle()
+    t_new = clock.now
+    assert ctl._timer_deadline == t_new + 5.0
+    clock.now += 1.0
+    await set_usage(env, 0.95)
+    cont = Holder(ctl, sreq("s1:2", "s1", 950))
+    await settle()
+    assert (ctl.waiting_new, ctl.waiting_continuing) == (1, 1)
+    assert ctl._timer_deadline == t_new + 5.0  # the earlier head
+    clock.now = t_new + 5.0
+    ctl._on_timer()
+    d = await decided(new)
+    assert (d.action, d.reason) == ("bypass", "aged")
+    assert ctl._timer_deadline == t_new + 6.0 and not cont.decision.done()
+    clock.now = t_new + 6.0
+    ctl._on_timer()
+    d = await decided(cont)
+    assert (d.action, d.reason) == ("bypass", "aged")
+    assert stat(ctl, "agentic_kv/admission/bypass_aged") == 2
+    await new.finish()
+    await cont.finish()
+
+
+async def test_idle_sessions_stop_being_resident_at_the_poll(make_env: Factory) -> None:
+    env = await make_env(engines={A: (1000, 0.1)}, session_idle_s=60.0, staleness_s=HOUR)
+    ctl, clock = env.ctl, env.clock
+    await turn(ctl, "s1:1", "s1", 900)
+    new = Holder(ctl, sreq("n:1", "n", 200))
+    await settle()
+    assert not new.decision.done()
+    clock.now += 61.0
+    await ctl.poll_once()
+    assert (await decided(new)).action == "admit"
+    s = ctl.stats()
+    assert s["agentic_kv/budget/residency_expired"] == 1
+    assert s["agentic_kv/admission/wait_seconds_mean"] == pytest.approx(61.0)
+    await new.finish()
+
+
+async def test_session_residency_off_is_per_request(make_env: Factory) -> None:
+    env = await make_env(engines={A: (1000, 0.1)}, session_residency=False)
+    ctl = env.ctl
+    await turn(ctl, "s1:1", "s1", 900)
+    assert ctl.ledger.committed == 0 and ctl.ledger.resident_sessions == 0
+    running = Holder(ctl, sreq("s2:1", "s2", 900))
+    await decided(running)
+    # Without residency s1's next turn is new work: it waits for capacity.
+    cont = Holder(ctl, sreq("s1:2", "s1", 200))
+    await settle()
+    assert not cont.decision.done() and ctl.waiting_new == 1
+    assert stat(ctl, "agentic_kv/admission/wait_new_session") == 0
+    await running.finish()
+    assert (await decided(cont)).action == "admit"
+    await cont.finish()
+    # Turning residency on later starts counting; turning it off forgets it.
+    await ctl.reconfigure(dataclasses.replace(ctl.config, session_residency=True))
+    await turn(ctl, "s1:3", "s1", 400)
+    assert ctl.ledger.resident_total == 400
+    await ctl.reconfigure(dataclasses.replace(ctl.config, session_residency=False))
+    assert ctl.ledger.resident_total == 0
+
+
+async def test_an_aged_turn_of_a_session_makes_it_resident(make_env: Factory) -> None:
+    # Otherwise every later turn of a session that aged would be new work and wait again.
+    env = await make_env(engines={A: (1000, 0.1)}, max_wait_s=0.0)
+    ctl = env.ctl
+    await turn(ctl, "s1:1", "s1", 900)
+    async with ctl.admit(sreq("s2:1", "s2", 300)) as d:
+        assert (d.action, d.reason, d.lease_id) == ("bypass", "aged", None)
+        assert not ctl.ledger.is_resident("s2")
+    assert ctl.ledger.resident_tokens("s2") == 300 and ctl.ledger.committed == 1200
+    async with ctl.admit(sreq("s2:2", "s2", 350)) as d:
+        assert (d.action, d.reason, d.tokens) == ("admit", "capacity_available", 350)
+    assert ctl.ledger.resident_tokens("s2") == 350 and ctl.ledger.reserved == 0

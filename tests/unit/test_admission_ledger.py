@@ -230,6 +230,9 @@ def test_snapshot_keys_and_values() -> None:
     assert snap == {
         "agentic_kv/budget/ceiling": 900.0,
         "agentic_kv/budget/reserved": 300.0,
+        "agentic_kv/budget/resident": 0.0,
+        "agentic_kv/budget/resident_sessions": 0.0,
+        "agentic_kv/budget/committed": 300.0,
         "agentic_kv/budget/available_tokens": 600.0,
         "agentic_kv/budget/reserved_utilization": pytest.approx(1 / 3),
         "agentic_kv/budget/lease_count": 1.0,
@@ -271,3 +274,178 @@ def test_retain_forgets_engines_and_clear_degrades() -> None:
     assert led.ceiling == 100 and [e.url for e in led.engines(0.0)] == [B]
     led.clear_engines()
     assert led.is_degraded(0.0) and led.ceiling == 0
+
+
+# -- session residency (program-aware mode) ------------------------------------------
+
+
+def test_release_makes_session_resident_with_full_tokens() -> None:
+    led = make({A: (1000, 0.1)})
+    g = led.reserve("s1:t1", 300, now=1.0, session_id="s1")
+    assert (g.granted, g.tokens, g.charged) == (True, 300, 300)
+    assert led.lease_for_ticket("s1:t1").session_id == "s1"  # type: ignore[union-attr]
+    assert not led.is_resident("s1") and led.committed == 300
+    led.release(g.lease_id or "", now=2.0)
+    assert led.is_resident("s1") and led.resident_tokens("s1") == 300
+    assert (led.reserved, led.resident_total, led.committed) == (0, 300, 300)
+    # Residency keeps the max of the turns' full tokens.
+    g2 = led.reserve("s1:t2", 200, now=3.0, session_id="s1")
+    assert (g2.tokens, g2.charged) == (200, 0)
+    led.release(g2.lease_id or "", now=4.0)
+    assert led.resident_tokens("s1") == 300
+
+
+def test_resident_turn_charges_growth_and_is_admitted_over_the_ceiling() -> None:
+    led = make({A: (1000, 0.1)})
+    for sid, n in (("s1", 600), ("s2", 300)):
+        led.release(led.reserve(f"{sid}:t", n, now=0.0, session_id=sid).lease_id or "", now=0.0)
+    # A new session fills the rest: committed == ceiling.
+    assert led.reserve("s3:t", 100, now=0.0, session_id="s3").granted
+    assert led.committed == 1000
+    # s1's next turn grows by 150: over the ceiling, admitted anyway, charged the growth.
+    g = led.reserve("s1:t2", 750, now=1.0, session_id="s1")
+    assert (g.granted, g.reason, g.tokens, g.charged) == (True, CAPACITY_AVAILABLE, 750, 150)
+    assert led.committed == 1150 and led.reserved == 250
+    # A new session waits on committed + tokens > ceiling; so does work without a session.
+    assert led.reserve("s4:t", 1, now=1.0, session_id="s4").reason == CAPACITY_EXHAUSTED
+    assert led.reserve("anon", 1, now=1.0).reason == CAPACITY_EXHAUSTED
+    # A resident turn larger than the whole ceiling is not oversized.
+    assert led.reserve("s2:t2", 5000, now=1.0, session_id="s2").granted
+    led.release_ticket("s1:t2", now=2.0)
+    assert led.resident_tokens("s1") == 750
+
+
+@pytest.mark.parametrize(
+    ("engines", "sid", "resident", "expected"),
+    [
+        ({A: (1000, 0.1)}, "s1", True, CAPACITY_AVAILABLE),
+        ({A: (1000, 0.95)}, "s1", True, PRESSURE_GUARD),
+        ({A: (1000, 0.1)}, "new", False, CAPACITY_EXHAUSTED),
+        ({A: (1000, 0.95)}, "new", False, PRESSURE_GUARD),
+        ({A: (5000, 0.1)}, "new", False, CAPACITY_AVAILABLE),
+    ],
+)
+def test_residency_decision_table(
+    engines: dict[str, tuple[int, float]], sid: str, resident: bool, expected: str
+) -> None:
+    led = make({A: (1000, 0.1)})
+    led.release(led.reserve("s1:t", 900, now=0.0, session_id="s1").lease_id or "", now=0.0)
+    feed(led, engines, 1.0)
+    assert led.is_resident(sid) is resident
+    assert led.check(200, 1.0, sid) == expected
+    assert led.reserve(f"{sid}:x", 200, now=1.0, session_id=sid).reason == expected
+
+
+def test_degraded_applies_to_resident_sessions() -> None:
+    led = make({A: (1000, 0.1)})
+    led.release(led.reserve("s1:t", 100, now=0.0, session_id="s1").lease_id or "", now=0.0)
+    assert led.reserve("s1:t2", 100, now=100.0, session_id="s1").reason == DEGRADED
+
+
+def test_end_session_frees_room_and_is_idempotent() -> None:
+    led = make({A: (1000, 0.1)})
+    led.release(led.reserve("s1:t", 900, now=0.0, session_id="s1").lease_id or "", now=0.0)
+    assert led.reserve("s2:t", 200, now=0.0, session_id="s2").reason == CAPACITY_EXHAUSTED
+    assert led.end_session("s1") is True
+    assert led.end_session("s1") is False and led.end_session("never") is False
+    assert (led.resident_total, led.resident_sessions) == (0, 0)
+    assert led.reserve("s2:t", 200, now=0.0, session_id="s2").granted
+
+
+def test_end_session_while_a_turn_runs_adds_no_residency_on_release() -> None:
+    led = make({A: (1000, 0.1)})
+    g = led.reserve("s1:t", 100, now=0.0, session_id="s1")
+    led.end_session("s1")
+    led.release(g.lease_id or "", now=1.0)
+    assert not led.is_resident("s1") and led.committed == 0
+
+
+def test_idle_expiry_drops_only_idle_sessions_without_live_leases() -> None:
+    led = make({A: (1000, 0.1)}, staleness_s=1000.0)
+    for sid, t in (("old", 0.0), ("busy", 1.0), ("young", 50.0)):
+        led.release(led.reserve(f"{sid}:1", 100, now=t, session_id=sid).lease_id or "", now=t)
+    assert led.reserve("busy:2", 100, now=51.0, session_id="busy").granted  # in flight
+    assert led.expire_sessions(now=60.0, idle_s=30.0) == ("old",)
+    assert led.is_resident("busy") and led.is_resident("young")
+    assert led.residency_expired == 1 and led.resident_total == 200
+    # A touch (a request arriving) keeps a session from expiring.
+    led.touch("young", 80.0)
+    assert led.expire_sessions(now=100.0, idle_s=30.0) == ()
+    assert led.expire_sessions(now=111.0, idle_s=30.0) == ("young",)
+
+
+def test_resident_table_is_bounded_least_recently_active_idle_first() -> None:
+    led = make({A: (10_000, 0.1)})
+    led.max_resident_sessions = 2
+    led.release(led.reserve("a:1", 10, now=0.0, session_id="a").lease_id or "", now=0.0)
+    led.release(led.reserve("b:1", 10, now=1.0, session_id="b").lease_id or "", now=1.0)
+    led.reserve("a:2", 10, now=2.0, session_id="a")  # a is busy: not evictable
+    led.release(led.reserve("c:1", 10, now=3.0, session_id="c").lease_id or "", now=3.0)
+    assert (led.is_resident("a"), led.is_resident("b"), led.is_resident("c")) == (
+        True,
+        False,
+        True,
+    )
+    assert led.residency_evicted == 1 and led.resident_total == 20
+
+
+def test_lease_ttl_expiry_adds_no_residency() -> None:
+    led = make({A: (1000, 0.1)}, lease_ttl_s=10.0, staleness_s=100.0)
+    led.reserve("s1:t", 300, now=0.0, session_id="s1")
+    assert [lease.ticket_id for lease in led.expire(11.0)] == ["s1:t"]
+    assert not led.is_resident("s1") and led.committed == 0
+    # A resident session's expired turn keeps its old residency, not the expired size.
+    led.release(led.reserve("s2:t1", 100, now=20.0, session_id="s2").lease_id or "", now=20.0)
+    led.reserve("s2:t2", 500, now=21.0, session_id="s2")
+    led.expire(32.0)
+    assert led.resident_tokens("s2") == 100 and led.reserved == 0
+    # It is idle since its last real activity.
+    assert led.expire_sessions(now=32.0, idle_s=11.0) == ("s2",)
+
+
+def test_residency_off_is_per_request() -> None:
+    led = make({A: (1000, 0.1)})
+    led.configure(headroom=1.0, pressure_threshold=0.9, lease_ttl_s=600, staleness_s=6.0)
+    led.release(led.reserve("s1:t", 900, now=0.0, session_id="s1").lease_id or "", now=0.0)
+    led.configure(
+        headroom=1.0,
+        pressure_threshold=0.9,
+        lease_ttl_s=600,
+        staleness_s=6.0,
+        session_residency=False,
+    )
+    assert led.resident_total == 0 and not led.is_resident("s1")
+    g = led.reserve("s1:t2", 900, now=0.0, session_id="s1")
+    assert g.charged == 900 and led.lease_for_ticket("s1:t2").session_id is None  # type: ignore[union-attr]
+    led.release(g.lease_id or "", now=1.0)
+    assert led.committed == 0
+
+
+def test_residency_metrics() -> None:
+    led = make({A: (1000, 0.1)})
+    led.release(led.reserve("s1:t", 400, now=0.0, session_id="s1").lease_id or "", now=0.0)
+    led.reserve("s2:t", 100, now=0.0, session_id="s2")
+    snap = led.snapshot(0.0)
+    assert snap["agentic_kv/budget/reserved"] == 100.0
+    assert snap["agentic_kv/budget/resident"] == 400.0
+    assert snap["agentic_kv/budget/resident_sessions"] == 1.0
+    assert snap["agentic_kv/budget/committed"] == 500.0
+    assert snap["agentic_kv/budget/available_tokens"] == 500.0
+    assert snap["agentic_kv/budget/reserved_utilization"] == pytest.approx(0.5)
+
+
+def test_note_unleased_turn_sets_residency_as_a_release_would() -> None:
+    led = make({A: (1000, 0.1)})
+    led.note_unleased_turn("s1", 300, now=1.0)
+    led.note_unleased_turn("s1", 200, now=2.0)
+    assert led.resident_tokens("s1") == 300 and led.committed == 300
+    assert led.expire_sessions(now=5.0, idle_s=2.5) == ("s1",)
+    led.configure(
+        headroom=1.0,
+        pressure_threshold=0.9,
+        lease_ttl_s=600,
+        staleness_s=6.0,
+        session_residency=False,
+    )
+    led.note_unleased_turn("s2", 300, now=6.0)
+    assert not led.is_resident("s2")
