@@ -22,7 +22,13 @@ from prometheus_client.registry import Collector
 
 from kvproxy import __version__
 from kvproxy.admission.coordinator import AdmissionController
-from kvproxy.config import Config, ConfigError, apply_overrides, load_config
+from kvproxy.config import (
+    Config,
+    ConfigError,
+    SessionLifecycleConfig,
+    apply_overrides,
+    load_config,
+)
 from kvproxy.fleet.registry import Fleet, legacy_warning
 from kvproxy.proxy.dashboard import DASHBOARD_HTML
 from kvproxy.proxy.errors import ErrorType, error_response
@@ -58,6 +64,16 @@ class Runtime:
     admission: AdmissionController = field(init=False)
     shutting_down: bool = False
     reloads: int = 0
+    # The session-id sources with lifecycle semantics off: admission reads a request's
+    # session from them even when the lifecycle feature is disabled.
+    identity_only: SessionLifecycleConfig = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.set_config(self.config)
+
+    def set_config(self, config: Config) -> None:
+        self.config = config
+        self.identity_only = dataclasses.replace(config.session_lifecycle, enabled=True)
 
 
 RUNTIME = web.AppKey("runtime", Runtime)
@@ -96,7 +112,11 @@ async def _fleet_ctx(app: web.Application) -> AsyncIterator[None]:
 async def _sessions_ctx(app: web.Application) -> AsyncIterator[None]:
     rt = app[RUNTIME]
     rt.sessions = SessionManager(
-        rt.config.session_lifecycle, all_engines=rt.fleet.all_engines, http=rt.http
+        rt.config.session_lifecycle,
+        all_engines=rt.fleet.all_engines,
+        http=rt.http,
+        # A closed session's KV is no longer resident: admission stops counting it.
+        on_closed=lambda session_id: rt.admission.end_session(session_id),
     )
     await rt.sessions.start()
     yield
@@ -219,7 +239,7 @@ async def reload_config(rt: Runtime) -> dict[str, Any]:
             new.router, url=rt.config.router.url, max_connections=rt.config.router.max_connections
         ),
     )
-    rt.config = new
+    rt.set_config(new)
     rt.fleet.reconfigure(new.router)
     await rt.sessions.reconfigure(new.session_lifecycle)
     await rt.admission.reconfigure(new.admission)

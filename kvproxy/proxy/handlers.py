@@ -96,8 +96,11 @@ class ProxyHandlers:
         if request.method == "POST":
             if path in INTERCEPTED_PATHS:
                 return await self.intercepted(request, path, path_sid, started)
-            if path == "/close_session" and lifecycle_on:
-                return self._count(path, await self.close_session_api(request, path_sid))
+            if path == "/close_session":
+                if lifecycle_on:
+                    return self._count(path, await self.close_session_api(request, path_sid))
+                if rt.config.admission.enabled:
+                    return await self.close_session_passthrough(request, path_sid, started)
         return await self.passthrough(request, path, started)
 
     def _count(self, path: str, response: web.StreamResponse) -> web.StreamResponse:
@@ -172,12 +175,21 @@ class ProxyHandlers:
             abort_rids = plan.abort_rids
             session_id = identity.session_id
             close_after = identity.close_after
+        elif admission_on:
+            # Admission alone still needs to know the session (its KV stays resident
+            # between turns), read from the same sources; nothing is injected or refused.
+            try:
+                session_id = resolve_identity(
+                    rt.identity_only, path_session_id=path_sid, headers=request.headers, body=body
+                ).session_id
+            except InvalidSessionId:
+                session_id = None
         ticket = rid or new_rid()
 
         async with AsyncExitStack() as stack:
             tracked = None
             on_disconnect: Callable[[], None] | None = None
-            if session_id is not None:
+            if lifecycle_on and session_id is not None:
                 try:
                     tracked = await stack.enter_async_context(
                         rt.sessions.track(
@@ -441,6 +453,19 @@ class ProxyHandlers:
                 ErrorType.INVALID_REQUEST, "body must be a JSON object with a string session_id"
             )
         return await self._close(sid, reason="close_session")
+
+    async def close_session_passthrough(
+        self, request: web.Request, path_sid: str | None, started: float
+    ) -> web.StreamResponse:
+        """Lifecycle off, admission on: the session's KV stops counting as resident,
+        and the request goes to the router as it came (the router gives its own answer)."""
+        raw = await request.read()
+        doc = parse_object(raw)
+        sid = doc.get("session_id") if doc is not None else None
+        sid = sid if isinstance(sid, str) else path_sid
+        if sid is not None:
+            self.rt.admission.end_session(sid)
+        return await self.forward(request, "/close_session", raw, started=started)
 
     async def close_session_admin(self, request: web.Request) -> web.Response:
         """``POST /kvproxy/sessions/{session_id}/close``."""

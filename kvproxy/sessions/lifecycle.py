@@ -282,8 +282,12 @@ class SessionManager:
         all_engines: Callable[[], Sequence[str]],
         http: aiohttp.ClientSession,
         clock: Callable[[], float] = time.monotonic,
+        on_closed: Callable[[str], None] | None = None,
     ) -> None:
         self._cfg = cfg
+        # Told the id of every session whose close sequence has finished (admission
+        # stops counting the session's KV as resident).
+        self._on_closed = on_closed
         self._all_engines = all_engines
         self._http = http
         self._clock = clock
@@ -527,6 +531,9 @@ class SessionManager:
         self._closes[session_id] = task
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+        if self._on_closed is not None:
+            on_closed = self._on_closed
+            task.add_done_callback(lambda _task: on_closed(session_id))
         return task
 
     async def _close_sequence(
