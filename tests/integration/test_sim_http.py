@@ -741,7 +741,9 @@ async def test_token_usage_override_reset_and_request_recording(
     recorded = (await (await client.get("/sim/requests")).json())["requests"]
     # a ring of the last two, oldest first, with the raw body and headers as received
     assert [r["headers"]["X-Mark"] for r in recorded] == ["1", "2"]
-    assert recorded[0]["path"] == "/generate" and recorded[0]["body"].startswith('{"input_ids": [1]')
+    assert recorded[0]["path"] == "/generate" and recorded[0]["body"].startswith(
+        '{"input_ids": [1]'
+    )
 
 
 async def test_fault_drop_stream_mid_way(make_client: ClientFactory) -> None:
