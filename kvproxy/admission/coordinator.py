@@ -94,6 +94,8 @@ R_CANCELLED = "cancelled"
 R_DISABLED = "disabled"
 R_OUT_OF_SCOPE = "out_of_scope"
 
+# Bound on remembered first-request tickets (a request that never reports is dropped).
+_FIRST_TURNS_MAX = 10_000
 _A = "agentic_kv/admission/"
 _B = "agentic_kv/budget/"
 
@@ -361,6 +363,8 @@ class AdmissionController:
             session_residency=cfg.session_residency,
         )
         self._sizer = ReservationSizer(cfg)
+        # Tickets of sessions' first requests, until the engine reports their usage.
+        self._first_turns: dict[str, bool] = {}
         self._counters = WindowedCounters(_COUNTERS)
         self._waiters: dict[str, _Waiter] = {}  # live waiters of both FIFOs
         self._cont: deque[_Waiter] = deque()  # requests of resident sessions
@@ -493,6 +497,12 @@ class AdmissionController:
         now = self._clock()
         sid = req.session_id if cfg.session_residency else None
         continuing = ledger.is_resident(sid)
+        if req.session_id is not None and not continuing:
+            # A session's first request: what it finds cached is the shared prefix.
+            first_turns = self._first_turns
+            first_turns[ticket] = True
+            if len(first_turns) > _FIRST_TURNS_MAX:
+                del first_turns[next(iter(first_turns))]
         if continuing:
             assert sid is not None
             ledger.touch(sid, now)  # active: not idle-expired while it waits
@@ -658,10 +668,21 @@ class AdmissionController:
 
     def observe_prompt_tokens(self, req: AdmissionRequest, prompt_tokens: int) -> None:
         """Calibrate the text-prompt estimate from an engine-reported ``prompt_tokens``."""
+        self.observe_usage(req, prompt_tokens, None)
+
+    def observe_usage(
+        self, req: AdmissionRequest, prompt_tokens: int | None, cached_tokens: int | None
+    ) -> None:
+        """Learn from what an engine reported for a finished request: the prompt size of
+        a text prompt, and (for a session's first request) the shared cached prefix."""
+        first_turn = self._first_turns.pop(req.ticket_id, False)
         if not self._cfg.enabled:
             return
         try:
-            self._sizer.observe(req.body, req.session_id, int(prompt_tokens))
+            if prompt_tokens is not None:
+                self._sizer.observe(req.body, req.session_id, int(prompt_tokens))
+            if first_turn and cached_tokens is not None:
+                self._sizer.observe_shared(int(cached_tokens))
         except Exception:
             self._log.warning("calibrate", "admission: calibration failed", exc_info=True)
 

@@ -65,6 +65,8 @@ class Reservation:
     prompt_source: str
     # Characters behind an estimated prompt (0 when prompt_tokens is exact).
     prompt_chars: int = 0
+    # Prompt tokens left out of ``prompt_tokens`` as the learned shared prefix.
+    shared_tokens: int = 0
 
     @property
     def tokens(self) -> int:
@@ -302,14 +304,32 @@ def completion_tokens(path: str, body: Mapping[str, Any], *, default: int, cap: 
 
 
 class ReservationSizer:
-    """Sizes reservations from request bodies and learns prompt chars-per-token."""
+    """Sizes reservations from request bodies and learns prompt chars-per-token.
 
-    __slots__ = ("_calibrator", "_cap", "_default_completion")
+    It also learns the *shared prefix*: the KV a session's first request finds already
+    cached (``cached_tokens`` of a session's first turn: the common system prompt of a
+    rollout). That KV exists once in each engine's radix tree however many sessions use
+    it, so it is not charged to every request and every resident session again; only
+    the prompt beyond it is.
+    """
+
+    __slots__ = ("_calibrator", "_cap", "_default_completion", "shared_prefix")
+
+    # Weight of the newest first-turn report in the shared-prefix estimate.
+    SHARED_ALPHA = 0.2
 
     def __init__(self, cfg: AdmissionConfig, *, max_sessions: int = 10_000) -> None:
         self._calibrator = PromptCalibrator(cfg.chars_per_token, max_sessions=max_sessions)
         self._default_completion = cfg.default_completion_tokens
         self._cap = cfg.completion_cap
+        self.shared_prefix: float = 0.0
+
+    def observe_shared(self, cached_tokens: int) -> None:
+        """A session's first request found ``cached_tokens`` already in the engine."""
+        if cached_tokens < 0:
+            return
+        a = self.SHARED_ALPHA
+        self.shared_prefix = (1 - a) * self.shared_prefix + a * cached_tokens
 
     def configure(self, cfg: AdmissionConfig) -> None:
         self._calibrator.default = cfg.chars_per_token
@@ -334,7 +354,8 @@ class ReservationSizer:
     def size(self, path: str, body: Mapping[str, Any], session_id: str | None) -> Reservation:
         prompt, source, chars = self.prompt(body, session_id)
         completion = completion_tokens(path, body, default=self._default_completion, cap=self._cap)
-        return Reservation(prompt, completion, source, chars)
+        shared = min(prompt, int(self.shared_prefix))
+        return Reservation(prompt - shared, completion, source, chars, shared)
 
     def observe(self, body: Mapping[str, Any], session_id: str | None, prompt_tokens: int) -> None:
         """Learn from the prompt tokens an engine reported for a text-prompt request."""

@@ -55,6 +55,7 @@ _RESPONSE_BUFFER_LIMIT = 1024 * 1024
 # How much of a stream's tail to keep for reading the engine's prompt_tokens.
 _TAIL_BYTES = 4096
 _PROMPT_TOKENS_RE = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
+_CACHED_TOKENS_RE = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
 
 ObserveTail = Callable[[bytes], None]
 
@@ -63,8 +64,8 @@ class BodyTooLarge(Exception):
     pass
 
 
-def _prompt_tokens(tail: bytes) -> int | None:
-    matches = _PROMPT_TOKENS_RE.findall(tail)
+def _last_int(pattern: re.Pattern[bytes], tail: bytes) -> int | None:
+    matches = pattern.findall(tail)
     return int(matches[-1]) if matches else None
 
 
@@ -248,13 +249,16 @@ class ProxyHandlers:
                 return self._count(path, error_response(ErrorType.SESSION_CLOSED, str(exc)))
 
             observe: ObserveTail | None = None
-            if admission_req is not None and "input_ids" not in body:
+            if admission_req is not None:
                 areq = admission_req
 
                 def observe(tail: bytes) -> None:
-                    tokens = _prompt_tokens(tail)
-                    if tokens is not None:
-                        rt.admission.observe_prompt_tokens(areq, tokens)
+                    # The engine's own usage report, in the final chunk (or the body).
+                    rt.admission.observe_usage(
+                        areq,
+                        _last_int(_PROMPT_TOKENS_RE, tail),
+                        _last_int(_CACHED_TOKENS_RE, tail),
+                    )
 
             if not fields:
                 out = raw

@@ -966,3 +966,26 @@ async def test_an_aged_turn_of_a_session_makes_it_resident(make_env: Factory) ->
     async with ctl.admit(sreq("s2:2", "s2", 350)) as d:
         assert (d.action, d.reason, d.tokens) == ("admit", "capacity_available", 350)
     assert ctl.ledger.resident_tokens("s2") == 350 and ctl.ledger.reserved == 0
+
+
+async def test_only_a_sessions_first_request_teaches_the_shared_prefix(make_env: Factory) -> None:
+    env = await make_env(engines={A: (100_000, 0.1)})
+    ctl = env.ctl
+
+    def session_req(ticket: str, sid: str, tokens: int) -> AdmissionRequest:
+        body = {"input_ids": [0] * tokens, "sampling_params": {"max_new_tokens": 0}}
+        return AdmissionRequest(ticket, "/generate", CIMultiDict(), body, sid)
+
+    first = session_req("t1", "s1", 2000)
+    async with ctl.admit(first) as d:
+        assert d.tokens == 2000
+    ctl.observe_usage(first, 2000, 1500)  # the first turn found 1,500 tokens cached
+    learned = ctl._sizer.shared_prefix
+    assert learned > 0
+    second = session_req("t2", "s1", 2600)
+    async with ctl.admit(second):
+        pass
+    ctl.observe_usage(second, 2600, 2000)  # a later turn: its cache hit is its own history
+    assert ctl._sizer.shared_prefix == learned
+    async with ctl.admit(session_req("t3", "s2", 2000)) as d:
+        assert d.tokens == 2000 - int(learned)

@@ -243,3 +243,19 @@ def test_is_protected(
     cfg: AdmissionConfig, headers: Any, body: dict[str, Any], expected: bool
 ) -> None:
     assert classify.is_protected(cfg, headers, body) is expected
+
+
+def test_the_shared_prefix_is_learned_and_not_charged_per_request() -> None:
+    sizer = ReservationSizer(CFG)
+    body = {"input_ids": [1] * 3000, "sampling_params": {"max_new_tokens": 50}}
+    assert sizer.size("/generate", body, "s").tokens == 3050  # nothing learned yet
+    for _ in range(40):  # first requests of sessions found 1,000 tokens cached
+        sizer.observe_shared(1000)
+    r = sizer.size("/generate", body, "s")
+    assert r.shared_tokens == 999 or r.shared_tokens == 1000  # EWMA converges from below
+    assert r.tokens == 3050 - r.shared_tokens
+    small = {"input_ids": [1] * 10, "sampling_params": {"max_new_tokens": 50}}
+    # never below the completion budget: the prompt part bottoms out at 0
+    assert sizer.size("/generate", small, "s").tokens == 50
+    sizer.observe_shared(-5)  # nonsense reports are ignored
+    assert sizer.size("/generate", body, "s").shared_tokens == r.shared_tokens
