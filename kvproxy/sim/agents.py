@@ -89,6 +89,9 @@ class WorkloadConfig:
     tool_latency_low_s: float = 0.1
     tool_latency_high_s: float = 1.0
     time_scale: float = 1.0
+    # The first wave of sessions starts staggered: session i (i < concurrency) starts
+    # after i x start_stagger_s (scaled by time_scale), as agents of a rollout do.
+    start_stagger_s: float = 0.0
     seed: int = 0
     api: str = "generate"  # generate | chat
     close_at_end: bool = True
@@ -126,6 +129,7 @@ class WorkloadConfig:
                 "need 0 <= tool_latency_low_s <= tool_latency_high_s",
             ),
             (self.time_scale >= 0, "time_scale must be >= 0"),
+            (self.start_stagger_s >= 0, "start_stagger_s must be >= 0"),
             (self.api in APIS, f"api must be one of {APIS}"),
             (self.request_timeout_s > 0, "request_timeout_s must be > 0"),
             (self.run_timeout_s > 0, "run_timeout_s must be > 0"),
@@ -188,6 +192,13 @@ def tool_latency_s(cfg: WorkloadConfig, index: int, turn: int) -> float:
             else 0.0
         )
     return base * cfg.time_scale
+
+
+def start_delay_s(cfg: WorkloadConfig, index: int) -> float:
+    """Delay before session ``index`` starts: only the first wave is staggered."""
+    if index >= cfg.concurrency:
+        return 0.0
+    return index * cfg.start_stagger_s * cfg.time_scale
 
 
 def next_prompt(
@@ -651,6 +662,9 @@ class _Driver:
                 return
             index = self.next_index
             self.next_index += 1
+            delay = start_delay_s(self.cfg, index)
+            if delay > 0:
+                await asyncio.sleep(delay)
             await self.run_session(index)
 
     async def run_session(self, index: int) -> None:
@@ -859,3 +873,109 @@ async def run_workload(
             result.proxy_stats = await read_proxy_stats(http, base)
     result.sessions.sort(key=lambda s: s.index)
     return result
+
+
+# ------------------------------------------------------------------------------- CLI
+
+
+def _parse_args(argv: Sequence[str] | None) -> Any:
+    import argparse
+
+    d = WorkloadConfig()
+    p = argparse.ArgumentParser(
+        prog="python -m kvproxy.sim.agents",
+        description="Run the agentic workload against a base URL (kvproxy, router or engine).",
+    )
+    p.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8100")
+    p.add_argument(
+        "--engine", action="append", default=[], help="engine base URL to scrape (repeatable)"
+    )
+    p.add_argument("--sessions", type=int, default=d.num_sessions)
+    p.add_argument("--concurrency", type=int, default=d.concurrency)
+    p.add_argument("--turns", default=f"{d.turns_min}-{d.turns_max}", help="N or MIN-MAX")
+    p.add_argument("--system-prefix-tokens", type=int, default=d.system_prefix_tokens)
+    p.add_argument("--user-tokens", type=int, default=d.user_tokens)
+    p.add_argument(
+        "--tool-result-tokens",
+        default=f"{d.tool_result_tokens_min}-{d.tool_result_tokens_max}",
+        help="N or MIN-MAX",
+    )
+    p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
+    p.add_argument("--tool-latency", choices=TOOL_LATENCY_KINDS, default=d.tool_latency)
+    p.add_argument("--tool-latency-median-s", type=float, default=d.tool_latency_median_s)
+    p.add_argument("--tool-latency-sigma", type=float, default=d.tool_latency_sigma)
+    p.add_argument(
+        "--tool-latency-range-s",
+        default=f"{d.tool_latency_low_s}-{d.tool_latency_high_s}",
+        help="LOW-HIGH for --tool-latency uniform",
+    )
+    p.add_argument("--time-scale", type=float, default=d.time_scale)
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--api", choices=APIS, default=d.api)
+    p.add_argument("--model", default=None, help="chat only (default: ask /v1/models)")
+    p.add_argument("--no-close", action="store_true", help="do not POST /close_session")
+    p.add_argument("--request-timeout-s", type=float, default=d.request_timeout_s)
+    p.add_argument("--run-timeout-s", type=float, default=d.run_timeout_s)
+    p.add_argument("--vocab-size", type=int, default=d.vocab_size)
+    p.add_argument("--json", metavar="PATH", help="write the summary and config here")
+    return p.parse_args(argv)
+
+
+def _range(text: str, cast: Callable[[str], Any]) -> tuple[Any, Any]:
+    lo, _, hi = text.partition("-")
+    return cast(lo), cast(hi or lo)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    import json
+    import sys
+
+    a = _parse_args(argv)
+    turns = _range(a.turns, int)
+    tools = _range(a.tool_result_tokens, int)
+    lat = _range(a.tool_latency_range_s, float)
+    cfg = WorkloadConfig(
+        num_sessions=a.sessions,
+        concurrency=a.concurrency,
+        turns_min=turns[0],
+        turns_max=turns[1],
+        system_prefix_tokens=a.system_prefix_tokens,
+        user_tokens=a.user_tokens,
+        tool_result_tokens_min=tools[0],
+        tool_result_tokens_max=tools[1],
+        max_new_tokens=a.max_new_tokens,
+        tool_latency=a.tool_latency,
+        tool_latency_median_s=a.tool_latency_median_s,
+        tool_latency_sigma=a.tool_latency_sigma,
+        tool_latency_low_s=lat[0],
+        tool_latency_high_s=lat[1],
+        time_scale=a.time_scale,
+        seed=a.seed,
+        api=a.api,
+        model=a.model,
+        close_at_end=not a.no_close,
+        request_timeout_s=a.request_timeout_s,
+        run_timeout_s=a.run_timeout_s,
+        vocab_size=a.vocab_size,
+    )
+    try:
+        cfg.validate()
+    except WorkloadError as exc:
+        print(f"invalid workload: {exc}", file=sys.stderr)
+        return 2
+
+    def progress(done: int, failed: int, total: int) -> None:
+        print(f"{done + failed}/{total} sessions ({failed} failed)", file=sys.stderr, flush=True)
+
+    result = asyncio.run(run_workload(cfg, a.base_url, engine_urls=a.engine, progress=progress))
+    doc = result.to_dict()
+    text = json.dumps(doc, indent=2)
+    if a.json:
+        with open(a.json, "w") as fh:
+            fh.write(text + "\n")
+    print(json.dumps(doc["summary"], indent=2))
+    return 0 if result.summary()["sessions_failed"] == 0 else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
