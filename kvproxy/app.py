@@ -11,10 +11,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import AsyncIterator, Iterable, Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
-import aiohttp
 import orjson
 from aiohttp import web
 from prometheus_client import CollectorRegistry, generate_latest
@@ -25,7 +23,6 @@ from kvproxy.admission.coordinator import AdmissionController
 from kvproxy.config import (
     Config,
     ConfigError,
-    SessionLifecycleConfig,
     apply_overrides,
     load_config,
 )
@@ -35,6 +32,7 @@ from kvproxy.proxy.errors import ErrorType, error_response
 from kvproxy.proxy.handlers import INTERCEPTED_PATHS, ProxyHandlers
 from kvproxy.proxy.metrics import ProxyMetrics
 from kvproxy.proxy.upstream import create_client_session
+from kvproxy.runtime import RUNTIME, Runtime
 from kvproxy.sessions.lifecycle import SessionManager
 
 log = logging.getLogger(__name__)
@@ -44,39 +42,10 @@ RESTART_ONLY = (
     "server.host",
     "server.port",
     "server.max_body_bytes",
+    "server.backlog",
     "router.url",
     "router.max_connections",
 )
-
-
-@dataclass
-class Runtime:
-    """Everything a request handler needs, owned by one application."""
-
-    config: Config
-    overrides: Mapping[str, Any]
-    registry: CollectorRegistry
-    metrics: ProxyMetrics
-    router_base: str
-    http: aiohttp.ClientSession = field(init=False)
-    fleet: Fleet = field(init=False)
-    sessions: SessionManager = field(init=False)
-    admission: AdmissionController = field(init=False)
-    shutting_down: bool = False
-    reloads: int = 0
-    # The session-id sources with lifecycle semantics off: admission reads a request's
-    # session from them even when the lifecycle feature is disabled.
-    identity_only: SessionLifecycleConfig = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.set_config(self.config)
-
-    def set_config(self, config: Config) -> None:
-        self.config = config
-        self.identity_only = dataclasses.replace(config.session_lifecycle, enabled=True)
-
-
-RUNTIME = web.AppKey("runtime", Runtime)
 
 
 class _FeatureCollector(Collector):

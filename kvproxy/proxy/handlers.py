@@ -43,7 +43,7 @@ from kvproxy.sessions.identity import (
 from kvproxy.sessions.lifecycle import SessionClosed
 
 if TYPE_CHECKING:
-    from kvproxy.app import Runtime
+    from kvproxy.runtime import Runtime
 
 log = logging.getLogger(__name__)
 

@@ -25,8 +25,9 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from kvproxy import stack
-from kvproxy.app import RUNTIME, Runtime, create_app
+from kvproxy.app import create_app
 from kvproxy.config import from_mapping
+from kvproxy.runtime import RUNTIME, Runtime
 
 ENGINE_TOKENS = 60_000
 # Simulated time runs 20x faster than the cost model's wall-clock defaults.
