@@ -131,24 +131,29 @@ def rollout_workload(**changes: Any) -> WorkloadConfig:
 
 
 def working_set_tokens(w: WorkloadConfig) -> tuple[int, int]:
-    """(mean, max) live working set: concurrency x a session's context, averaged over
-    an average session's life, and at the end of the longest possible session."""
+    """(mean, max) live working set in KV tokens: the shared system prefix once plus,
+    for each of the ``concurrency`` live sessions, its own context (averaged over an
+    average session's life, or at the end of the longest possible session)."""
     mean_tool = (w.tool_result_tokens_min + w.tool_result_tokens_max) / 2
     mean_turns = (w.turns_min + w.turns_max) / 2
-    first = w.system_prefix_tokens + w.user_tokens + w.max_new_tokens
+    first = w.user_tokens + w.max_new_tokens  # a session's own tokens after turn 0
     mean_final = first + (mean_turns - 1) * (mean_tool + w.max_new_tokens)
     max_final = first + (w.turns_max - 1) * (w.tool_result_tokens_max + w.max_new_tokens)
-    return int(w.concurrency * (first + mean_final) / 2), int(w.concurrency * max_final)
+    prefix = w.system_prefix_tokens
+    return int(prefix + w.concurrency * (first + mean_final) / 2), int(
+        prefix + w.concurrency * max_final
+    )
 
 
 def presets() -> dict[str, Preset]:
     """Demo sizes: ``quick`` (~20 s) and ``default`` (~2 min) on a 2-core machine.
 
-    ``default`` is the benchmark's KV-bound scenario: 48 agents at once on two engines
-    of 24k KV tokens each; the live working set is about 2.3x the fleet's pool on
-    average and up to 5x, and the engines are busy, so cache misses cost
-    throughput. ``quick``: 8 agents at once on two 8k engines; the live working set
-    is about the size of the pool, so what finished sessions leave behind decides
+    ``default`` is the benchmark's "near-pool" scenario: 48 agents at once on two
+    engines of 24k KV tokens each; the live working set (the shared system prompt once
+    plus every live session's own context) is about 1.3x the fleet's pool on average
+    and up to 4x, and the engines are busy, so cache misses cost throughput.
+    ``quick``: 8 agents at once on two 8k engines; the live working set is about half
+    the pool on average and up to 1.8x, so what finished sessions leave behind decides
     which live sessions lose their cache.
 
     Both run the simulator faster than real time (``sim_time_scale``); the agents'
@@ -516,6 +521,7 @@ def write_chart(
     for ax, (key, label, scale) in zip(axes, CHART_METRICS, strict=True):
         values = [float(summaries[n].get(key) or 0.0) * scale for n in names]
         ax.bar(names, values, color=[colors[i % len(colors)] for i in range(len(names))])
+        ax.set_ylim(bottom=0, top=None if max(values, default=0.0) > 0 else 1)
         ax.set_title(label, fontsize=9)
         ax.tick_params(axis="x", labelsize=8, rotation=20)
         ax.tick_params(axis="y", labelsize=8)
@@ -547,7 +553,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 @contextlib.contextmanager
-def _sigterm_as_interrupt() -> Iterator[None]:
+def sigterm_as_interrupt() -> Iterator[None]:
     """Turn SIGTERM into KeyboardInterrupt so ``finally`` blocks stop the stack."""
 
     def handler(signum: int, frame: Any) -> None:
@@ -622,7 +628,7 @@ def run(args: argparse.Namespace) -> int:
     status = 0
     started = time.monotonic()
     try:
-        with _sigterm_as_interrupt():
+        with sigterm_as_interrupt():
             for i, variant in enumerate(variants, start=1):
                 say(
                     f"[{i}/{len(variants)}] {variant.name}: starting {preset.stack.engines} "

@@ -39,6 +39,7 @@ from kvproxy.demo import (
     pid_alive,
     rollout_workload,
     run_variant,
+    sigterm_as_interrupt,
     working_set_tokens,
 )
 
@@ -54,29 +55,58 @@ METRICS: tuple[tuple[str, str, bool], ...] = (
     ("retractions", "retractions", False),
     ("ttft_p50_s", "TTFT p50", False),
     ("ttft_p99_s", "TTFT p99", False),
+    ("ttft_first_turn_p99_s", "TTFT p99, first turns", False),
+    ("ttft_later_turns_p99_s", "TTFT p99, later turns", False),
     ("latency_p99_s", "request latency p99", False),
     ("admission_wait_p99_ms", "adm. wait p99 (ms)", False),
 )
 
 
 def scenarios() -> dict[str, Preset]:
-    """Same workload, two fleet sizes (see docs/benchmarks.md, "Rollout")."""
+    """One workload, three fleet sizes (see docs/benchmarks.md, "Rollout"). Working
+    sets count the shared system prompt once (``working_set_tokens``)."""
     workload = rollout_workload(run_timeout_s=300.0)
     tuning = ProxyTuning(max_wait_s=30.0)
+
+    def preset(kv_tokens_per_engine: int) -> Preset:
+        stack = StackSpec(engines=2, max_total_tokens=kv_tokens_per_engine, sim_time_scale=0.5)
+        return Preset(stack=stack, workload=workload, proxy=tuning)
+
     return {
-        # live working set ~2.3x the fleet's KV pool on average, up to 5x
-        "kv-bound": Preset(
-            stack=StackSpec(engines=2, max_total_tokens=24_000, sim_time_scale=0.5),
-            workload=workload,
-            proxy=tuning,
-        ),
-        # live working set at most ~0.5x the pool
-        "not-kv-bound": Preset(
-            stack=StackSpec(engines=2, max_total_tokens=256_000, sim_time_scale=0.5),
-            workload=workload,
-            proxy=tuning,
-        ),
+        # live working set ~2.6x the fleet's KV pool on average, up to ~8x
+        "kv-bound": preset(12_000),
+        # ~1.3x on average, up to ~4x (the demo's default)
+        "near-pool": preset(24_000),
+        # ~0.1x on average, at most ~0.4x
+        "not-kv-bound": preset(256_000),
     }
+
+
+def git_revision() -> str | None:
+    """The checkout's commit (with "+dirty" when files differ from it), for provenance."""
+    import subprocess
+
+    root = Path(__file__).resolve().parent.parent
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return head + ("+dirty" if dirty else "")
 
 
 def _parse_value(raw: str) -> Any:
@@ -198,6 +228,7 @@ def write_chart(agg: Mapping[str, Mapping[str, Mapping[str, Any]]], path: Path) 
             ax = axes[i][j]
             values = [float(agg[scen][n].get(key) or 0.0) for n in names]
             ax.bar(names, values, color=[colors.get(n, "#555555") for n in names])
+            ax.set_ylim(bottom=0, top=None if max(values) > 0 else 1)
             ax.set_title(f"{scen}: {label}", fontsize=8)
             ax.tick_params(axis="x", labelsize=7, rotation=20)
             ax.tick_params(axis="y", labelsize=7)
@@ -252,6 +283,7 @@ def main(argv: list[str] | None = None) -> int:
     pids: list[int] = []
     doc: dict[str, Any] = {
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "git": git_revision(),
         "command": ["python", "scripts/bench_rollout.py", *(argv or sys.argv[1:])],
         "scenarios": {},
         "runs": runs,
@@ -261,65 +293,66 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     status = 0
     try:
-        for scen in scen_names:
-            preset = all_scen[scen]
-            changes: dict[str, Any] = {}
-            if args.sessions is not None:
-                changes["num_sessions"] = args.sessions
-            if args.concurrency is not None:
-                changes["concurrency"] = args.concurrency
-            base_workload = dataclasses.replace(preset.workload, **changes)
-            preset = dataclasses.replace(
-                preset, proxy=dataclasses.replace(preset.proxy, **tuning_changes)
-            )
-            pool = preset.stack.engines * preset.stack.max_total_tokens
-            ws_mean, ws_max = working_set_tokens(base_workload)
-            doc["scenarios"][scen] = {
-                "stack": dataclasses.asdict(preset.stack),
-                "workload": base_workload.to_dict(),
-                "proxy_tuning": dataclasses.asdict(preset.proxy),
-                "fleet_pool_tokens": pool,
-                "working_set_tokens": {"mean": ws_mean, "max": ws_max},
-            }
-            print(
-                f"== {scen}: live working set {ws_mean:,} tokens on average, up to {ws_max:,}; "
-                f"fleet pool {pool:,} tokens",
-                flush=True,
-            )
-            for seed in seeds:
-                workload = dataclasses.replace(base_workload, seed=seed)
-                for var in var_names:
-                    n += 1
-                    res = run_variant(
-                        ALL_VARIANTS[var],
-                        stack=preset.stack,
-                        workload=workload,
-                        tuning=preset.proxy,
-                        out_dir=out_dir / scen / f"seed{seed}",
-                        pids=pids,
-                        progress=None,
-                    )
-                    s = res["summary"]
-                    runs.append(
-                        {
-                            "scenario": scen,
-                            "seed": seed,
-                            "variant": var,
-                            "summary": s,
-                            "engine_deltas": res.get("engine_deltas"),
-                            "sim_overrun_s": res.get("sim_overrun_s"),
-                        }
-                    )
-                    print(
-                        f"[{n}/{total}] {scen} seed={seed} {var:9s} "
-                        f"{s['sessions_completed']}/{s['sessions_started']} sessions "
-                        f"{s['sessions_per_min']:.1f}/min recomputed={s['recomputed_prefill_tokens']:,} "
-                        f"hit={s['cache_hit_rate']:.3f} ttft_p99={s['ttft_p99_s']}s "
-                        f"({time.monotonic() - t0:.0f} s)",
-                        flush=True,
-                    )
+        with sigterm_as_interrupt():
+            for scen in scen_names:
+                preset = all_scen[scen]
+                changes: dict[str, Any] = {}
+                if args.sessions is not None:
+                    changes["num_sessions"] = args.sessions
+                if args.concurrency is not None:
+                    changes["concurrency"] = args.concurrency
+                base_workload = dataclasses.replace(preset.workload, **changes)
+                preset = dataclasses.replace(
+                    preset, proxy=dataclasses.replace(preset.proxy, **tuning_changes)
+                )
+                pool = preset.stack.engines * preset.stack.max_total_tokens
+                ws_mean, ws_max = working_set_tokens(base_workload)
+                doc["scenarios"][scen] = {
+                    "stack": dataclasses.asdict(preset.stack),
+                    "workload": base_workload.to_dict(),
+                    "proxy_tuning": dataclasses.asdict(preset.proxy),
+                    "fleet_pool_tokens": pool,
+                    "working_set_tokens": {"mean": ws_mean, "max": ws_max},
+                }
+                print(
+                    f"== {scen}: live working set {ws_mean:,} tokens on average, up to {ws_max:,}; "
+                    f"fleet pool {pool:,} tokens",
+                    flush=True,
+                )
+                for seed in seeds:
+                    workload = dataclasses.replace(base_workload, seed=seed)
+                    for var in var_names:
+                        n += 1
+                        res = run_variant(
+                            ALL_VARIANTS[var],
+                            stack=preset.stack,
+                            workload=workload,
+                            tuning=preset.proxy,
+                            out_dir=out_dir / scen / f"seed{seed}",
+                            pids=pids,
+                            progress=None,
+                        )
+                        s = res["summary"]
+                        runs.append(
+                            {
+                                "scenario": scen,
+                                "seed": seed,
+                                "variant": var,
+                                "summary": s,
+                                "engine_deltas": res.get("engine_deltas"),
+                                "sim_overrun_s": res.get("sim_overrun_s"),
+                            }
+                        )
+                        print(
+                            f"[{n}/{total}] {scen} seed={seed} {var:9s} "
+                            f"{s['sessions_completed']}/{s['sessions_started']} sessions "
+                            f"{s['sessions_per_min']:.1f}/min recomputed={s['recomputed_prefill_tokens']:,} "
+                            f"hit={s['cache_hit_rate']:.3f} ttft_p99={s['ttft_p99_s']}s "
+                            f"({time.monotonic() - t0:.0f} s)",
+                            flush=True,
+                        )
     except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
+        print("interrupted: every process started has been stopped", file=sys.stderr)
         status = 130
     agg = aggregate(runs)
     doc["aggregate"] = agg

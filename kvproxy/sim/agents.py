@@ -391,6 +391,8 @@ class RunResult:
         if retractions is None:
             retractions = delta.get("num_retracted_reqs")
         ttft = [r.ttft_s for r in ok_reqs if r.ttft_s is not None]
+        ttft_first = [r.ttft_s for r in ok_reqs if r.ttft_s is not None and r.turn == 0]
+        ttft_later = [r.ttft_s for r in ok_reqs if r.ttft_s is not None and r.turn > 0]
         latency = [r.latency_s for r in ok_reqs if r.latency_s is not None]
         waits = [r.admission_wait_ms for r in self.requests if r.admission_wait_ms is not None]
         durations = [d for s in completed if (d := s.duration_s) is not None]
@@ -419,6 +421,10 @@ class RunResult:
             "engine_generation_tokens": delta.get("generation_tokens_total"),
             "ttft_p50_s": _round(percentile(ttft, 50)),
             "ttft_p99_s": _round(percentile(ttft, 99)),
+            # First turns (a new session) and later turns (a session already running).
+            "ttft_first_turn_p99_s": _round(percentile(ttft_first, 99)),
+            "ttft_later_turns_p50_s": _round(percentile(ttft_later, 50)),
+            "ttft_later_turns_p99_s": _round(percentile(ttft_later, 99)),
             "latency_p50_s": _round(percentile(latency, 50)),
             "latency_p99_s": _round(percentile(latency, 99)),
             "admission_wait_p50_ms": _round(percentile(waits, 50), 2),

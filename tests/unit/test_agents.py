@@ -309,6 +309,8 @@ def test_summary_numbers() -> None:
     assert s["evicted_tokens"] == 40.0
     assert s["retractions"] == 1.0
     assert s["ttft_p50_s"] == pytest.approx(0.15)
+    assert s["ttft_first_turn_p99_s"] == pytest.approx(agents.percentile([0.1, 0.2], 99), abs=1e-4)
+    assert s["ttft_later_turns_p50_s"] == pytest.approx(0.2)
     assert s["latency_p99_s"] == pytest.approx(
         agents.percentile([1.0, 1.2, 1.1, 0.9], 99), abs=1e-4
     )
