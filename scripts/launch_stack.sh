@@ -5,6 +5,9 @@
 #   MODEL=Qwen/Qwen3-8B NUM_ENGINES=2 TP=1 scripts/launch_stack.sh [kvproxy serve flags...]
 #
 # Engines get ports 31001.., the router 30000 (Prometheus 29000), kvproxy 8100.
+# ROUTER_POLICY_ARGS replaces the router's policy flags; to reproduce the rollout
+# benchmark's placement (sessions sticky by X-Session-ID) use
+#   ROUTER_POLICY_ARGS="--policy round_robin --sticky-sessions --routing-key-headers X-Session-ID --assignment-mode min_load"
 # Ctrl-C stops everything this script started (by PID).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -18,6 +21,7 @@ ROUTER_METRICS_PORT="${ROUTER_METRICS_PORT:-29000}"
 PROXY_PORT="${PROXY_PORT:-8100}"
 CONFIG="${CONFIG:-configs/kvproxy.yaml}"
 PY="${PY:-.venv/bin/python}"
+ROUTER_POLICY_ARGS="${ROUTER_POLICY_ARGS:---policy cache_aware}"
 LOGS="${LOGS:-results/stack-logs}"
 mkdir -p "$LOGS"
 
@@ -54,7 +58,7 @@ for w in "${workers[@]}"; do wait_http "$w/health" 600; done
 
 "$PY" -m smg launch --host 127.0.0.1 --port "$ROUTER_PORT" \
     --prometheus-host 127.0.0.1 --prometheus-port "$ROUTER_METRICS_PORT" \
-    --worker-urls "${workers[@]}" --policy cache_aware --disable-circuit-breaker \
+    --worker-urls "${workers[@]}" $ROUTER_POLICY_ARGS --disable-circuit-breaker \
     >"$LOGS/router.log" 2>&1 &
 pids+=($!)
 wait_http "http://127.0.0.1:$ROUTER_PORT/readiness" 120
