@@ -53,7 +53,6 @@ class Fleet:
         self._last_refresh: float | None = None
         self._last_error: str | None = None
         self._task: asyncio.Task[None] | None = None
-        self._changed = asyncio.Event()
 
     # -- read side -------------------------------------------------------------
     @property
@@ -114,7 +113,6 @@ class Fleet:
                 len(found.unhealthy),
                 list(found.unhealthy),
             )
-            self._changed.set()
         self._engines = found
         return found
 
@@ -141,11 +139,6 @@ class Fleet:
                 return True
         except (aiohttp.ClientError, TimeoutError):
             return False
-
-    async def wait_changed(self) -> None:
-        """Resolve at the next change of the engine list (tests and start-up checks)."""
-        self._changed.clear()
-        await self._changed.wait()
 
     async def _loop(self) -> None:
         while True:

@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator, Sequence
 from contextlib import AbstractAsyncContextManager
@@ -34,6 +33,7 @@ import aiohttp
 from prometheus_client.core import Metric
 
 from kvproxy.config import SessionLifecycleConfig
+from kvproxy.fleet.discovery import base_url
 from kvproxy.fleet.engine_info import EngineSessionMode, mode_warnings, probe
 from kvproxy.fleet.fanout import post_to_all
 from kvproxy.observability import WindowedCounters, counter_families, gauge_families
@@ -101,7 +101,6 @@ _CHECK_MAX_DELAY_S = 30.0
 # At most one WARNING per (engine, operation) in this many seconds.
 _WARN_INTERVAL_S = 30.0
 _WARN_KEYS_MAX = 1024
-_RANK_SUFFIX = re.compile(r"@\d+$")
 
 
 class SessionClosed(Exception):
@@ -264,7 +263,7 @@ def _discard(aw: Awaitable[Any]) -> None:
 def _base_urls(urls: Sequence[str]) -> list[str]:
     out: dict[str, None] = {}
     for url in urls:
-        base = _RANK_SUFFIX.sub("", url.strip()).rstrip("/")
+        base = base_url(url)
         if base:
             out.setdefault(base, None)
     return list(out)
