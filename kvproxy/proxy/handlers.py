@@ -60,6 +60,14 @@ _CACHED_TOKENS_RE = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
 ObserveTail = Callable[[bytes], None]
 
 
+class _ClientGone(Exception):
+    """The client closed its connection while its response was being streamed."""
+
+    def __init__(self, response: web.StreamResponse) -> None:
+        super().__init__("client disconnected")
+        self.response = response
+
+
 class BodyTooLarge(Exception):
     pass
 
@@ -310,7 +318,7 @@ class ProxyHandlers:
                 on_disconnect()
             raise
         except (TimeoutError, aiohttp.ServerTimeoutError):
-            rt.metrics.upstream_errors.labels("timeout").inc()
+            rt.metrics.upstream_error("timeout")
             return self._count(
                 path,
                 error_response(
@@ -318,7 +326,7 @@ class ProxyHandlers:
                 ),
             )
         except aiohttp.ClientError as exc:
-            rt.metrics.upstream_errors.labels("unreachable").inc()
+            rt.metrics.upstream_error("unreachable")
             return self._count(
                 path,
                 error_response(
@@ -346,11 +354,13 @@ class ProxyHandlers:
             if on_disconnect is not None:
                 on_disconnect()
             raise
-        except (ConnectionResetError, aiohttp.ClientConnectionResetError):
+        except _ClientGone as gone:
+            # The client closed its connection mid-response: a normal event, not an
+            # error. aiohttp finishes a response whose peer is gone quietly.
             upstream.close()
             if on_disconnect is not None:
                 on_disconnect()
-            raise
+            return self._count(path, gone.response)
         finally:
             await upstream_cm.__aexit__(None, None, None)
 
@@ -385,7 +395,7 @@ class ProxyHandlers:
                 aiohttp.ClientPayloadError,
                 aiohttp.ServerDisconnectedError,
             ) as exc:
-                rt.metrics.upstream_errors.labels("midstream").inc()
+                rt.metrics.upstream_error("midstream")
                 return self._count(
                     path,
                     error_response(
@@ -411,17 +421,17 @@ class ProxyHandlers:
                 await response.write(chunk)
                 if observe_tail is not None:
                     tail = (tail + chunk)[-_TAIL_BYTES:]
+            await response.write_eof()
         except ConnectionResetError:  # the client went away (aiohttp's reset error included)
-            raise
+            raise _ClientGone(response) from None
         except (TimeoutError, aiohttp.ClientError):
             # The upstream broke mid-stream. End the client's stream the same way the
             # router does (no terminating chunk, no [DONE]) without an error traceback.
-            rt.metrics.upstream_errors.labels("midstream").inc()
+            rt.metrics.upstream_error("midstream")
             upstream.close()
             if request.transport is not None:
                 request.transport.abort()
             return self._count(path, response)
-        await response.write_eof()
         if observe_tail is not None and upstream.status == 200:
             observe_tail(tail)
         return self._count(path, response)

@@ -45,6 +45,13 @@ class ProxyMetrics:
             registry=registry,
         )
         self._children: dict[tuple[str, int], Counter] = {}
+        # Plain running totals for the dashboard's rates (no label lookups there).
+        self.answered = 0
+        self.upstream_failures = 0
+
+    def upstream_error(self, kind: str) -> None:
+        self.upstream_failures += 1
+        self.upstream_errors.labels(kind).inc()
 
     def count(self, path: str, status: int) -> None:
         key = (path if path in KNOWN_PATHS else "other", status)
@@ -52,3 +59,4 @@ class ProxyMetrics:
         if child is None:
             child = self._children[key] = self.requests.labels(key[0], str(status))
         child.inc()
+        self.answered += 1
