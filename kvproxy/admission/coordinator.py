@@ -55,14 +55,14 @@ import logging
 import math
 import time
 from collections import OrderedDict, deque
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
 import aiohttp
-from prometheus_client.core import HistogramMetricFamily, Metric
+from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.utils import floatToGoString
 
 from kvproxy.admission import classify
@@ -70,6 +70,7 @@ from kvproxy.admission.ledger import (
     CAPACITY_AVAILABLE,
     DEGRADED,
     OVERSIZED,
+    EngineView,
     Ledger,
 )
 from kvproxy.admission.reservation import ReservationSizer
@@ -214,6 +215,9 @@ WAIT_BUCKETS = (
     120.0,
 )
 WAIT_HISTOGRAM = "agentic_kv_admission_wait_seconds"
+ENGINE_TOKEN_USAGE = "agentic_kv_budget_engine_token_usage"
+ENGINE_MAX_TOKENS = "agentic_kv_budget_engine_max_total_num_tokens"
+ENGINE_FRESH = "agentic_kv_budget_engine_fresh"
 
 # Cancel-before-acquire tombstones: bounded, and forgotten after the lease TTL.
 _MAX_TOMBSTONES = 100_000
@@ -838,6 +842,16 @@ class AdmissionController:
             out[_A + "wait_seconds_mean"] = values[C_WAIT_SECONDS_SUM] / values[C_WAIT_GRANTED]
         return out
 
+    def totals(self) -> Mapping[str, float]:
+        """Cumulative counters since start (never reset by the stats window)."""
+        self._sync_evicted()
+        return self._counters.total_items()
+
+    def oldest_wait_s(self) -> float:
+        """How long the longest-waiting request has been held so far (0 when none)."""
+        oldest = next(iter(self._waiters.values()), None)
+        return 0.0 if oldest is None else max(0.0, self._clock() - oldest.enqueued_at)
+
     def stats(self, *, reset: bool = False) -> dict[str, float]:
         """``agentic_kv/admission/*`` and ``agentic_kv/budget/*`` over the current window.
 
@@ -934,6 +948,7 @@ class AdmissionController:
             _B + "engines_stale": float(sum(1 for e in ledger.engines(now) if not e.fresh)),
         }
         yield from gauge_families(gauges, _HELP)
+        yield from _engine_families(ledger.engines(now))
 
         buckets: list[tuple[str, float]] = []
         cumulative = 0
@@ -948,6 +963,35 @@ class AdmissionController:
         )
         hist.add_metric([], buckets, self._hist_sum)
         yield hist
+
+
+def _engine_families(engines: Iterable[EngineView]) -> Iterator[Metric]:
+    """Per-engine gauges labelled by engine base URL (one series per engine the
+    ledger tracks, so cardinality is the fleet size)."""
+    usage = GaugeMetricFamily(
+        ENGINE_TOKEN_USAGE,
+        "The engine's last sglang:token_usage as the ledger read it (KV pool fraction in use).",
+        labels=["engine"],
+    )
+    capacity = GaugeMetricFamily(
+        ENGINE_MAX_TOKENS,
+        "The engine's KV pool size in tokens (max_total_num_tokens).",
+        labels=["engine"],
+    )
+    fresh = GaugeMetricFamily(
+        ENGINE_FRESH,
+        "1 if the engine's metrics snapshot is fresh enough to count, else 0.",
+        labels=["engine"],
+    )
+    for e in engines:
+        if e.token_usage is not None:
+            usage.add_metric([e.url], e.token_usage)
+        if e.max_total_num_tokens is not None:
+            capacity.add_metric([e.url], float(e.max_total_num_tokens))
+        fresh.add_metric([e.url], 1.0 if e.fresh else 0.0)
+    yield usage
+    yield capacity
+    yield fresh
 
 
 def _le(bound: float) -> str:

@@ -24,7 +24,15 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator, Sequence
+from collections.abc import (
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Coroutine,
+    Iterator,
+    Mapping,
+    Sequence,
+)
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -738,6 +746,10 @@ class SessionManager:
             QUEUED_REQUESTS: float(t.queued_count),
             FORWARDED_REQUESTS: float(t.forwarded_count),
         }
+
+    def totals(self) -> Mapping[str, float]:
+        """Cumulative counters since start (never reset by the stats window)."""
+        return self._counters.total_items()
 
     def stats(self, *, reset: bool = False) -> dict[str, float]:
         """JSON stats: window counters (reset when ``reset``) and current gauges.
