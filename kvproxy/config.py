@@ -32,9 +32,13 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8100
     max_body_bytes: int = 64 * 1024 * 1024
-    # When set, /kvproxy/config/reload and /kvproxy/sessions/*/close require
-    # "Authorization: Bearer <token>". Data-plane requests never do.
+    # When set, the admin endpoints (reload, session close, stats reset) require
+    # "Authorization: Bearer <token>" and the dashboard asks for it once (then a
+    # cookie). Data-plane requests never do.
     admin_token: str | None = None
+    # With admin_token set: whether GET /kvproxy/stats and /metrics stay readable
+    # without it. /kvproxy/health always does (probes).
+    public_stats: bool = True
     # Seconds to let in-flight requests finish on SIGTERM / SIGINT.
     shutdown_grace_s: float = 10.0
     # Listen backlog: bursts of new connections beyond it wait for SYN retransmits.
@@ -255,6 +259,10 @@ def validate(cfg: Config) -> None:
     )
     _check(
         s.shutdown_grace_s >= 0, f"server.shutdown_grace_s: must be >= 0 (got {s.shutdown_grace_s})"
+    )
+    _check(
+        s.admin_token is None or (s.admin_token.strip() == s.admin_token != ""),
+        "server.admin_token: must be null or a non-empty string without surrounding spaces",
     )
     _check(
         s.log_level.upper() in {"DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"},

@@ -58,7 +58,8 @@ def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
 def run(args: argparse.Namespace) -> int:
     from aiohttp import web
 
-    from kvproxy.app import RUNTIME, create_app, reload_config
+    from kvproxy.admin.reload import reload_config
+    from kvproxy.app import RUNTIME, create_app
 
     overrides = overrides_from_args(args)
     try:

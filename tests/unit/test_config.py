@@ -20,6 +20,9 @@ def test_shipped_yaml_matches_the_defaults() -> None:
     ("doc", "needle"),
     [
         ({"server": {"port": 0}}, "server.port"),
+        ({"server": {"admin_token": ""}}, "server.admin_token: must be null or a non-empty"),
+        ({"server": {"admin_token": " padded "}}, "server.admin_token"),
+        ({"server": {"public_stats": "no"}}, "server.public_stats"),
         ({"server": {"bogus": 1}}, "server.bogus: unknown key"),
         ({"nope": {}}, "nope: unknown section"),
         ({"router": {"url": "ftp://x"}}, "router.url"),

@@ -1,0 +1,96 @@
+"""Who may use the operator surface when ``server.admin_token`` is set.
+
+:func:`allowed` decides from the token and the request's credentials alone (pure);
+:func:`guarded` wraps an aiohttp handler with it. With no token configured
+everything is open (kvproxy listens on loopback by default). With one:
+
+- ``ADMIN`` (config reload, session close, stats reset): ``Authorization: Bearer``
+  only. These change state, so a browser's ambient cookie is never enough.
+- ``VIEW`` (the dashboard and its data): the bearer header, or the dashboard
+  cookie a browser gets by entering the token once on the dashboard's sign-in page.
+- ``STATS`` (``GET /kvproxy/stats``, ``GET /metrics``): open while
+  ``server.public_stats`` is true (the default), else as ``VIEW``.
+
+The cookie holds an HMAC of the token, not the token: it cannot be replayed as a
+bearer header, and changing the token (a config reload) invalidates every cookie.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import hmac
+from collections.abc import Awaitable, Callable
+
+from aiohttp import web
+
+from kvproxy.proxy.errors import ErrorType, error_response
+from kvproxy.runtime import RUNTIME, Runtime
+
+COOKIE_NAME = "kvproxy_dashboard"
+NEEDS_TOKEN = "admin endpoint: send Authorization: Bearer <server.admin_token>"
+_COOKIE_CONTEXT = b"kvproxy dashboard session v1"
+
+
+class Access(enum.Enum):
+    ADMIN = "admin"
+    VIEW = "view"
+    STATS = "stats"
+
+
+def cookie_value(token: str) -> str:
+    """The dashboard cookie's value for ``token``."""
+    return hmac.new(token.encode(), _COOKIE_CONTEXT, hashlib.sha256).hexdigest()
+
+
+def token_matches(token: str, candidate: str) -> bool:
+    """Constant-time comparison of a submitted token with the configured one."""
+    return hmac.compare_digest(token.encode(), candidate.encode())
+
+
+def allowed(
+    access: Access,
+    *,
+    token: str | None,
+    public_stats: bool,
+    authorization: str | None,
+    cookie: str | None,
+) -> bool:
+    """Whether a request with these credentials may use an endpoint of ``access``."""
+    if token is None:
+        return True
+    if access is Access.STATS and public_stats:
+        return True
+    if authorization is not None:
+        scheme, _, value = authorization.partition(" ")
+        if scheme.lower() == "bearer" and token_matches(token, value.strip()):
+            return True
+    if access is Access.ADMIN:
+        return False
+    return cookie is not None and hmac.compare_digest(cookie, cookie_value(token))
+
+
+# ----------------------------------------------------------------- aiohttp glue
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def is_allowed(rt: Runtime, request: web.Request, access: Access) -> bool:
+    server = rt.config.server
+    return allowed(
+        access,
+        token=server.admin_token,
+        public_stats=server.public_stats,
+        authorization=request.headers.get("Authorization"),
+        cookie=request.cookies.get(COOKIE_NAME),
+    )
+
+
+def guarded(access: Access, handler: Handler) -> Handler:
+    """``handler`` behind the admin token for ``access`` (401 unauthorized otherwise)."""
+
+    async def guard(request: web.Request) -> web.StreamResponse:
+        if not is_allowed(request.app[RUNTIME], request, access):
+            return error_response(ErrorType.UNAUTHORIZED, NEEDS_TOKEN)
+        return await handler(request)
+
+    return guard

@@ -1,0 +1,207 @@
+"""``GET /kvproxy/dashboard``: a live page of the fleet, the admission queue and the
+sessions, served from the package with nothing to install or fetch.
+
+- The page (``static/``) is plain HTML, CSS and JavaScript drawing SVG charts; its
+  Content-Security-Policy allows this origin only, so it works air-gapped and never
+  loads anything from elsewhere.
+- ``GET /kvproxy/dashboard/data?since=SEQ`` returns the current health, banners and
+  effective config, plus the timeline samples newer than ``SEQ``; the page polls it.
+- A background task samples the runtime into a bounded :class:`Timeline` once per
+  :data:`TICK_S`, so a page opened mid-rollout shows the last minutes at once.
+- With ``server.admin_token`` set, the page and its data need the token: a browser
+  enters it once on a sign-in page and gets a cookie (:mod:`kvproxy.admin.auth`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import time
+from collections.abc import AsyncIterator
+from importlib import resources
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from kvproxy import __version__
+from kvproxy.admin.auth import COOKIE_NAME, Access, cookie_value, guarded, is_allowed, token_matches
+from kvproxy.admin.health import health_doc
+from kvproxy.admin.timeline import Reading, Timeline
+from kvproxy.admin.views import (
+    PROXY_ANSWERED,
+    PROXY_UPSTREAM_FAILURES,
+    RATE_SERIES,
+    RATIO_SERIES,
+    banners,
+    config_view,
+)
+from kvproxy.runtime import RUNTIME, Runtime
+
+log = logging.getLogger(__name__)
+
+TICK_S = 1.0  # one sample per second
+HISTORY = 900  # samples kept: the last 15 minutes
+_MAX_TOKEN_FORM_BYTES = 4096
+
+# Same origin only: the page loads nothing from elsewhere and cannot be framed.
+_CSP = (
+    "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
+    "connect-src 'self'; form-action 'self'; base-uri 'none'; frame-ancestors 'none'"
+)
+_PAGE_HEADERS = {
+    "Content-Security-Policy": _CSP,
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+    "Cache-Control": "no-store",
+}
+_ASSET_TYPES = {
+    "dashboard.js": "text/javascript",
+    "dashboard.css": "text/css",
+}
+
+
+@functools.cache
+def _static(name: str) -> str:
+    return resources.files("kvproxy.admin").joinpath("static", name).read_text("utf-8")
+
+
+# ------------------------------------------------------------------ sampling
+def read_runtime(rt: Runtime) -> Reading:
+    """One reading of the counters and gauges the dashboard plots."""
+    admission, ledger = rt.admission, rt.admission.ledger
+    counters: dict[str, float] = {
+        **admission.totals(),
+        **rt.sessions.totals(),
+        PROXY_ANSWERED: float(rt.metrics.answered),
+        PROXY_UPSTREAM_FAILURES: float(rt.metrics.upstream_failures),
+    }
+    sessions = rt.sessions.health()
+    health = admission.health()
+    gauges = {
+        "waiting": float(health["waiting"]),
+        "waiting_new": float(health["waiting_new"]),
+        "waiting_continuing": float(health["waiting_continuing"]),
+        "oldest_wait_s": admission.oldest_wait_s(),
+        "ceiling": float(ledger.ceiling),
+        "committed": float(ledger.committed),
+        "reserved": float(ledger.reserved),
+        "resident": float(ledger.resident_total),
+        "sessions_open": float(sessions.get("open", 0)),
+        "sessions_closing": float(sessions.get("closing", 0)),
+    }
+    engines = {e["url"]: e["token_usage"] for e in health["engines"]}
+    return Reading(counters=counters, gauges=gauges, engines=engines)
+
+
+def new_timeline() -> Timeline:
+    return Timeline(HISTORY, rates=RATE_SERIES, ratios=RATIO_SERIES)
+
+
+async def timeline_ctx(app: web.Application) -> AsyncIterator[None]:
+    """cleanup_ctx: sample the runtime into ``rt.timeline`` every :data:`TICK_S`."""
+    rt = app[RUNTIME]
+    rt.timeline = new_timeline()
+
+    async def sample_forever() -> None:
+        while True:
+            try:
+                rt.timeline.record(time.monotonic(), time.time(), read_runtime(rt))
+            except Exception:  # a bad reading must not end the sampler
+                log.exception("dashboard sampling failed")
+            await asyncio.sleep(TICK_S)
+
+    task = asyncio.create_task(sample_forever(), name="kvproxy-dashboard-sampler")
+    yield
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+
+
+# -------------------------------------------------------------------- routes
+def data_doc(rt: Runtime, since: int) -> dict[str, Any]:
+    health = health_doc(rt)
+    return {
+        "version": __version__,
+        "tick_s": TICK_S,
+        "history": HISTORY,
+        "health": health,
+        "banners": banners(health),
+        "config": config_view(rt.config),
+        "last_seq": rt.timeline.last_seq,
+        "samples": rt.timeline.since(since),
+    }
+
+
+async def handle_data(request: web.Request) -> web.Response:
+    rt = request.app[RUNTIME]
+    try:
+        since = int(request.query.get("since", "0"))
+    except ValueError:
+        since = 0
+    return web.Response(
+        body=orjson.dumps(data_doc(rt, since)),
+        content_type="application/json",
+        headers={"Cache-Control": "no-store"},
+    )
+
+
+def _page(text: str, status: int = 200) -> web.Response:
+    return web.Response(text=text, status=status, content_type="text/html", headers=_PAGE_HEADERS)
+
+
+def _sign_in_page(message: str, status: int) -> web.Response:
+    return _page(_static("sign-in.html").replace("{{message}}", message), status)
+
+
+async def handle_page(request: web.Request) -> web.Response:
+    rt = request.app[RUNTIME]
+    if not is_allowed(rt, request, Access.VIEW):
+        return _sign_in_page("This kvproxy has an admin token: enter it to see the dashboard.", 401)
+    return _page(_static("dashboard.html"))
+
+
+async def handle_sign_in(request: web.Request) -> web.Response:
+    """The sign-in form's POST: a matching token gets the dashboard cookie."""
+    rt = request.app[RUNTIME]
+    token = rt.config.server.admin_token
+    if token is None:
+        raise web.HTTPSeeOther("/kvproxy/dashboard")
+    if request.content_length is not None and request.content_length > _MAX_TOKEN_FORM_BYTES:
+        return _sign_in_page("That token is far too long.", 400)
+    form = await request.post()
+    submitted = form.get("token")
+    if not isinstance(submitted, str) or not token_matches(token, submitted.strip()):
+        log.warning("dashboard sign-in with a wrong token from %s", request.remote)
+        return _sign_in_page("Wrong token.", 401)
+    response = web.HTTPSeeOther("/kvproxy/dashboard")
+    response.set_cookie(
+        COOKIE_NAME,
+        cookie_value(token),
+        path="/kvproxy/",
+        httponly=True,
+        samesite="Strict",
+        secure=request.secure,
+    )
+    raise response
+
+
+async def handle_asset(request: web.Request) -> web.Response:
+    name = request.match_info["name"]
+    content_type = _ASSET_TYPES.get(name)
+    if content_type is None:
+        raise web.HTTPNotFound()
+    return web.Response(
+        text=_static(name),
+        content_type=content_type,
+        headers={"X-Content-Type-Options": "nosniff", "Cache-Control": "no-cache"},
+    )
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_get("/kvproxy/dashboard", handle_page)
+    app.router.add_get("/kvproxy/dashboard/data", guarded(Access.VIEW, handle_data))
+    app.router.add_post("/kvproxy/dashboard/sign-in", handle_sign_in)
+    app.router.add_get("/kvproxy/dashboard/static/{name}", handle_asset)

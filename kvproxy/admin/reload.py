@@ -1,0 +1,70 @@
+"""Re-reading the YAML while running (``SIGHUP`` or ``POST /kvproxy/config/reload``).
+
+Every key applies at once except those in :data:`RESTART_ONLY`, which keep their
+running values until a restart (the reply and the log name them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+from kvproxy.config import Config, ConfigError, apply_overrides, load_config
+from kvproxy.runtime import Runtime
+
+log = logging.getLogger(__name__)
+
+# Keys whose change needs a restart; everything else applies on reload.
+RESTART_ONLY = (
+    "server.host",
+    "server.port",
+    "server.max_body_bytes",
+    "server.backlog",
+    "router.url",
+    "router.max_connections",
+)
+
+
+def _changed_keys(old: Config, new: Config) -> list[str]:
+    changed = []
+    for section in ("server", "router", "session_lifecycle", "admission"):
+        a, b = getattr(old, section), getattr(new, section)
+        for f in dataclasses.fields(a):
+            if getattr(a, f.name) != getattr(b, f.name):
+                changed.append(f"{section}.{f.name}")
+    return changed
+
+
+async def reload_config(rt: Runtime) -> dict[str, Any]:
+    """Re-read the YAML (CLI overrides re-applied) and apply it. Raises ConfigError."""
+    if rt.config.source is None:
+        raise ConfigError("no config file to reload (kvproxy was started without --config)")
+    new = apply_overrides(load_config(rt.config.source), rt.overrides)
+    changed = _changed_keys(rt.config, new)
+    pending = [k for k in changed if k in RESTART_ONLY]
+    # Keep restart-only values as they are running now.
+    new = dataclasses.replace(
+        new,
+        server=dataclasses.replace(
+            new.server,
+            host=rt.config.server.host,
+            port=rt.config.server.port,
+            max_body_bytes=rt.config.server.max_body_bytes,
+            backlog=rt.config.server.backlog,
+        ),
+        router=dataclasses.replace(
+            new.router, url=rt.config.router.url, max_connections=rt.config.router.max_connections
+        ),
+    )
+    rt.set_config(new)
+    rt.fleet.reconfigure(new.router)
+    await rt.sessions.reconfigure(new.session_lifecycle)
+    await rt.admission.reconfigure(new.admission)
+    logging.getLogger("kvproxy").setLevel(new.server.log_level.upper())
+    rt.reloads += 1
+    applied = [k for k in changed if k not in RESTART_ONLY]
+    log.warning("config reloaded from %s; applied: %s", new.source, ", ".join(applied) or "nothing")
+    if pending:
+        log.warning("config keys that need a restart to change: %s", ", ".join(pending))
+    return {"status": "reloaded", "applied": applied, "restart_required": pending}

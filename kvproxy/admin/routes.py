@@ -1,0 +1,79 @@
+"""The operator endpoints under ``/kvproxy/`` and ``/metrics``.
+
+Health, stats and metrics read the runtime; reload and session close change it and
+need the admin token when one is set (:mod:`kvproxy.admin.auth`). The dashboard's
+own routes live in :mod:`kvproxy.admin.dashboard`.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import orjson
+from aiohttp import web
+from prometheus_client import generate_latest
+
+from kvproxy.admin import dashboard
+from kvproxy.admin.auth import NEEDS_TOKEN, Access, guarded, is_allowed
+from kvproxy.admin.health import health_doc
+from kvproxy.admin.reload import reload_config
+from kvproxy.config import ConfigError
+from kvproxy.proxy.errors import ErrorType, error_response
+from kvproxy.proxy.handlers import ProxyHandlers
+from kvproxy.runtime import RUNTIME
+
+log = logging.getLogger(__name__)
+
+
+def json_response(doc: Any, status: int = 200) -> web.Response:
+    return web.Response(status=status, body=orjson.dumps(doc), content_type="application/json")
+
+
+async def handle_health(request: web.Request) -> web.Response:
+    return json_response(health_doc(request.app[RUNTIME]))
+
+
+async def handle_stats(request: web.Request) -> web.Response:
+    rt = request.app[RUNTIME]
+    reset = request.query.get("reset", "").lower() in ("1", "true", "yes")
+    # Reading is STATS access; closing the window changes state, so it is ADMIN.
+    if not is_allowed(rt, request, Access.ADMIN if reset else Access.STATS):
+        return error_response(ErrorType.UNAUTHORIZED, NEEDS_TOKEN)
+    stats: dict[str, float] = {}
+    stats.update(rt.sessions.stats(reset=reset))
+    stats.update(rt.admission.stats(reset=reset))
+    return json_response(stats)
+
+
+async def handle_metrics(request: web.Request) -> web.Response:
+    rt = request.app[RUNTIME]
+    return web.Response(
+        body=generate_latest(rt.registry),
+        headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"},
+    )
+
+
+async def handle_reload(request: web.Request) -> web.Response:
+    rt = request.app[RUNTIME]
+    try:
+        result = await reload_config(rt)
+    except ConfigError as exc:
+        log.error("config reload rejected, keeping the running config: %s", exc)
+        return error_response(
+            ErrorType.INVALID_CONFIG, f"reload rejected, running config kept: {exc}"
+        )
+    return json_response(result)
+
+
+def add_admin_routes(app: web.Application, handlers: ProxyHandlers) -> None:
+    """Register the operator endpoints (before the catch-all proxy route)."""
+    app.router.add_get("/kvproxy/health", handle_health)
+    app.router.add_get("/kvproxy/stats", handle_stats)
+    app.router.add_get("/metrics", guarded(Access.STATS, handle_metrics))
+    app.router.add_post("/kvproxy/config/reload", guarded(Access.ADMIN, handle_reload))
+    app.router.add_post(
+        "/kvproxy/sessions/{session_id}/close",
+        guarded(Access.ADMIN, handlers.close_session_admin),
+    )
+    dashboard.add_routes(app)

@@ -1,0 +1,379 @@
+// kvproxy dashboard: polls /kvproxy/dashboard/data and draws SVG charts.
+// No dependencies and no build step. Everything from the server is inserted as
+// text (never as HTML).
+"use strict";
+
+const DATA_URL = "/kvproxy/dashboard/data";
+const SVG_NS = "http://www.w3.org/2000/svg";
+const WIDTH = 600;
+const HEIGHT = 190;
+const PAD = { left: 52, right: 12, top: 10, bottom: 22 };
+const MIN_SPAN_S = 60;
+const PALETTE = ["#2563eb", "#dc6b19", "#16a34a", "#9333ea", "#db2777", "#0891b2",
+                 "#ca8a04", "#64748b", "#b91c1c", "#4f46e5"];
+
+// Each chart: the series it plots (a path into a sample), the feature it depends
+// on, and reference lines computed from the latest data document.
+const CHARTS = [
+  {
+    id: "queue", feature: "admission", title: "Admission queue", unit: "requests",
+    series: [
+      { key: "gauges.waiting_new", label: "new sessions waiting" },
+      { key: "gauges.waiting_continuing", label: "continuing turns waiting" },
+    ],
+  },
+  {
+    id: "wait", feature: "admission", title: "Wait time", unit: "s",
+    series: [
+      { key: "gauges.oldest_wait_s", label: "oldest waiter" },
+      { key: "rates.wait_mean_s", label: "mean wait of admitted" },
+    ],
+    refs: (doc) => [{ value: doc.config.admission.max_wait_s, label: "max_wait_s" }],
+  },
+  {
+    id: "budget", feature: "admission", title: "KV budget", unit: "tokens",
+    series: [
+      { key: "gauges.committed", label: "committed" },
+      { key: "gauges.reserved", label: "reserved (in flight)" },
+      { key: "gauges.resident", label: "resident (between turns)" },
+    ],
+    refs: (doc) => doc.health.admission.ceiling > 0
+      ? [{ value: doc.health.admission.ceiling, label: "ceiling" }] : [],
+  },
+  {
+    id: "engines", feature: "admission", title: "Engine KV token usage", unit: "fraction", enginesChart: true,
+    refs: (doc) => [{ value: doc.config.admission.pressure_threshold, label: "pressure_threshold" }],
+  },
+  {
+    id: "decisions", feature: "admission", title: "Admission decisions", unit: "per s",
+    series: [
+      { key: "rates.admit", label: "admit" },
+      { key: "rates.wait", label: "wait" },
+      { key: "rates.bypass_aged", label: "bypass: aged" },
+      { key: "rates.bypass_degraded", label: "bypass: degraded" },
+      { key: "rates.bypass_oversized", label: "bypass: oversized" },
+      { key: "rates.bypass_queue_full", label: "bypass: queue full" },
+      { key: "rates.bypass_protected", label: "bypass: protected" },
+      { key: "rates.bypass_disabled", label: "bypass: disabled" },
+      { key: "rates.cancelled", label: "cancelled" },
+    ],
+  },
+  {
+    id: "sessions", feature: "session_lifecycle", title: "Sessions", unit: "sessions",
+    series: [
+      { key: "gauges.sessions_open", label: "open" },
+      { key: "gauges.sessions_closing", label: "closing" },
+    ],
+  },
+  {
+    id: "closes", feature: "session_lifecycle", title: "Session closes", unit: "per s",
+    series: [
+      { key: "rates.sessions_started", label: "started" },
+      { key: "rates.sessions_closed", label: "closed" },
+      { key: "rates.close_failures", label: "close failures" },
+      { key: "rates.aborted_requests", label: "requests aborted" },
+    ],
+  },
+  {
+    id: "traffic", title: "Proxy traffic", unit: "per s",
+    series: [
+      { key: "rates.requests", label: "requests answered" },
+      { key: "rates.upstream_errors", label: "upstream errors" },
+      { key: "rates.scrape_failures", label: "engine /metrics failures" },
+    ],
+  },
+];
+
+const state = { samples: [], lastSeq: 0, doc: null, failures: 0 };
+
+// ----------------------------------------------------------------- helpers
+function el(tag, attrs = {}, ...children) {
+  const node = tag.startsWith("svg:")
+    ? document.createElementNS(SVG_NS, tag.slice(4)) : document.createElement(tag);
+  for (const [k, v] of Object.entries(attrs)) {
+    if (v === undefined || v === null) continue;
+    // Styles go through the CSSOM: the page's CSP forbids style attributes.
+    if (k === "style") Object.assign(node.style, v);
+    else node.setAttribute(k, String(v));
+  }
+  for (const child of children) {
+    if (child !== null && child !== undefined) {
+      node.append(child instanceof Node ? child : document.createTextNode(String(child)));
+    }
+  }
+  return node;
+}
+
+function pick(sample, path) {
+  let v = sample;
+  for (const part of path.split(".")) v = v == null ? undefined : v[part];
+  return typeof v === "number" && Number.isFinite(v) ? v : null;
+}
+
+function fmt(v, unit) {
+  if (v === null || v === undefined) return "–";
+  if (unit === "fraction") return `${(v * 100).toFixed(1)}%`;
+  const a = Math.abs(v);
+  if (a >= 1e6) return `${(v / 1e6).toFixed(2)}M`;
+  if (a >= 1e4) return `${(v / 1e3).toFixed(1)}k`;
+  if (a >= 100 || Number.isInteger(v)) return v.toFixed(0);
+  if (a >= 10) return v.toFixed(1);
+  return v.toFixed(2);
+}
+
+function niceMax(v) {
+  if (!(v > 0)) return 1;
+  const p = 10 ** Math.floor(Math.log10(v));
+  for (const m of [1, 1.2, 1.5, 2, 2.5, 3, 4, 5, 6, 8, 10]) if (v <= m * p) return m * p;
+  return 10 * p;
+}
+
+// ------------------------------------------------------------------- charts
+function buildCharts() {
+  const main = document.getElementById("charts");
+  for (const chart of CHARTS) {
+    chart.svg = el("svg:svg", { viewBox: `0 0 ${WIDTH} ${HEIGHT}`, role: "img", "aria-label": chart.title });
+    chart.legend = el("div", { class: "legend" });
+    chart.note = el("span", { class: "note" });
+    chart.figure = el("figure", { class: "chart", "data-chart": chart.id, "data-points": 0 },
+      el("figcaption", {}, chart.title, chart.note), chart.svg, chart.legend);
+    main.append(chart.figure);
+  }
+}
+
+function chartSeries(chart) {
+  if (!chart.enginesChart) return chart.series;
+  const urls = new Set();
+  for (const s of state.samples) for (const url of Object.keys(s.engines || {})) urls.add(url);
+  return [...urls].sort().map((url) => ({ key: url, label: url, engine: true }));
+}
+
+function valueOf(sample, series) {
+  if (!series.engine) return pick(sample, series.key);
+  const v = (sample.engines || {})[series.key];
+  return typeof v === "number" ? v : null;
+}
+
+function drawChart(chart, doc) {
+  const samples = state.samples;
+  const series = chartSeries(chart);
+  const refs = chart.refs ? chart.refs(doc).filter((r) => typeof r.value === "number") : [];
+  const svg = chart.svg;
+  svg.replaceChildren();
+  chart.legend.replaceChildren();
+  chart.figure.setAttribute("data-points", String(samples.length));
+
+  const tEnd = samples.length ? samples[samples.length - 1].t : 0;
+  const span = Math.max(MIN_SPAN_S, samples.length ? tEnd - samples[0].t : 0);
+  let yMax = 0;
+  for (const s of series) for (const p of samples) yMax = Math.max(yMax, valueOf(p, s) ?? 0);
+  for (const r of refs) yMax = Math.max(yMax, r.value);
+  yMax = chart.unit === "fraction" ? Math.max(1, yMax) : niceMax(yMax * 1.05);
+
+  const plotW = WIDTH - PAD.left - PAD.right;
+  const plotH = HEIGHT - PAD.top - PAD.bottom;
+  const x = (t) => PAD.left + plotW * (1 - (tEnd - t) / span);
+  const y = (v) => PAD.top + plotH * (1 - v / yMax);
+
+  for (const frac of [0, 0.5, 1]) {
+    const v = yMax * frac;
+    svg.append(el("svg:line", { class: "axis", x1: PAD.left, x2: WIDTH - PAD.right, y1: y(v), y2: y(v) }));
+    svg.append(el("svg:text", { class: "tick", x: PAD.left - 6, y: y(v) + 4, "text-anchor": "end" },
+      fmt(v, chart.unit)));
+  }
+  const minutes = Math.round(span / 60);
+  svg.append(el("svg:text", { class: "tick", x: PAD.left, y: HEIGHT - 6 },
+    minutes >= 1 ? `−${minutes} min` : `−${Math.round(span)} s`));
+  svg.append(el("svg:text", { class: "tick", x: WIDTH - PAD.right, y: HEIGHT - 6, "text-anchor": "end" }, "now"));
+
+  for (const r of refs) {
+    svg.append(el("svg:line", { class: "ref", x1: PAD.left, x2: WIDTH - PAD.right, y1: y(r.value), y2: y(r.value) }));
+    svg.append(el("svg:text", { class: "ref-label", x: WIDTH - PAD.right - 4, y: y(r.value) - 4, "text-anchor": "end" },
+      `${r.label} ${fmt(r.value, chart.unit)}`));
+  }
+
+  if (!samples.length) {
+    svg.append(el("svg:text", { class: "empty", x: WIDTH / 2, y: HEIGHT / 2, "text-anchor": "middle" }, "waiting for data"));
+  }
+  series.forEach((s, i) => {
+    const color = PALETTE[i % PALETTE.length];
+    let d = "";
+    let pen = "M";
+    let drawn = 0;
+    for (const p of samples) {
+      const v = valueOf(p, s);
+      if (v === null) { pen = "M"; continue; }
+      d += `${pen}${x(p.t).toFixed(1)},${y(v).toFixed(1)}`;
+      pen = "L";
+      drawn += 1;
+    }
+    if (d) {
+      svg.append(el("svg:path", { class: "line", d, stroke: color, "data-series": s.key, "data-points": drawn }));
+    }
+    const latest = samples.length ? valueOf(samples[samples.length - 1], s) : null;
+    chart.legend.append(el("span", { "data-series": s.key, "data-value": latest ?? "" },
+      el("span", { class: "swatch", style: { background: color } }), s.label,
+      el("span", { class: "value" }, fmt(latest, chart.unit))));
+  });
+  chart.note.textContent = chartNote(chart, series, doc);
+}
+
+function chartNote(chart, series, doc) {
+  if (chart.feature && !doc.health.features[chart.feature]) {
+    return `(${chart.feature.replace("_", " ")} is off)`;
+  }
+  if (chart.enginesChart && !series.length) return "(no engine metrics yet)";
+  return "";
+}
+
+// --------------------------------------------------------------- the panels
+function renderHeader(doc) {
+  const h = doc.health;
+  const status = document.getElementById("status");
+  status.textContent = h.status.replace("_", " ");
+  status.className = `pill ${h.status === "ok" ? "ok" : "error"}`;
+  const features = document.getElementById("features");
+  features.replaceChildren(
+    ...[["session lifecycle", h.features.session_lifecycle], ["admission", h.features.admission]].map(
+      ([name, on]) => el("span", { class: `feature ${on ? "on" : "off"}`, "data-feature": name },
+        `${name}: ${on ? "on" : "off"}`)));
+  document.getElementById("updated").textContent =
+    `v${doc.version} · updated ${new Date().toLocaleTimeString()}`;
+}
+
+function renderBanners(doc) {
+  const box = document.getElementById("banners");
+  box.replaceChildren(...doc.banners.map((b) =>
+    el("div", { class: `banner ${b.level}`, "data-banner-id": b.id, role: "alert" }, b.text)));
+}
+
+function tile(label, value, sub, id) {
+  return el("div", { class: "tile", "data-tile": id },
+    el("div", { class: "label" }, label), el("div", { class: "value" }, value),
+    sub ? el("div", { class: "sub" }, sub) : null);
+}
+
+function renderTiles(doc) {
+  const last = state.samples[state.samples.length - 1] || { gauges: {}, rates: {}, engines: {} };
+  const a = doc.health.admission;
+  const usages = (a.engines || []).filter((e) => e.fresh && typeof e.token_usage === "number")
+    .map((e) => e.token_usage);
+  const hottest = usages.length ? Math.max(...usages) : null;
+  document.getElementById("tiles").replaceChildren(
+    tile("Requests / s", fmt(pick(last, "rates.requests")), null, "requests"),
+    tile("Waiting", fmt(a.waiting), `oldest ${fmt(pick(last, "gauges.oldest_wait_s"))} s`, "waiting"),
+    tile("Budget committed", a.ceiling > 0 ? fmt(a.committed / a.ceiling, "fraction") : "–",
+      `${fmt(a.committed)} of ${fmt(a.ceiling)} tokens`, "budget"),
+    tile("Hottest engine KV", fmt(hottest, "fraction"),
+      `threshold ${fmt(doc.config.admission.pressure_threshold, "fraction")}`, "hottest"),
+    tile("Sessions open", fmt(doc.health.sessions.open ?? null),
+      `${fmt(doc.health.sessions.closing ?? null)} closing`, "sessions"),
+    tile("Close failures / s", fmt(pick(last, "rates.close_failures")), null, "close-failures"),
+    tile("Engines healthy", `${doc.health.engines_healthy} / ${doc.health.engines_known}`,
+      a.enabled ? `${a.engines_fresh} fresh, ${a.engines_stale} stale metrics` : null, "engines"),
+  );
+}
+
+function flag(text, kind) { return el("span", { class: `flag ${kind}` }, text); }
+
+function meter(usage, threshold) {
+  if (typeof usage !== "number") return flag("–", "none");
+  const pct = Math.max(0, Math.min(1, usage)) * 100;
+  return el("span", {},
+    el("span", { class: "meter" },
+      el("span", { class: `fill${usage >= threshold ? " hot" : ""}`, style: { width: `${pct.toFixed(1)}%` } }),
+      el("span", { class: "threshold", style: { left: `${(threshold * 100).toFixed(1)}%` } })),
+    fmt(usage, "fraction"));
+}
+
+function renderEngines(doc) {
+  const h = doc.health;
+  const threshold = doc.config.admission.pressure_threshold;
+  const byUrl = new Map();
+  const row = (url) => {
+    if (!byUrl.has(url)) byUrl.set(url, { url });
+    return byUrl.get(url);
+  };
+  for (const url of h.fleet.engines.healthy) row(url).router = "healthy";
+  for (const url of h.fleet.engines.unhealthy) row(url).router = "unhealthy";
+  for (const e of h.admission.engines || []) Object.assign(row(e.url), { ledger: e });
+  for (const [url, info] of Object.entries(h.sessions.engines || {})) row(url).mode = info.mode;
+
+  const rows = [...byUrl.values()].sort((p, q) => p.url.localeCompare(q.url)).map((r) => {
+    const e = r.ledger;
+    const metrics = !h.features.admission ? flag("not read", "none")
+      : !e ? flag("none yet", "none") : e.fresh ? flag("fresh", "ok") : flag("stale", "bad");
+    return el("tr", { "data-engine": r.url },
+      el("td", {}, el("code", {}, r.url)),
+      el("td", {}, r.router ? flag(r.router, r.router === "healthy" ? "ok" : "bad") : flag("static", "none")),
+      el("td", {}, metrics),
+      el("td", {}, meter(e ? e.token_usage : null, threshold)),
+      el("td", { class: "num" }, fmt(e ? e.max_total_num_tokens : null)),
+      el("td", { class: "num" }, e && e.age_s !== null ? `${e.age_s.toFixed(1)} s` : "–"),
+      el("td", {}, r.mode || "–"));
+  });
+  document.querySelector("#engines tbody").replaceChildren(...rows);
+  document.getElementById("engines-note").textContent = rows.length ? ""
+    : "No engines known yet: kvproxy reads them from the router's /workers.";
+}
+
+function renderConfig(doc) {
+  const c = doc.config;
+  const lc = c.session_lifecycle;
+  const ad = c.admission;
+  document.getElementById("config-summary").replaceChildren(
+    tile("Session lifecycle", lc.enabled ? "on" : "off",
+      lc.enabled ? `on_close ${lc.on_close}${lc.sticky_routing ? ", sticky" : ""}` : null, "cfg-lifecycle"),
+    tile("Admission", ad.enabled ? "on" : "off",
+      ad.enabled ? `scope ${ad.scope}${ad.session_residency ? ", session residency" : ""}` : null, "cfg-admission"),
+    tile("Headroom", fmt(ad.headroom, "fraction"), "of the fleet's KV pool", "cfg-headroom"),
+    tile("Pressure threshold", fmt(ad.pressure_threshold, "fraction"), "per engine", "cfg-pressure"),
+    tile("Max wait", `${fmt(ad.max_wait_s)} s`, `queue bound ${fmt(ad.max_queue)}`, "cfg-max-wait"),
+  );
+  const rows = [];
+  for (const section of ["server", "router", "session_lifecycle", "admission"]) {
+    for (const [key, value] of Object.entries(c[section])) {
+      rows.push(el("tr", {}, el("td", {}, `${section}.${key}`), el("td", {}, JSON.stringify(value))));
+    }
+  }
+  rows.push(el("tr", {}, el("td", {}, "source"), el("td", {}, c.source || "(defaults and flags)")));
+  document.querySelector("#config tbody").replaceChildren(...rows);
+}
+
+function render(doc) {
+  renderHeader(doc);
+  renderBanners(doc);
+  renderTiles(doc);
+  for (const chart of CHARTS) drawChart(chart, doc);
+  renderEngines(doc);
+  renderConfig(doc);
+  document.body.dataset.lastSeq = String(state.lastSeq);
+}
+
+// ------------------------------------------------------------------ polling
+async function poll() {
+  try {
+    const response = await fetch(`${DATA_URL}?since=${state.lastSeq}`, { cache: "no-store" });
+    if (response.status === 401) { window.location.reload(); return; }
+    if (!response.ok) throw new Error(`HTTP ${response.status}`);
+    const doc = await response.json();
+    if (doc.last_seq < state.lastSeq) state.samples = []; // kvproxy restarted
+    state.samples.push(...doc.samples);
+    if (state.samples.length > doc.history) state.samples.splice(0, state.samples.length - doc.history);
+    state.lastSeq = doc.last_seq;
+    state.doc = doc;
+    state.failures = 0;
+    render(doc);
+    setTimeout(poll, doc.tick_s * 1000);
+  } catch (err) {
+    state.failures += 1;
+    const status = document.getElementById("status");
+    status.textContent = "kvproxy unreachable";
+    status.className = "pill error";
+    document.getElementById("updated").textContent = `retrying (${err.message})`;
+    setTimeout(poll, Math.min(10, state.failures) * 1000);
+  }
+}
+
+buildCharts();
+poll();
