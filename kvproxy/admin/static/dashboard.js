@@ -165,9 +165,12 @@ function drawChart(chart, doc) {
 
   const tEnd = samples.length ? samples[samples.length - 1].t : 0;
   const span = Math.max(MIN_SPAN_S, samples.length ? tEnd - samples[0].t : 0);
-  let yMax = 0;
-  for (const s of series) for (const p of samples) yMax = Math.max(yMax, valueOf(p, s) ?? 0);
-  for (const r of refs) yMax = Math.max(yMax, r.value);
+  let dataMax = 0;
+  for (const s of series) for (const p of samples) dataMax = Math.max(dataMax, valueOf(p, s) ?? 0);
+  // A reference line far above the data would flatten it: such a line is only named.
+  const onScale = (r) => chart.unit === "fraction" || dataMax === 0 || r.value <= 4 * dataMax;
+  let yMax = dataMax;
+  for (const r of refs) if (onScale(r)) yMax = Math.max(yMax, r.value);
   yMax = chart.unit === "fraction" ? Math.max(1, yMax) : niceMax(yMax * 1.05);
 
   const plotW = WIDTH - PAD.left - PAD.right;
@@ -187,9 +190,14 @@ function drawChart(chart, doc) {
   svg.append(el("svg:text", { class: "tick", x: WIDTH - PAD.right, y: HEIGHT - 6, "text-anchor": "end" }, "now"));
 
   for (const r of refs) {
+    const label = `${r.label} ${fmt(r.value, chart.unit)}`;
+    if (!onScale(r)) {
+      svg.append(el("svg:text", { class: "ref-label", x: WIDTH - PAD.right - 4, y: PAD.top + 10, "text-anchor": "end" },
+        `${label} (above)`));
+      continue;
+    }
     svg.append(el("svg:line", { class: "ref", x1: PAD.left, x2: WIDTH - PAD.right, y1: y(r.value), y2: y(r.value) }));
-    svg.append(el("svg:text", { class: "ref-label", x: WIDTH - PAD.right - 4, y: y(r.value) - 4, "text-anchor": "end" },
-      `${r.label} ${fmt(r.value, chart.unit)}`));
+    svg.append(el("svg:text", { class: "ref-label", x: WIDTH - PAD.right - 4, y: y(r.value) - 4, "text-anchor": "end" }, label));
   }
 
   if (!samples.length) {
