@@ -17,6 +17,7 @@ bytes received.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import re
 import time
@@ -58,6 +59,20 @@ _PROMPT_TOKENS_RE = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
 _CACHED_TOKENS_RE = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
 
 ObserveTail = Callable[[bytes], None]
+
+
+# The last event of an SGLang or OpenAI-compatible stream. Once it has been relayed the
+# engine has finished the request: a client hanging up afterwards aborts nothing.
+_SSE_DONE = b"data: [DONE]\n\n"
+
+
+class _Relayed:
+    """What a relay has passed on so far (shared with :meth:`ProxyHandlers.forward`)."""
+
+    __slots__ = ("complete",)
+
+    def __init__(self) -> None:
+        self.complete = False
 
 
 class _ClientGone(Exception):
@@ -335,6 +350,7 @@ class ProxyHandlers:
                 ),
             )
         headers_at = time.perf_counter()
+        relayed = _Relayed()
         try:
             return await self._relay(
                 request,
@@ -346,19 +362,20 @@ class ProxyHandlers:
                 waited,
                 response_headers,
                 observe_tail,
+                relayed,
             )
         except asyncio.CancelledError:
             # Client went away (handler cancellation): drop the upstream connection so the
             # router stops too, and tell the engines if the session feature tracks the rid.
             upstream.close()
-            if on_disconnect is not None:
+            if on_disconnect is not None and not relayed.complete:
                 on_disconnect()
             raise
         except _ClientGone as gone:
             # The client closed its connection mid-response: a normal event, not an
             # error. aiohttp finishes a response whose peer is gone quietly.
             upstream.close()
-            if on_disconnect is not None:
+            if on_disconnect is not None and not relayed.complete:
                 on_disconnect()
             return self._count(path, gone.response)
         finally:
@@ -375,6 +392,7 @@ class ProxyHandlers:
         waited: float,
         response_headers: Mapping[str, str] | None,
         observe_tail: ObserveTail | None,
+        relayed: _Relayed,
     ) -> web.StreamResponse:
         rt = self.rt
         headers = forward_response_headers(upstream.headers)
@@ -416,12 +434,15 @@ class ProxyHandlers:
         await response.prepare(request)
         rt.metrics.added_latency.observe(overhead + (time.perf_counter() - headers_at))
         tail = b""
+        end = b""  # the stream's last bytes, to recognise its final [DONE] event
+        done_len = len(_SSE_DONE)
         try:
             async for chunk in upstream.content.iter_any():
                 await response.write(chunk)
                 if observe_tail is not None:
                     tail = (tail + chunk)[-_TAIL_BYTES:]
-            await response.write_eof()
+                end = chunk[-done_len:] if len(chunk) >= done_len else (end + chunk)[-done_len:]
+                relayed.complete = end == _SSE_DONE
         except ConnectionResetError:  # the client went away (aiohttp's reset error included)
             raise _ClientGone(response) from None
         except (TimeoutError, aiohttp.ClientError):
@@ -432,6 +453,11 @@ class ProxyHandlers:
             if request.transport is not None:
                 request.transport.abort()
             return self._count(path, response)
+        relayed.complete = True
+        # The client may hang up before the chunked terminator, as streaming clients
+        # often do once they have read [DONE]: everything was relayed, nothing to abort.
+        with contextlib.suppress(ConnectionResetError):
+            await response.write_eof()
         if observe_tail is not None and upstream.status == 200:
             observe_tail(tail)
         return self._count(path, response)

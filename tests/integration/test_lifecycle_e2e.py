@@ -764,3 +764,35 @@ async def test_closed_sessions_kv_is_evicted_before_live_sessions_kv(
             router.stop()
         if engine is not None:
             engine.stop()
+
+
+async def test_a_client_hanging_up_after_done_is_not_a_disconnect(
+    make_proxy: MakeProxy, http: aiohttp.ClientSession, engine_urls: list[str]
+) -> None:
+    """Streaming clients often close the connection as soon as they read ``[DONE]``,
+    before the chunked terminator. The request is complete: nothing is aborted."""
+    proxy = await make_proxy(session_lifecycle={"enabled": True})
+    sid = f"done-hangup-{uuid.uuid4().hex[:8]}"
+
+    async def one(i: int) -> None:
+        body = {
+            "input_ids": list(range(5, 25)),
+            "stream": True,
+            "sampling_params": {"max_new_tokens": 4},
+        }
+        async with http.post(
+            proxy.url + "/generate", json=body, headers={"X-Session-ID": sid}
+        ) as resp:
+            assert resp.status == 200
+            async for line in resp.content:
+                if line.strip() == b"data: [DONE]":
+                    break
+            resp.close()  # hang up before reading the end of the chunked body
+
+    for batch in range(10):
+        await asyncio.gather(*(one(batch * 20 + i) for i in range(20)))
+    stats = proxy.runtime.sessions.stats()
+    assert stats[lc.DISCONNECT_ABORTS] == 0
+    assert stats[lc.ABORTED_REQUESTS] == 0
+    aborts = await recorded(http, engine_urls, path="/abort_request")
+    assert not [a for a in aborts if sid in orjson.dumps(a).decode()]
