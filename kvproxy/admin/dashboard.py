@@ -19,6 +19,7 @@ import contextlib
 import functools
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator
 from importlib import resources
 from typing import Any
@@ -97,7 +98,7 @@ def read_runtime(rt: Runtime) -> Reading:
 
 
 def new_timeline() -> Timeline:
-    return Timeline(HISTORY, rates=RATE_SERIES, ratios=RATIO_SERIES)
+    return Timeline(HISTORY, rates=RATE_SERIES, ratios=RATIO_SERIES, origin=uuid.uuid4().hex[:12])
 
 
 async def timeline_ctx(app: web.Application) -> AsyncIterator[None]:
@@ -130,6 +131,7 @@ def data_doc(rt: Runtime, since: int) -> dict[str, Any]:
         "health": health,
         "banners": banners(health),
         "config": config_view(rt.config),
+        "timeline": rt.timeline.origin,
         "last_seq": rt.timeline.last_seq,
         "samples": rt.timeline.since(since),
     }

@@ -44,12 +44,14 @@ class Timeline:
         *,
         rates: Mapping[str, str],
         ratios: Mapping[str, tuple[str, str]] | None = None,
+        origin: str = "",
     ) -> None:
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
         self._samples: deque[Sample] = deque(maxlen=capacity)
         self._rates = dict(rates)
         self._ratios = dict(ratios or {})
+        self.origin = origin  # tells readers apart timelines whose seq restarted
         self._prev: tuple[float, Mapping[str, float]] | None = None
         self._seq = 0
 

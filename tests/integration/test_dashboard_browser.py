@@ -268,3 +268,37 @@ async def test_dashboard_with_an_admin_token_asks_for_it_once(
         assert await page.is_visible("text=(set)")
     # The sign-in page itself is answered 401, which Chromium reports as a failed load.
     assert [e for e in b.errors if "401" not in e] == []
+
+
+async def test_with_both_features_off_the_charts_say_so_and_hover_reads_a_moment(
+    make_proxy: MakeProxy,
+) -> None:
+    proxy = await make_proxy()
+    async with browser() as b:
+        page = b.page
+        await open_dashboard(b, proxy)
+        notes = {
+            chart: await page.text_content(f'figure[data-chart="{chart}"] .note')
+            for chart in ("queue", "engines", "sessions", "traffic")
+        }
+        assert notes == {
+            "queue": "(admission is off)",
+            "engines": "(admission is off)",
+            "sessions": "(session lifecycle is off)",
+            "traffic": "",
+        }
+        assert [await f.text_content() for f in await page.query_selector_all(".feature")] == [
+            "session lifecycle: off",
+            "admission: off",
+        ]
+
+        chart = page.locator('figure[data-chart="traffic"]')
+        box = await chart.locator("svg").bounding_box()
+        assert box is not None
+        await page.mouse.move(box["x"] + box["width"] * 0.95, box["y"] + box["height"] / 2)
+        assert await chart.locator("line.cursor").count() == 1
+        assert (await chart.locator(".at").text_content() or "").startswith("at ")
+        await page.mouse.move(1, 1)  # leave: back to the latest values
+        assert await chart.locator("line.cursor").count() == 0
+        assert await chart.locator(".at").text_content() == ""
+    assert b.errors == []

@@ -84,7 +84,7 @@ const CHARTS = [
   },
 ];
 
-const state = { samples: [], lastSeq: 0, doc: null, failures: 0 };
+const state = { samples: [], lastSeq: 0, timeline: null, doc: null, failures: 0 };
 
 // ----------------------------------------------------------------- helpers
 function el(tag, attrs = {}, ...children) {
@@ -135,10 +135,34 @@ function buildCharts() {
     chart.svg = el("svg:svg", { viewBox: `0 0 ${WIDTH} ${HEIGHT}`, role: "img", "aria-label": chart.title });
     chart.legend = el("div", { class: "legend" });
     chart.note = el("span", { class: "note" });
+    chart.at = el("span", { class: "at" });
     chart.figure = el("figure", { class: "chart", "data-chart": chart.id, "data-points": 0 },
-      el("figcaption", {}, chart.title, chart.note), chart.svg, chart.legend);
+      el("figcaption", {}, chart.title, chart.note, chart.at), chart.svg, chart.legend);
     main.append(chart.figure);
+    // Hovering reads the values at one moment; leaving shows the latest again.
+    chart.svg.addEventListener("mousemove", (event) => {
+      if (!chart.timeAt || !state.doc) return;
+      const box = chart.svg.getBoundingClientRect();
+      chart.hoverT = chart.timeAt(((event.clientX - box.left) * WIDTH) / box.width);
+      drawChart(chart, state.doc);
+    });
+    chart.svg.addEventListener("mouseleave", () => {
+      chart.hoverT = null;
+      if (state.doc) drawChart(chart, state.doc);
+    });
   }
+}
+
+function nearestSample(t) {
+  const samples = state.samples;
+  let lo = 0;
+  let hi = samples.length - 1;
+  while (lo < hi) {
+    const mid = (lo + hi) >> 1;
+    if (samples[mid].t < t) lo = mid + 1; else hi = mid;
+  }
+  if (lo > 0 && t - samples[lo - 1].t < samples[lo].t - t) lo -= 1;
+  return samples[lo] || null;
 }
 
 function chartSeries(chart) {
@@ -177,6 +201,7 @@ function drawChart(chart, doc) {
   const plotH = HEIGHT - PAD.top - PAD.bottom;
   const x = (t) => PAD.left + plotW * (1 - (tEnd - t) / span);
   const y = (v) => PAD.top + plotH * (1 - v / yMax);
+  chart.timeAt = (px) => tEnd - span * (1 - (px - PAD.left) / plotW);
 
   for (const frac of [0, 0.5, 1]) {
     const v = yMax * frac;
@@ -203,6 +228,12 @@ function drawChart(chart, doc) {
   if (!samples.length) {
     svg.append(el("svg:text", { class: "empty", x: WIDTH / 2, y: HEIGHT / 2, "text-anchor": "middle" }, "waiting for data"));
   }
+  const hovered = chart.hoverT != null && samples.length ? nearestSample(chart.hoverT) : null;
+  const shown = hovered || samples[samples.length - 1] || null;
+  if (hovered) {
+    svg.append(el("svg:line", { class: "cursor", x1: x(hovered.t), x2: x(hovered.t), y1: PAD.top, y2: HEIGHT - PAD.bottom }));
+  }
+  chart.at.textContent = hovered ? `at ${new Date(hovered.t * 1000).toLocaleTimeString()}` : "";
   series.forEach((s, i) => {
     const color = PALETTE[i % PALETTE.length];
     let d = "";
@@ -218,10 +249,11 @@ function drawChart(chart, doc) {
     if (d) {
       svg.append(el("svg:path", { class: "line", d, stroke: color, "data-series": s.key, "data-points": drawn }));
     }
+    // data-value is always the latest value; the text follows the hovered moment.
     const latest = samples.length ? valueOf(samples[samples.length - 1], s) : null;
     chart.legend.append(el("span", { "data-series": s.key, "data-value": latest ?? "" },
       el("span", { class: "swatch", style: { background: color } }), s.label,
-      el("span", { class: "value" }, fmt(latest, chart.unit))));
+      el("span", { class: "value" }, fmt(shown ? valueOf(shown, s) : null, chart.unit))));
   });
   chart.note.textContent = chartNote(chart, series, doc);
 }
@@ -365,7 +397,12 @@ async function poll() {
     if (response.status === 401) { window.location.reload(); return; }
     if (!response.ok) throw new Error(`HTTP ${response.status}`);
     const doc = await response.json();
-    if (doc.last_seq < state.lastSeq) state.samples = []; // kvproxy restarted
+    if (doc.timeline !== state.timeline) {
+      // A new kvproxy process: its samples are numbered afresh. Start over.
+      const first = state.timeline === null;
+      Object.assign(state, { samples: [], lastSeq: 0, timeline: doc.timeline });
+      if (!first) { setTimeout(poll, 0); return; }
+    }
     state.samples.push(...doc.samples);
     if (state.samples.length > doc.history) state.samples.splice(0, state.samples.length - doc.history);
     state.lastSeq = doc.last_seq;
