@@ -11,8 +11,8 @@ engine's ``/abort_request`` / ``/close_session`` compare them verbatim.
 
 from __future__ import annotations
 
+import os
 import re
-import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,7 +22,7 @@ from kvproxy.config import SessionLifecycleConfig
 
 ROUTING_KEY_HEADER = "X-SMG-Routing-Key"
 SESSION_PATH_PREFIX = "/sessions/"
-RID_LENGTH = 32  # uuid4().hex
+RID_LENGTH = 32  # 16 random bytes in hex
 
 _ID_RE = re.compile(r"[A-Za-z0-9._:@-]+")
 _TRUE_VALUES = frozenset({"1", "true", "yes"})
@@ -185,12 +185,13 @@ def resolve_identity(
 
 
 def new_rid() -> str:
-    """A fixed-length request id (uuid4 hex, 32 characters).
+    """A fixed-length request id: 16 random bytes as 32 hex characters.
 
     SGLang's scheduler aborts by rid *prefix*; equal-length random ids cannot be
-    prefixes of one another.
+    prefixes of one another. (The same randomness as ``uuid4().hex`` at a quarter of
+    its cost: no UUID object on every request.)
     """
-    return uuid.uuid4().hex
+    return os.urandom(16).hex()
 
 
 @dataclass(frozen=True, slots=True)
