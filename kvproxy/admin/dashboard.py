@@ -171,7 +171,9 @@ async def handle_sign_in(request: web.Request) -> web.Response:
     token = rt.config.server.admin_token
     if token is None:
         raise web.HTTPSeeOther("/kvproxy/dashboard")
-    if request.content_length is not None and request.content_length > _MAX_TOKEN_FORM_BYTES:
+    # Browsers send a form with its length; a chunked or oversized body is refused
+    # before it is read (request.post() would read up to server.max_body_bytes).
+    if request.content_length is None or request.content_length > _MAX_TOKEN_FORM_BYTES:
         return _sign_in_page("That token is far too long.", 400)
     form = await request.post()
     submitted = form.get("token")

@@ -3,6 +3,7 @@ sign-in, against a live kvproxy in front of the real router."""
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
@@ -94,12 +95,24 @@ async def test_dashboard_sign_in_sets_a_cookie_that_opens_the_data(
     assert status == 200
 
 
-async def test_sign_in_refuses_an_oversized_form(
+async def test_sign_in_refuses_an_oversized_or_chunked_form(
     make_proxy: MakeProxy, http: aiohttp.ClientSession
 ) -> None:
     proxy = await make_proxy(server={"admin_token": TOKEN})
     status, _ = await status_of(
         http, "POST", proxy.url + "/kvproxy/dashboard/sign-in", data={"token": "x" * 10_000}
+    )
+    assert status == 400
+
+    async def chunked() -> AsyncIterator[bytes]:
+        yield b"token=" + b"x" * 10
+
+    status, _ = await status_of(
+        http,
+        "POST",
+        proxy.url + "/kvproxy/dashboard/sign-in",
+        data=chunked(),
+        headers={"Content-Type": "application/x-www-form-urlencoded"},
     )
     assert status == 400
 
