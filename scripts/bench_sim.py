@@ -78,6 +78,7 @@ def bench_core(args: argparse.Namespace) -> dict[str, float]:
         submit(i)
     steps = 0
     t0 = time.perf_counter()
+    c0 = time.process_time()
     while s.busy:
         batch = s.schedule(now)
         done = list(s.finished_outside)
@@ -98,11 +99,15 @@ def bench_core(args: argparse.Namespace) -> dict[str, float]:
             elif args.mode == "session-radix":
                 s.close_session(f"s{i}", now)
     wall = time.perf_counter() - t0
+    cpu = time.process_time() - c0
     st = s.stats
     return {
         "requests": finished,
         "wall_s": wall,
         "requests_per_s": finished / wall,
+        # CPU time of this process: the one-core figure when other jobs share the host.
+        "cpu_s": cpu,
+        "requests_per_cpu_s": finished / cpu,
         "steps": steps,
         "steps_per_s": steps / wall,
         "prompt_tokens": prompt_tokens,
