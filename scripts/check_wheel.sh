@@ -30,7 +30,6 @@ if grep -Ei "SetuptoolsDeprecationWarning|SetuptoolsWarning|license.*deprecated"
 fi
 
 # 2. A fresh venv without pip, seeing .venv's dependencies but not its kvproxy.
-"$VENV_PY" -c 'import sys; sys.exit(0)'
 python_base="$("$VENV_PY" -c 'import sys; print(sys._base_executable)')"
 "$python_base" -m venv --without-pip "$WORK/venv"
 FRESH_SITE="$("$WORK/venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
