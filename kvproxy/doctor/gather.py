@@ -35,12 +35,23 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}" if text != type(exc).__name__ else text
 
 
+async def _read(resp: aiohttp.ClientResponse) -> bytes:
+    """The whole body, or its first MAX_BODY_BYTES (the rest is not read)."""
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in resp.content.iter_chunked(64 * 1024):
+        chunks.append(chunk)
+        size += len(chunk)
+        if size >= MAX_BODY_BYTES:
+            break
+    return b"".join(chunks)[:MAX_BODY_BYTES]
+
+
 async def _get(
     http: aiohttp.ClientSession, url: str, timeout_s: float
 ) -> tuple[int, bytes, Mapping[str, str]]:
     async with http.get(url, timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
-        body = await resp.content.read(MAX_BODY_BYTES)
-        return resp.status, body, dict(resp.headers)
+        return resp.status, await _read(resp), dict(resp.headers)
 
 
 def _json(body: bytes) -> Any:
@@ -168,7 +179,7 @@ async def probe(
             timeout=aiohttp.ClientTimeout(total=timeout_s),
         ) as resp:
             status = resp.status
-            await resp.content.read(MAX_BODY_BYTES)
+            await _read(resp)
     except (aiohttp.ClientError, TimeoutError) as exc:
         error = _describe(exc)
     records = await asyncio.gather(*(_recorded(http, u, timeout_s) for u in engines))

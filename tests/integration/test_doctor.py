@@ -58,8 +58,9 @@ def test_good_stack_passes_and_the_probe_reaches_an_engine(
         assert f"ok    engine {url}: radix eviction policy priority" in out
         assert any(line.startswith(f"ok    engine {url}: /metrics parseable") for line in out)
         assert f"ok    engine {url}: KV pool tokens {ENGINE_TOKENS}, tp 1, dp 1" in out
-    (probe,) = [line for line in out if line.startswith("ok    probe: session_id kvproxy-doctor-")]
-    assert any(url in probe for url in engine_urls)
+    probes = [line for line in out if line.startswith("ok    probe: session_id kvproxy-doctor-")]
+    assert len(probes) == 1, proc.stdout
+    assert any(probes[0].endswith(f" reached {url}") for url in engine_urls), probes
     assert out[-1].startswith("doctor: ") and out[-1].endswith(" 0 fail")
 
 
