@@ -6,8 +6,7 @@ for anything but ``ok`` the fix. A check *fails* when a feature the operator ask
 deployed, and *warns* when it works with less effect than it could, or when something
 cannot be known from outside.
 
-What the router tells about itself (smg 1.13, read from its source and a live
-instance): ``/workers`` gives the worker list (its shape gives the package, see
+What the router tells about itself (probed on a live smg 1.13.0): ``/workers`` gives the worker list (its shape gives the package, see
 :mod:`kvproxy.fleet.discovery`); ``/get_loads`` carries ``"version": "smg-X.Y.Z"``; no
 endpoint reports the routing policy, so the policy comes from ``router.policy`` in the
 config, or is unknown.
@@ -406,6 +405,8 @@ def _info_lines(subject: str, info: Mapping[str, Any], intent: Intent) -> list[L
 
 
 def _metrics_line(subject: str, f: EngineFacts, intent: Intent) -> Line:
+    # SGLang mounts /metrics only with --enable-metrics (http_server.py calls
+    # add_prometheus_middleware under that flag), so without it the route is a 404.
     fix = "start the engine with --enable-metrics"
     if f.metrics_status is None:
         return Line(
