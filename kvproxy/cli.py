@@ -26,6 +26,8 @@ EXAMPLES: dict[str, str] = {
     "--mode session-radix --eviction-policy priority",
     "demo": "kvproxy demo --quick",
     "doctor": "kvproxy doctor --router-url http://127.0.0.1:30000 --config configs/kvproxy.yaml",
+    "workload": "kvproxy workload --base-url http://127.0.0.1:8100 --workload swe --sessions 32",
+    "lab": "kvproxy lab --workload swe --engines 2 --policy both",
 }
 
 
@@ -53,7 +55,8 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvproxy",
         description="A KV-cache-aware reverse proxy for agentic LLM rollouts.",
-        epilog="examples:\n" + "\n".join(f"  {e}" for e in EXAMPLES.values()),
+        epilog="examples:\n"
+        + "\n".join(f"  {e}" for name, e in EXAMPLES.items() if name in SUBCOMMANDS),
         formatter_class=HelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"kvproxy {__version__}")

@@ -13,6 +13,7 @@ import sys
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
+import aiohttp
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
@@ -164,8 +165,19 @@ async def legacy_router(engine_urls: list[str]) -> AsyncIterator[str]:
             }
         )
 
+    async def generate(request: web.Request) -> web.Response:
+        # Like sglang-router 0.3: the typed request drops the top-level session_id.
+        body = await request.json()
+        body.pop("session_id", None)
+        async with (
+            aiohttp.ClientSession() as http,
+            http.post(engine_urls[0] + "/generate", json=body) as resp,
+        ):
+            return web.Response(status=resp.status, body=await resp.read())
+
     app = web.Application()
     app.router.add_get("/workers", workers)
+    app.router.add_post("/generate", generate)
     server = TestServer(app, host="127.0.0.1")
     await server.start_server()
     try:
@@ -185,3 +197,16 @@ async def test_a_legacy_router_fails_the_package_check(
     # The engines behind it are still checked.
     for url in engine_urls:
         assert _hit(lines, f"engine {url}", "session radix cache on").status is Status.OK
+
+
+async def test_the_probe_finds_a_router_that_drops_session_id(
+    legacy_router: str, engine_urls: list[str]
+) -> None:
+    lines = await diagnose(legacy_router, None, True, 5.0)
+    probe = [ln for ln in lines if ln.subject == "probe"]
+    assert len(probe) == 1, [ln.render() for ln in lines]
+    assert probe[0].status is Status.FAIL
+    assert probe[0].message.endswith(
+        f"reached {engine_urls[0]} without its session_id: the router drops it"
+    )
+    assert probe[0].fix is not None and "smg >= 1.5" in probe[0].fix

@@ -103,11 +103,19 @@ def test_the_test_command_installs_chromium_and_checks_the_wheel() -> None:
         assert os.access(REPO / "scripts" / script, os.X_OK), script
 
 
-def test_quickstart_shows_exactly_the_two_setup_commands() -> None:
-    text = (REPO / "docs" / "quickstart.md").read_text()
+# The page whose first code block is the two set-up commands (README.md once it shows them).
+FIRST_SCREENS = ["docs/quickstart.md"]
+
+
+@pytest.mark.parametrize("page", FIRST_SCREENS)
+def test_the_first_screen_shows_exactly_the_two_setup_commands(page: str) -> None:
+    text = (REPO / page).read_text()
     block = text.split("```bash\n", 1)[1].split("```", 1)[0]
     commands = [ln.split("#", 1)[0].strip() for ln in block.splitlines() if ln.strip()]
     assert commands == ["scripts/demo.sh", "scripts/test.sh"]
+    # ... and the test command is the one CI runs.
+    ci = (REPO / ".ci" / "run").read_text()
+    assert f"exec bash {commands[1]}" in ci
 
 
 def test_licence_is_an_spdx_string_with_a_setuptools_that_reads_it() -> None:
