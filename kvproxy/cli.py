@@ -1,4 +1,4 @@
-"""Command line: ``kvproxy serve | sim-engine | demo | doctor``.
+"""Command line: ``kvproxy serve | sim-engine | demo``.
 
 Each subcommand module exposes ``add_arguments(parser)`` and ``run(args) -> int``.
 Only the module of the command being run is imported, so ``kvproxy sim-engine`` never
