@@ -19,20 +19,62 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "run an agentic workload (preset or trace) against a URL",
     ),
     "demo": ("kvproxy.demo", "run the agentic workload through the stack four ways and compare"),
+    "doctor": ("kvproxy.doctor.cli", "check a live deployment: router, engines' flags, config"),
 }
+
+# One example per command for ``--help`` (a module's own ``EXAMPLE`` is used when a
+# command is missing here).
+EXAMPLES: dict[str, str] = {
+    "serve": "kvproxy serve --config configs/kvproxy.yaml --router-url http://127.0.0.1:30000",
+    "sim-engine": "kvproxy sim-engine --port 31001 --max-total-tokens 200000 "
+    "--mode session-radix --eviction-policy priority",
+    "demo": "kvproxy demo --quick",
+    "doctor": "kvproxy doctor --router-url http://127.0.0.1:30000 --config configs/kvproxy.yaml",
+    "workload": "kvproxy workload --base-url http://127.0.0.1:8100 --workload swe --sessions 32",
+    "lab": "kvproxy lab --workload swe --engines 2 --policy both",
+}
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Keeps the examples' layout and appends ``(default: X)`` where a default is set
+    and the help text does not already state it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        default = action.default
+        if (
+            action.option_strings
+            and "default" not in text
+            and default not in (None, False, argparse.SUPPRESS)
+            and action.nargs != 0
+        ):
+            text += " (default: %(default)s)"
+        return text
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The parser; only ``command``'s module is imported to add its arguments."""
+    from kvproxy import __version__
+
     parser = argparse.ArgumentParser(
         prog="kvproxy",
         description="A KV-cache-aware reverse proxy for agentic LLM rollouts.",
+        epilog="examples:\n"
+        + "\n".join(f"  {e}" for name, e in EXAMPLES.items() if name in SUBCOMMANDS),
+        formatter_class=HelpFormatter,
     )
+    parser.add_argument("--version", action="version", version=f"kvproxy {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (module, help_text) in SUBCOMMANDS.items():
-        p = sub.add_parser(name, help=help_text, description=help_text)
+        p = sub.add_parser(
+            name, help=help_text, description=help_text, formatter_class=HelpFormatter
+        )
         if name == command:
-            importlib.import_module(module).add_arguments(p)
+            mod = importlib.import_module(module)
+            mod.add_arguments(p)
+            example = EXAMPLES.get(name) or getattr(mod, "EXAMPLE", None)
+            if example and not p.epilog:
+                p.epilog = f"example:\n  {example}"
     return parser
 
 

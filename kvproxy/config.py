@@ -11,13 +11,16 @@ Precedence: defaults < YAML < CLI overrides (``apply_overrides``).
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 import yaml
+
+from kvproxy.yamlload import DuplicateKeyError, load_yaml
 
 
 class ConfigError(ValueError):
@@ -43,7 +46,8 @@ class ServerConfig:
     shutdown_grace_s: float = 10.0
     # Listen backlog: bursts of new connections beyond it wait for SYN retransmits.
     backlog: int = 2048
-    log_level: str = "WARNING"
+    # The start-up line and router reachability changes are logged at INFO.
+    log_level: str = "INFO"
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,6 +195,12 @@ def _coerce(key: str, value: Any, annotation: str) -> Any:
     raise AssertionError(f"unhandled annotation {annotation} for {key}")
 
 
+def _did_you_mean(key: str, valid: Iterable[str], prefix: str = "") -> str:
+    """``"; did you mean admission.headroom?"`` for the closest valid key, or ``""``."""
+    match = difflib.get_close_matches(key, list(valid), n=1, cutoff=0.6)
+    return f"; did you mean {prefix}{match[0]}?" if match else ""
+
+
 def _build_section(name: str, raw: Any, base: Any) -> Any:
     cls = _SECTIONS[name]
     if raw is None:
@@ -202,7 +212,8 @@ def _build_section(name: str, raw: Any, base: Any) -> Any:
     for key, value in raw.items():
         if key not in known:
             allowed = ", ".join(sorted(known))
-            raise ConfigError(f"{name}.{key}: unknown key (allowed: {allowed})")
+            hint = _did_you_mean(str(key), known, prefix=f"{name}.")
+            raise ConfigError(f"{name}.{key}: unknown key{hint} (allowed: {allowed})")
         changes[key] = _coerce(f"{name}.{key}", value, str(known[key].type))
     return dataclasses.replace(base, **changes)
 
@@ -214,7 +225,8 @@ def from_mapping(raw: Mapping[str, Any] | None, source: str | None = None) -> Co
         raise ConfigError("top level: must be a mapping of sections")
     for key in raw:
         if key not in _SECTIONS:
-            raise ConfigError(f"{key}: unknown section (allowed: {', '.join(_SECTIONS)})")
+            hint = _did_you_mean(str(key), _SECTIONS)
+            raise ConfigError(f"{key}: unknown section{hint} (allowed: {', '.join(_SECTIONS)})")
     defaults = Config()
     cfg = Config(
         **{
@@ -236,7 +248,9 @@ def load_config(path: str | Path | None) -> Config:
     except OSError as exc:
         raise ConfigError(f"cannot read config file {p}: {exc.strerror or exc}") from exc
     try:
-        raw = yaml.safe_load(text)
+        raw = load_yaml(text)
+    except DuplicateKeyError as exc:
+        raise ConfigError(f"{p}: {exc}") from exc
     except yaml.YAMLError as exc:
         raise ConfigError(f"{p}: invalid YAML: {exc}") from exc
     return from_mapping(raw, source=str(p))
@@ -381,12 +395,28 @@ CLI_OVERRIDES: dict[str, tuple[str, str]] = {
 }
 
 
+def flag_name(override: str) -> str:
+    """``"agentic_admission_max_wait_s"`` -> ``"--agentic-admission-max-wait-s"``."""
+    return "--" + override.replace("_", "-")
+
+
 def apply_overrides(cfg: Config, overrides: Mapping[str, Any]) -> Config:
-    """Apply CLI overrides (None values are "not given") and re-validate."""
+    """Apply CLI overrides (None values are "not given") and re-validate.
+
+    An error about a value a flag set names the flag (and the key it sets).
+    """
+    given: dict[str, str] = {}
     for name, value in overrides.items():
         if value is None:
             continue
         section, key = CLI_OVERRIDES[name]
+        given[f"{section}.{key}"] = name
         cfg = cfg.replace(section, **{key: value})
-    validate(cfg)
+    try:
+        validate(cfg)
+    except ConfigError as exc:
+        key, sep, rest = str(exc).partition(":")
+        if sep and key in given:
+            raise ConfigError(f"{flag_name(given[key])}:{rest} (sets {key})") from exc
+        raise
     return cfg

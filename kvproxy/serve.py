@@ -4,14 +4,30 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import logging
 import signal
 import sys
 from typing import Any
 
-from kvproxy.config import CLI_OVERRIDES, ConfigError, apply_overrides, load_config
+from kvproxy import __version__
+from kvproxy.config import (
+    CLI_OVERRIDES,
+    AdmissionConfig,
+    ConfigError,
+    RouterConfig,
+    ServerConfig,
+    apply_overrides,
+    load_config,
+)
 
 log = logging.getLogger("kvproxy")
+
+EXAMPLE = (
+    "kvproxy serve --config configs/kvproxy.yaml --router-url http://127.0.0.1:30000 "
+    "--port 8100 --agentic-session-lifecycle"
+)
+_S, _R, _A = ServerConfig(), RouterConfig(), AdmissionConfig()
 
 
 def _bool_flag(parser: argparse.ArgumentParser, name: str, help_text: str) -> None:
@@ -24,30 +40,45 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="PATH",
         help="YAML config file (configs/kvproxy.yaml documents every key)",
     )
-    parser.add_argument("--host", help="listen address (server.host)")
-    parser.add_argument("--port", type=int, help="listen port (server.port)")
-    parser.add_argument("--router-url", help="router base URL (router.url)")
-    relax = parser.add_argument_group("Relax-compatible feature flags (override the YAML)")
-    _bool_flag(relax, "--agentic-session-lifecycle", "session_lifecycle.enabled")
-    _bool_flag(relax, "--agentic-program-admission", "admission.enabled")
+    parser.add_argument(
+        "--host", metavar="ADDR", help=f"listen address (server.host; default {_S.host})"
+    )
+    parser.add_argument(
+        "--port", type=int, metavar="PORT", help=f"listen port (server.port; default {_S.port})"
+    )
+    parser.add_argument(
+        "--router-url", metavar="URL", help=f"router base URL (router.url; default {_R.url})"
+    )
+    relax = parser.add_argument_group(
+        "Relax-compatible feature flags (override the YAML; defaults are the YAML's defaults)"
+    )
+    _bool_flag(relax, "--agentic-session-lifecycle", "session_lifecycle.enabled (default off)")
+    _bool_flag(relax, "--agentic-program-admission", "admission.enabled (default off)")
     relax.add_argument(
-        "--agentic-admission-headroom", type=float, help="admission.headroom, in (0, 1]"
+        "--agentic-admission-headroom",
+        type=float,
+        help=f"admission.headroom, in (0, 1] (default {_A.headroom})",
     )
     relax.add_argument(
         "--agentic-admission-pressure-threshold",
         type=float,
-        help="admission.pressure_threshold, in (0, 1]",
+        help=f"admission.pressure_threshold, in (0, 1] (default {_A.pressure_threshold})",
     )
     relax.add_argument(
         "--agentic-admission-expected-decode-cap",
         type=int,
-        help="admission.expected_decode_cap, > 0",
+        help="admission.expected_decode_cap, > 0 (default: admission.default_completion_tokens, "
+        f"{_A.default_completion_tokens})",
     )
     relax.add_argument(
-        "--agentic-admission-max-wait-s", type=float, help="admission.max_wait_s, >= 0"
+        "--agentic-admission-max-wait-s",
+        type=float,
+        help=f"admission.max_wait_s, >= 0 (default {_A.max_wait_s})",
     )
     relax.add_argument(
-        "--agentic-admission-scope", choices=("train", "all"), help="admission.scope"
+        "--agentic-admission-scope",
+        choices=("train", "all"),
+        help=f"admission.scope (default {_A.scope})",
     )
 
 
@@ -96,23 +127,47 @@ def run(args: argparse.Namespace) -> int:
         loop.add_signal_handler(signal.SIGHUP, on_hup)
 
     app.on_startup.append(_install_sighup)
-    log.warning(
-        "kvproxy listening on http://%s:%d -> router %s (session_lifecycle=%s, admission=%s)",
-        cfg.server.host,
-        cfg.server.port,
-        cfg.router.url,
-        cfg.session_lifecycle.enabled,
-        cfg.admission.enabled,
-    )
-    web.run_app(
-        app,
-        host=cfg.server.host,
-        port=cfg.server.port,
-        handler_cancellation=True,
-        shutdown_timeout=cfg.server.shutdown_grace_s,
-        backlog=cfg.server.backlog,
-        access_log=None,
-        print=None,
-        loop=uvloop.new_event_loop() if uvloop is not None else None,
-    )
+
+    def _started(_: str) -> None:
+        # run_app calls its ``print`` once the socket is bound and serving.
+        log.info(
+            "kvproxy %s listening on http://%s:%d -> router %s (session_lifecycle=%s, "
+            "admission=%s)",
+            __version__,
+            cfg.server.host,
+            cfg.server.port,
+            cfg.router.url,
+            cfg.session_lifecycle.enabled,
+            cfg.admission.enabled,
+        )
+
+    try:
+        web.run_app(
+            app,
+            host=cfg.server.host,
+            port=cfg.server.port,
+            handler_cancellation=True,
+            shutdown_timeout=cfg.server.shutdown_grace_s,
+            backlog=cfg.server.backlog,
+            access_log=None,
+            print=_started,
+            loop=uvloop.new_event_loop() if uvloop is not None else None,
+        )
+    except OSError as exc:
+        print(f"kvproxy: {bind_error(cfg.server.host, cfg.server.port, exc)}", file=sys.stderr)
+        return 2
     return 0
+
+
+def bind_error(host: str, port: int, exc: OSError) -> str:
+    """One line naming the address and the fix, for an error binding the listen socket."""
+    if exc.errno == errno.EADDRINUSE:
+        return (
+            f"port {port} on {host} is already in use: stop what listens there, or pass "
+            "another --port (server.port)"
+        )
+    if exc.errno == errno.EACCES:
+        return f"no permission to listen on port {port}: use a port >= 1024 (--port)"
+    if exc.errno == errno.EADDRNOTAVAIL:
+        return f"cannot listen on {host}: not an address of this host (--host, server.host)"
+    return f"cannot listen on {host}:{port}: {exc.strerror or exc}"

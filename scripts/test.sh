@@ -1,13 +1,30 @@
 #!/usr/bin/env bash
-# The README's test command: creates .venv if needed, installs kvproxy with its test
-# extra (pytest, pytest-aiohttp, ruff and smg, the real router), lints, runs the tests.
+# The one command that passes the tests, on a fresh clone too (.ci/run runs exactly this):
+#   1. creates .venv if needed and installs kvproxy with its test extra (pytest,
+#      pytest-aiohttp, ruff, playwright and smg, the real router);
+#   2. makes sure a Chromium is there for the dashboard's browser tests
+#      (scripts/ensure_chromium.sh: KVPROXY_CHROMIUM, one on PATH, or Debian's package
+#      when it can install it); otherwise it says in one line what to install, goes on;
+#   3. lints (ruff check, ruff format --check) and runs pytest (arguments go to pytest);
+#   4. builds the wheel and checks it installs and runs in a fresh virtualenv
+#      (scripts/check_wheel.sh; skipped when pytest gets arguments).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3}"
+
 if [ ! -x .venv/bin/python ]; then
     "$PYTHON" -m venv .venv
 fi
 .venv/bin/python -m pip install --quiet --upgrade pip
 .venv/bin/python -m pip install --quiet -e '.[test]'
+
+# Chromium for the dashboard's browser tests (Playwright never downloads one).
+KVPROXY_CHROMIUM="$(bash scripts/ensure_chromium.sh)"
+if [ -n "$KVPROXY_CHROMIUM" ]; then export KVPROXY_CHROMIUM; else unset KVPROXY_CHROMIUM; fi
+
 .venv/bin/ruff check kvproxy tests scripts
-exec .venv/bin/python -m pytest -q "$@"
+.venv/bin/ruff format --check kvproxy tests scripts
+.venv/bin/python -m pytest -q "$@"
+if [ "$#" -eq 0 ]; then
+    bash scripts/check_wheel.sh
+fi

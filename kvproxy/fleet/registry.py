@@ -90,19 +90,17 @@ class Fleet:
     async def refresh(self) -> EngineList:
         """Re-read the engine list once. Never raises; keeps the last list on failure."""
         if self._cfg.engines:
-            self._router_reachable = await self._probe_router()
+            self._set_reachable(await self._probe_router())
             self._last_refresh = self._clock()
             return self._engines
         try:
             found = await self._discover()
         except (aiohttp.ClientError, TimeoutError, DiscoveryError, orjson.JSONDecodeError) as exc:
-            self._router_reachable = not isinstance(
-                exc, aiohttp.ClientConnectionError | TimeoutError
-            )
             self._last_error = f"{type(exc).__name__}: {exc}"
+            self._set_reachable(not isinstance(exc, aiohttp.ClientConnectionError | TimeoutError))
             log.debug("engine discovery failed: %s", self._last_error)
             return self._engines
-        self._router_reachable = True
+        self._set_reachable(True)
         self._last_error = None
         self._last_refresh = self._clock()
         if found.all != self._engines.all or found.healthy != self._engines.healthy:
@@ -115,6 +113,14 @@ class Fleet:
             )
         self._engines = found
         return found
+
+    def _set_reachable(self, reachable: bool) -> None:
+        """Log each change of the router's reachability once: a WARNING naming the URL
+        when it cannot be reached (at start or later), an INFO line when it can again."""
+        previous, self._router_reachable = self._router_reachable, reachable
+        message = reachability_message(self._cfg.url, previous, reachable, self._last_error)
+        if message is not None:
+            log.log(logging.INFO if reachable else logging.WARNING, "%s", message)
 
     async def _get_json(self, path: str) -> tuple[int, Any]:
         timeout = aiohttp.ClientTimeout(total=self._cfg.connect_timeout_s)
@@ -163,6 +169,21 @@ class Fleet:
         self._cfg = cfg
         if cfg.engines:
             self._engines = static_engines(cfg.engines)
+
+
+def reachability_message(
+    url: str, previous: bool | None, reachable: bool, error: str | None
+) -> str | None:
+    """The log line for a change of the router's reachability (None: no change)."""
+    if not reachable and previous is not False:
+        why = f" ({error})" if error else ""
+        return (
+            f"router {url} is not reachable{why}: requests get 502 router_unreachable "
+            "until it is; start the router or fix router.url / --router-url"
+        )
+    if reachable and previous is False:
+        return f"router {url} is reachable now"
+    return None
 
 
 def legacy_warning(fleet: Fleet, lifecycle_enabled: bool) -> str | None:

@@ -16,14 +16,14 @@ const PALETTE = ["#2563eb", "#dc6b19", "#16a34a", "#9333ea", "#db2777", "#0891b2
 // on, and reference lines computed from the latest data document.
 const CHARTS = [
   {
-    id: "queue", feature: "admission", title: "Admission queue", unit: "requests",
+    id: "queue", feature: "admission", title: "Admission queue", unit: "requests", unitLabel: "requests",
     series: [
       { key: "gauges.waiting_new", label: "new sessions waiting" },
       { key: "gauges.waiting_continuing", label: "continuing turns waiting" },
     ],
   },
   {
-    id: "wait", feature: "admission", title: "Wait time", unit: "s",
+    id: "wait", feature: "admission", title: "Wait time", unit: "s", unitLabel: "seconds",
     series: [
       { key: "gauges.oldest_wait_s", label: "oldest waiter" },
       { key: "rates.wait_mean_s", label: "mean wait of admitted" },
@@ -31,7 +31,7 @@ const CHARTS = [
     refs: (doc) => [{ value: doc.config.admission.max_wait_s, label: "max_wait_s" }],
   },
   {
-    id: "budget", feature: "admission", title: "KV budget", unit: "tokens",
+    id: "budget", feature: "admission", title: "KV budget", unit: "tokens", unitLabel: "tokens",
     series: [
       { key: "gauges.committed", label: "committed" },
       { key: "gauges.reserved", label: "reserved (in flight)" },
@@ -41,11 +41,13 @@ const CHARTS = [
       ? [{ value: doc.health.admission.ceiling, label: "ceiling" }] : [],
   },
   {
-    id: "engines", feature: "admission", title: "Engine KV token usage", unit: "fraction", enginesChart: true,
+    id: "engines", feature: "admission", title: "Engine KV token usage", unit: "fraction",
+    unitLabel: "% of KV pool", enginesChart: true,
     refs: (doc) => [{ value: doc.config.admission.pressure_threshold, label: "pressure_threshold" }],
   },
   {
     id: "decisions", feature: "admission", title: "Admission decisions", unit: "per s",
+    unitLabel: "requests / s",
     series: [
       { key: "rates.admit", label: "admit" },
       { key: "rates.wait", label: "wait" },
@@ -59,7 +61,7 @@ const CHARTS = [
     ],
   },
   {
-    id: "sessions", feature: "session_lifecycle", title: "Sessions", unit: "sessions",
+    id: "sessions", feature: "session_lifecycle", title: "Sessions", unit: "sessions", unitLabel: "sessions",
     series: [
       { key: "gauges.sessions_open", label: "open" },
       { key: "gauges.sessions_closing", label: "closing" },
@@ -67,6 +69,7 @@ const CHARTS = [
   },
   {
     id: "closes", feature: "session_lifecycle", title: "Session closes", unit: "per s",
+    unitLabel: "events / s",
     series: [
       { key: "rates.sessions_started", label: "started" },
       { key: "rates.sessions_closed", label: "closed" },
@@ -75,7 +78,7 @@ const CHARTS = [
     ],
   },
   {
-    id: "traffic", title: "Proxy traffic", unit: "per s",
+    id: "traffic", title: "Proxy traffic", unit: "per s", unitLabel: "requests / s",
     series: [
       { key: "rates.requests", label: "requests answered" },
       { key: "rates.upstream_errors", label: "upstream errors" },
@@ -113,12 +116,22 @@ function pick(sample, path) {
 function fmt(v, unit) {
   if (v === null || v === undefined) return "–";
   if (unit === "fraction") return `${(v * 100).toFixed(1)}%`;
+  if (unit === "per s") return `${fmt(v)}/s`;
   const a = Math.abs(v);
   if (a >= 1e6) return `${(v / 1e6).toFixed(2)}M`;
   if (a >= 1e4) return `${(v / 1e3).toFixed(1)}k`;
   if (a >= 100 || Number.isInteger(v)) return v.toFixed(0);
   if (a >= 10) return v.toFixed(1);
   return v.toFixed(2);
+}
+
+// Text baselines in the plot: a new label moves down until it clears the others.
+const LABEL_H = 12;
+function placeLabel(taken, want) {
+  let yPos = Math.max(PAD.top + LABEL_H - 2, want);
+  for (let i = 0; i < 20 && taken.some((t) => Math.abs(t - yPos) < LABEL_H); i += 1) yPos += LABEL_H;
+  taken.push(yPos);
+  return yPos;
 }
 
 function niceMax(v) {
@@ -136,14 +149,15 @@ function buildCharts() {
     chart.legend = el("div", { class: "legend" });
     chart.note = el("span", { class: "note" });
     chart.at = el("span", { class: "at" });
+    const unit = el("span", { class: "unit" }, chart.unitLabel);
     chart.figure = el("figure", { class: "chart", "data-chart": chart.id, "data-points": 0 },
-      el("figcaption", {}, chart.title, chart.note, chart.at), chart.svg, chart.legend);
+      el("figcaption", {}, chart.title, unit, chart.note, chart.at), chart.svg, chart.legend);
     main.append(chart.figure);
     // Hovering reads the values at one moment; leaving shows the latest again.
     chart.svg.addEventListener("mousemove", (event) => {
       if (!chart.timeAt || !state.doc) return;
       const box = chart.svg.getBoundingClientRect();
-      chart.hoverT = chart.timeAt(((event.clientX - box.left) * WIDTH) / box.width);
+      chart.hoverT = chart.timeAt(((event.clientX - box.left) * (chart.width || WIDTH)) / box.width);
       drawChart(chart, state.doc);
     });
     chart.svg.addEventListener("mouseleave", () => {
@@ -183,6 +197,8 @@ function drawChart(chart, doc) {
   const series = chartSeries(chart);
   const refs = chart.refs ? chart.refs(doc).filter((r) => typeof r.value === "number") : [];
   const svg = chart.svg;
+  // A chart stretched over several grid cells (fillGrid) is wider, not taller.
+  const W = chart.width || WIDTH;
   svg.replaceChildren();
   chart.legend.replaceChildren();
   chart.figure.setAttribute("data-points", String(samples.length));
@@ -197,7 +213,7 @@ function drawChart(chart, doc) {
   for (const r of refs) if (onScale(r)) yMax = Math.max(yMax, r.value);
   yMax = chart.unit === "fraction" ? Math.max(1, yMax) : niceMax(yMax * 1.05);
 
-  const plotW = WIDTH - PAD.left - PAD.right;
+  const plotW = W - PAD.left - PAD.right;
   const plotH = HEIGHT - PAD.top - PAD.bottom;
   const x = (t) => PAD.left + plotW * (1 - (tEnd - t) / span);
   const y = (v) => PAD.top + plotH * (1 - v / yMax);
@@ -205,28 +221,32 @@ function drawChart(chart, doc) {
 
   for (const frac of [0, 0.5, 1]) {
     const v = yMax * frac;
-    svg.append(el("svg:line", { class: "axis", x1: PAD.left, x2: WIDTH - PAD.right, y1: y(v), y2: y(v) }));
+    svg.append(el("svg:line", { class: "axis", x1: PAD.left, x2: W - PAD.right, y1: y(v), y2: y(v) }));
     svg.append(el("svg:text", { class: "tick", x: PAD.left - 6, y: y(v) + 4, "text-anchor": "end" },
       fmt(v, chart.unit)));
   }
   const minutes = Math.round(span / 60);
   svg.append(el("svg:text", { class: "tick", x: PAD.left, y: HEIGHT - 6 },
     minutes >= 1 ? `−${minutes} min` : `−${Math.round(span)} s`));
-  svg.append(el("svg:text", { class: "tick", x: WIDTH - PAD.right, y: HEIGHT - 6, "text-anchor": "end" }, "now"));
+  svg.append(el("svg:text", { class: "tick", x: W - PAD.right, y: HEIGHT - 6, "text-anchor": "end" }, "now"));
 
+  const labelYs = [];
   for (const r of refs) {
     const label = `${r.label} ${fmt(r.value, chart.unit)}`;
     if (!onScale(r)) {
-      svg.append(el("svg:text", { class: "ref-label", x: WIDTH - PAD.right - 4, y: PAD.top + 10, "text-anchor": "end" },
-        `${label} (above)`));
+      svg.append(el("svg:text", { class: "ref-label", x: W - PAD.right - 4,
+        y: placeLabel(labelYs, PAD.top + 10), "text-anchor": "end" }, `${label} (above)`));
       continue;
     }
-    svg.append(el("svg:line", { class: "ref", x1: PAD.left, x2: WIDTH - PAD.right, y1: y(r.value), y2: y(r.value) }));
-    svg.append(el("svg:text", { class: "ref-label", x: WIDTH - PAD.right - 4, y: y(r.value) - 4, "text-anchor": "end" }, label));
+    svg.append(el("svg:line", { class: "ref", x1: PAD.left, x2: W - PAD.right, y1: y(r.value), y2: y(r.value) }));
+    // Above its line, or below it when the line is at the top of the plot.
+    const want = y(r.value) - 4 < PAD.top + LABEL_H ? y(r.value) + LABEL_H : y(r.value) - 4;
+    svg.append(el("svg:text", { class: "ref-label", x: W - PAD.right - 4,
+      y: placeLabel(labelYs, want), "text-anchor": "end" }, label));
   }
 
   if (!samples.length) {
-    svg.append(el("svg:text", { class: "empty", x: WIDTH / 2, y: HEIGHT / 2, "text-anchor": "middle" }, "waiting for data"));
+    svg.append(el("svg:text", { class: "empty", x: W / 2, y: HEIGHT / 2, "text-anchor": "middle" }, "waiting for data"));
   }
   const hovered = chart.hoverT != null && samples.length ? nearestSample(chart.hoverT) : null;
   const shown = hovered || samples[samples.length - 1] || null;
@@ -299,25 +319,32 @@ function renderTiles(doc) {
   const usages = (a.engines || []).filter((e) => e.fresh && typeof e.token_usage === "number")
     .map((e) => e.token_usage);
   const hottest = usages.length ? Math.max(...usages) : null;
+  const sessions = doc.health.sessions;
+  // No tile is left blank: a value that is not there says why.
+  const admissionOff = !a.enabled ? "admission is off" : null;
+  const lifecycleOff = !sessions.enabled ? "session lifecycle is off" : null;
   document.getElementById("tiles").replaceChildren(
-    tile("Requests / s", fmt(pick(last, "rates.requests")), null, "requests"),
-    tile("Waiting", fmt(a.waiting), `oldest ${fmt(pick(last, "gauges.oldest_wait_s"))} s`, "waiting"),
-    tile("Budget committed", a.ceiling > 0 ? fmt(a.committed / a.ceiling, "fraction") : "–",
-      `${fmt(a.committed)} of ${fmt(a.ceiling)} tokens`, "budget"),
-    tile("Hottest engine KV", fmt(hottest, "fraction"),
-      `threshold ${fmt(doc.config.admission.pressure_threshold, "fraction")}`, "hottest"),
-    tile("Sessions open", fmt(doc.health.sessions.open ?? null),
-      `${fmt(doc.health.sessions.closing ?? null)} closing`, "sessions"),
-    tile("Close failures / s", fmt(pick(last, "rates.close_failures")), null, "close-failures"),
+    tile("Requests / s", fmt(pick(last, "rates.requests")), "answered by kvproxy", "requests"),
+    tile("Waiting", admissionOff ? "off" : fmt(a.waiting),
+      admissionOff || `oldest ${fmt(pick(last, "gauges.oldest_wait_s"))} s`, "waiting"),
+    tile("Budget committed", admissionOff ? "off" : a.ceiling > 0 ? fmt(a.committed / a.ceiling, "fraction") : "no ceiling",
+      admissionOff || (a.ceiling > 0 ? `${fmt(a.committed)} of ${fmt(a.ceiling)} tokens` : "no engine has fresh metrics"),
+      "budget"),
+    tile("Hottest engine KV", admissionOff ? "not read" : hottest === null ? "no reading" : fmt(hottest, "fraction"),
+      admissionOff || `threshold ${fmt(doc.config.admission.pressure_threshold, "fraction")}`, "hottest"),
+    tile("Sessions open", lifecycleOff ? "off" : fmt(sessions.open ?? null),
+      lifecycleOff || `${fmt(sessions.closing ?? null)} closing`, "sessions"),
+    tile("Close failures / s", lifecycleOff ? "off" : fmt(pick(last, "rates.close_failures")),
+      lifecycleOff || "engines that refused /close_session", "close-failures"),
     tile("Engines healthy", `${doc.health.engines_healthy} / ${doc.health.engines_known}`,
-      a.enabled ? `${a.engines_fresh} fresh, ${a.engines_stale} stale metrics` : null, "engines"),
+      a.enabled ? `${a.engines_fresh} fresh, ${a.engines_stale} stale metrics` : "in the router", "engines"),
   );
 }
 
 function flag(text, kind) { return el("span", { class: `flag ${kind}` }, text); }
 
-function meter(usage, threshold) {
-  if (typeof usage !== "number") return flag("–", "none");
+function meter(usage, threshold, missing = "no reading") {
+  if (typeof usage !== "number") return flag(missing, "none");
   const pct = Math.max(0, Math.min(1, usage)) * 100;
   return el("span", {},
     el("span", { class: "meter" },
@@ -343,14 +370,18 @@ function renderEngines(doc) {
     const e = r.ledger;
     const metrics = !h.features.admission ? flag("not read", "none")
       : !e ? flag("none yet", "none") : e.fresh ? flag("fresh", "ok") : flag("stale", "bad");
+    // Cells never stay blank: what is not known says why.
+    const unread = !h.features.admission ? "admission off" : "no reading";
+    const mode = r.mode || (h.features.session_lifecycle ? "unchecked" : "lifecycle off");
     return el("tr", { "data-engine": r.url },
       el("td", {}, el("code", {}, r.url)),
       el("td", {}, r.router ? flag(r.router, r.router === "healthy" ? "ok" : "bad") : flag("static", "none")),
       el("td", {}, metrics),
-      el("td", {}, meter(e ? e.token_usage : null, threshold)),
-      el("td", { class: "num" }, fmt(e ? e.max_total_num_tokens : null)),
-      el("td", { class: "num" }, e && e.age_s !== null ? `${e.age_s.toFixed(1)} s` : "–"),
-      el("td", {}, r.mode || "–"));
+      el("td", {}, meter(e ? e.token_usage : null, threshold, unread)),
+      el("td", { class: "num" }, e && typeof e.max_total_num_tokens === "number"
+        ? fmt(e.max_total_num_tokens) : flag(unread, "none")),
+      el("td", { class: "num" }, e && e.age_s !== null ? `${e.age_s.toFixed(1)} s` : flag(unread, "none")),
+      el("td", {}, mode));
   });
   document.querySelector("#engines tbody").replaceChildren(...rows);
   document.getElementById("engines-note").textContent = rows.length ? ""
@@ -363,9 +394,11 @@ function renderConfig(doc) {
   const ad = c.admission;
   document.getElementById("config-summary").replaceChildren(
     tile("Session lifecycle", lc.enabled ? "on" : "off",
-      lc.enabled ? `on_close ${lc.on_close}${lc.sticky_routing ? ", sticky" : ""}` : null, "cfg-lifecycle"),
+      lc.enabled ? `on_close ${lc.on_close}${lc.sticky_routing ? ", sticky" : ""}` : "session_lifecycle.enabled",
+      "cfg-lifecycle"),
     tile("Admission", ad.enabled ? "on" : "off",
-      ad.enabled ? `scope ${ad.scope}${ad.session_residency ? ", session residency" : ""}` : null, "cfg-admission"),
+      ad.enabled ? `scope ${ad.scope}${ad.session_residency ? ", session residency" : ""}` : "admission.enabled",
+      "cfg-admission"),
     tile("Headroom", fmt(ad.headroom, "fraction"), "of the fleet's KV pool", "cfg-headroom"),
     tile("Pressure threshold", fmt(ad.pressure_threshold, "fraction"), "per engine", "cfg-pressure"),
     tile("Max wait", `${fmt(ad.max_wait_s)} s`, `queue bound ${fmt(ad.max_queue)}`, "cfg-max-wait"),
@@ -420,5 +453,22 @@ async function poll() {
   }
 }
 
+// The last chart stretches over the cells its row would leave empty.
+function fillGrid() {
+  const main = document.getElementById("charts");
+  const columns = getComputedStyle(main).gridTemplateColumns.split(" ").filter(Boolean).length || 1;
+  const left = CHARTS.length % columns;
+  CHARTS.forEach((chart, i) => {
+    const wide = left && i === CHARTS.length - 1;
+    chart.figure.style.gridColumn = wide ? `span ${columns - left + 1}` : "";
+    const ratio = wide ? chart.figure.clientWidth / Math.max(1, CHARTS[0].figure.clientWidth) : 1;
+    chart.width = Math.round(WIDTH * ratio);
+    chart.svg.setAttribute("viewBox", `0 0 ${chart.width} ${HEIGHT}`);
+    if (state.doc) drawChart(chart, state.doc);
+  });
+}
+
 buildCharts();
+fillGrid();
+window.addEventListener("resize", fillGrid);
 poll();
