@@ -27,6 +27,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", help="listen address (server.host)")
     parser.add_argument("--port", type=int, help="listen port (server.port)")
     parser.add_argument("--router-url", help="router base URL (router.url)")
+    parser.add_argument(
+        "--router-policy",
+        help="the router's policy as deployed, e.g. consistent_hashing (router.policy)",
+    )
+    parser.add_argument(
+        "--admission-mode", choices=("program", "request"), help="admission.mode"
+    )
+    parser.add_argument(
+        "--time-scale", type=float, help="wall seconds per simulated second (server.time_scale)"
+    )
     relax = parser.add_argument_group("Relax-compatible feature flags (override the YAML)")
     _bool_flag(relax, "--agentic-session-lifecycle", "session_lifecycle.enabled")
     _bool_flag(relax, "--agentic-program-admission", "admission.enabled")
