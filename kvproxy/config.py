@@ -342,9 +342,7 @@ def validate(cfg: Config) -> None:
         s.admin_token is None or (s.admin_token.strip() == s.admin_token != ""),
         "server.admin_token: must be null or a non-empty string without surrounding spaces",
     )
-    _check(
-        0 < s.time_scale <= 100, f"server.time_scale: must be in (0, 100] (got {s.time_scale})"
-    )
+    _check(0 < s.time_scale <= 100, f"server.time_scale: must be in (0, 100] (got {s.time_scale})")
     _check(
         bool(re.match(r"^[a-z_]+$", r.policy)),
         f"router.policy: must be a policy name such as consistent_hashing (got {r.policy!r})",
@@ -457,7 +455,10 @@ def _validate_program(a: AdmissionConfig) -> None:
         a.mode in ADMISSION_MODES,
         f"admission.mode: must be program or request (got {a.mode!r})",
     )
-    _check(a.ledger in ("engine", "fleet"), f"admission.ledger: must be engine or fleet (got {a.ledger!r})")
+    _check(
+        a.ledger in ("engine", "fleet"),
+        f"admission.ledger: must be engine or fleet (got {a.ledger!r})",
+    )
     for key in ("paused_max_wait_s", "new_session_max_wait_s", "idle_half_life_s"):
         value = getattr(a, key)
         _check(value >= 0, f"admission.{key}: must be >= 0 (got {value})")

@@ -31,9 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--router-policy",
         help="the router's policy as deployed, e.g. consistent_hashing (router.policy)",
     )
-    parser.add_argument(
-        "--admission-mode", choices=("program", "request"), help="admission.mode"
-    )
+    parser.add_argument("--admission-mode", choices=("program", "request"), help="admission.mode")
     parser.add_argument(
         "--time-scale", type=float, help="wall seconds per simulated second (server.time_scale)"
     )
