@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from kvproxy.admission.decisions import Event, Held, Outcome
-from kvproxy.admission.engine_ledger import EngineLedger, SessionState
+from kvproxy.admission.engine_ledger import SessionState
 from kvproxy.admission.params import ProgramParams
 from kvproxy.admission.priority import next_priority, size_priority
 from kvproxy.admission.program import ProgramCore
@@ -279,7 +279,7 @@ def test_a_paused_turn_waits_at_most_its_bound_ahead_of_new_sessions() -> None:
     assert turn(c, "n1", "new", 1, 7.5).held is Held.NEW_BEHIND
     assert c.drain(14.9) == []
     releases = c.drain(15.0)
-    assert [(r.ticket, r.outcome) for r in releases][0] == ("small1", Outcome.PAUSED_AGED)
+    assert [(r.ticket, r.outcome) for r in releases] == [("small1", Outcome.PAUSED_AGED)]
     assert releases[0].wait_s == pytest.approx(8.0)
     assert c.paused_waits == [pytest.approx(8.0)]
 
