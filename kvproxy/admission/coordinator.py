@@ -404,6 +404,7 @@ class AdmissionController:
         self._tick_task: asyncio.Task[None] | None = None
         self._fallback_logged = False
         self._diverted_seen: float | None = None
+        self._events_seen: dict[str, int] = {}
         self._fetch = fetch_metrics or self._http_fetch
         self.ledger = Ledger(
             headroom=cfg.headroom,
@@ -1032,14 +1033,18 @@ class AdmissionController:
     def tick(self) -> None:
         """One program-admission tick now (the tick loop calls it every ``tick_s``)."""
         now = self._clock()
-        core = self.program
-        before = dict(core.events)
-        self._program_apply(core.tick(now))
-        for name, value in core.events.items():
-            delta = value - before.get(name, 0)
-            if delta:
-                self._counters.inc(_C_EVENT[Event(name)], delta)
+        self._program_apply(self.program.tick(now))
+        self._sync_events()
         self._program_arm(now)
+
+    def _sync_events(self) -> None:
+        """Carry the core's event counts into the counters (deltas since last time)."""
+        seen = self._events_seen
+        for name, value in self.program.events.items():
+            delta = value - seen.get(name, 0)
+            if delta > 0:
+                self._counters.inc(_C_EVENT[Event(name)], delta)
+            seen[name] = value
 
     async def _tick_loop(self) -> None:
         loop = asyncio.get_running_loop()
@@ -1288,6 +1293,7 @@ class AdmissionController:
         counters restart and the usage window restarts at the current level.
         """
         self._sync_evicted()
+        self._sync_events()
         window = self._counters.window_items()
         out: dict[str, float] = {_A + "enabled": 1.0 if self._cfg.enabled else 0.0}
         for name in _STATS_COUNTERS:
@@ -1342,6 +1348,7 @@ class AdmissionController:
     def collect(self) -> Iterable[Metric]:
         """prometheus-client custom collector: counters, gauges, wait histogram."""
         self._sync_evicted()
+        self._sync_events()
         totals = self._counters.total_items()
         exported = WindowedCounters()
         for name in _STATS_COUNTERS:
