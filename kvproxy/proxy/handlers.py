@@ -284,6 +284,7 @@ class ProxyHandlers:
                             if decision.action == "admit"
                             else f"bypass; reason={decision.reason}",
                             "X-KVProxy-Admission-Wait-Ms": f"{decision.wait_s * 1000:.1f}",
+                            "X-KVProxy-Admission-Decision": decision.reason,
                         }
                 if tracked is not None:
                     tracked.forwarded()
