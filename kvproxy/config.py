@@ -74,6 +74,11 @@ class RouterConfig:
     # engine; with any other policy placement is unknown and program admission falls
     # back to fleet-wide accounting (said at start and in /kvproxy/health).
     policy: str = "cache_aware"
+    # smg's Prometheus endpoint (smg --prometheus-host/--prometheus-port), e.g.
+    # http://127.0.0.1:29000/metrics. When set, program admission reads smg's
+    # consistent-hashing branch counter and counts and warns about requests smg routed
+    # off the ring (random_fallback, no_healthy_workers, target_worker_miss).
+    metrics_url: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -352,6 +357,10 @@ def validate(cfg: Config) -> None:
         f"server.log_level: must be one of DEBUG, INFO, WARNING, ERROR, CRITICAL (got {s.log_level!r})",
     )
     _check(bool(_URL_RE.match(r.url)), f"router.url: must be an http(s) URL (got {r.url!r})")
+    _check(
+        r.metrics_url is None or bool(_URL_RE.match(r.metrics_url)),
+        f"router.metrics_url: must be null or an http(s) URL (got {r.metrics_url!r})",
+    )
     for i, url in enumerate(r.engines):
         _check(
             bool(_URL_RE.match(url)), f"router.engines[{i}]: must be an http(s) URL (got {url!r})"

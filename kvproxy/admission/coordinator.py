@@ -54,6 +54,7 @@ import asyncio
 import dataclasses
 import logging
 import math
+import re
 import time
 from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
@@ -375,6 +376,7 @@ class AdmissionController:
         workers: Callable[[], tuple[Sequence[str], Sequence[str]]] | None = None,
         server_info: Mapping[str, Mapping[str, Any]] | None = None,
         time_scale: float = 1.0,
+        router_metrics_url: str | None = None,
     ) -> None:
         """``healthy_engines``: engine base URLs to poll. Program mode (docs/admission.md):
         ``router_policy`` is the router's policy as deployed (None: unknown, fleet-wide
@@ -405,6 +407,7 @@ class AdmissionController:
         self._fallback_logged = False
         self._diverted_seen: float | None = None
         self._events_seen: dict[str, int] = {}
+        self._router_metrics_url = router_metrics_url
         self._fetch = fetch_metrics or self._http_fetch
         self.ledger = Ledger(
             headroom=cfg.headroom,
@@ -894,6 +897,31 @@ class AdmissionController:
                 retracted_total=m.num_retracted_requests_total,
             )
 
+    async def _check_router_diversion(self) -> None:
+        """Count requests smg's own counters show routed off the ring (and warn)."""
+        url = self._router_metrics_url
+        if url is None or self._http is None or not self.program_active:
+            return
+        try:
+            timeout = aiohttp.ClientTimeout(total=self._cfg.metrics_timeout_s)
+            async with self._http.get(url, timeout=timeout) as resp:
+                text = await resp.text(errors="replace")
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            self._log.warning("smg-metrics", "admission: %s unreadable: %r", url, exc)
+            return
+        total = diverted_requests(text)
+        if total is None:
+            return
+        seen, self._diverted_seen = self._diverted_seen, total
+        if seen is not None and total > seen:
+            self._counters.inc(C_DIVERTED, total - seen)
+            self._log.warning(
+                "diverted",
+                "admission: smg routed %d request(s) off the consistent-hashing ring "
+                "(no healthy owner or random fallback): per-engine accounting is off for them",
+                int(total - seen),
+            )
+
     def _decide_program(self, req: AdmissionRequest) -> Decision | tuple[_Waiter, bool]:
         ticket = req.ticket_id
         existing = self._pwaiters.get(ticket)
@@ -1162,6 +1190,7 @@ class AdmissionController:
                         "usage:" + url, "admission: /metrics of %s has no KV usage gauges", url
                     )
             self._program_observe(urls, results, now)
+            await self._check_router_diversion()
             ledger.reconcile(now)
             expired = ledger.expire(now)
             if expired:
@@ -1553,3 +1582,27 @@ def _program_engine_families(rows: Sequence[Mapping[str, Any]]) -> Iterator[Metr
             if isinstance(value, int | float) and not isinstance(value, bool):
                 fam.add_metric([str(row["url"])], float(value))
         yield fam
+
+
+_BRANCH_RE = re.compile(
+    r'^smg_consistent_hashing_policy_branch_total\{[^}]*branch="([a-z_]+)"[^}]*\}\s+(\S+)', re.M
+)
+# Branches of smg's consistent_hashing policy that send a request somewhere other than
+# its ring owner (policies/consistent_hashing.rs). Overload protection filters workers
+# before the policy runs, so those diversions show as routing_key_hit: no smg counter
+# tells them apart (hence --disable-worker-overload-protection in the contract).
+_OFF_RING = frozenset({"random_fallback", "no_healthy_workers", "target_worker_miss"})
+
+
+def diverted_requests(text: str) -> float | None:
+    """Sum of smg's off-ring branch counters in its /metrics text; None when absent."""
+    found = False
+    total = 0.0
+    for branch, value in _BRANCH_RE.findall(text):
+        found = True
+        if branch in _OFF_RING:
+            try:
+                total += float(value)
+            except ValueError:
+                continue
+    return total if found else None

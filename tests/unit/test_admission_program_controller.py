@@ -183,3 +183,16 @@ async def test_placement_moves_sessions_when_an_engine_goes_unavailable(lab) -> 
     assert ctl.stats()["agentic_kv/admission/event_moved"] == 3
     text = "".join(str(m) for m in ctl.collect())
     assert "agentic_kv_admission_engine_footprint_tokens" in text
+
+
+def test_diverted_requests_reads_smgs_off_ring_branches() -> None:
+    from kvproxy.admission.coordinator import diverted_requests
+
+    text = (
+        "# TYPE smg_consistent_hashing_policy_branch_total counter\n"
+        'smg_consistent_hashing_policy_branch_total{branch="routing_key_hit"} 90\n'
+        'smg_consistent_hashing_policy_branch_total{branch="random_fallback"} 3\n'
+        'smg_consistent_hashing_policy_branch_total{branch="no_healthy_workers"} 2\n'
+    )
+    assert diverted_requests(text) == 5.0
+    assert diverted_requests("smg_router_requests_total 4\n") is None
