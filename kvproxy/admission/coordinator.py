@@ -489,6 +489,7 @@ class AdmissionController:
         elif cfg.enabled:
             self._cancel_timer()  # max_wait_s may have changed: re-arm from scratch
             self._drain(self._clock())
+            self._program_check_active()
 
     async def _stop_polling(self) -> None:
         for name in ("_poll_task", "_tick_task"):
@@ -824,6 +825,14 @@ class AdmissionController:
         self.placement.update(workers, available)
         self._fallback_logged = False
         self._say_fallback()
+        self._program_check_active()
+
+    def _program_check_active(self) -> None:
+        """Program mode switched off (reload, policy change): its waiters go (fail open)."""
+        if not self.program_active and self._pwaiters:
+            self._program_release_all(Outcome.BYPASS_NO_PLACEMENT)
+        elif self.program_active:
+            self._program_drain(self._clock())
 
     def set_workers(self, workers: Sequence[str], available: Sequence[str] | None = None) -> None:
         """Fix the ring's worker URLs (as the router registered them) and the available

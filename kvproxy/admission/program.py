@@ -139,6 +139,8 @@ class ProgramCore:
         return Verdict(None, held=held, engine=s.engine)
 
     def _start(self, ticket: str, s: Session, now: float, tokens: int, outcome: Outcome) -> None:
+        if ticket in self._inflight:  # the same attempt asked twice: one running turn
+            return
         self.ledger.turn_started(s, now, tokens)
         self._inflight[ticket] = (s.sid, outcome)
 

@@ -428,3 +428,12 @@ def test_params_scale_every_duration_by_the_time_scale() -> None:
         5.0,
     )
     assert p.new_session_max_wait_s == 300.0 and p.idle_ttl_s == 300.0
+
+
+def test_the_same_attempt_asked_twice_is_one_running_turn() -> None:
+    c = core()
+    turn(c, "t1", "s", 100, 0.0)
+    turn(c, "t1", "s", 100, 0.0)
+    c.turn_ended("t1", 1.0)
+    s = c.ledger.get("s")
+    assert s is not None and s.running == 0

@@ -196,3 +196,16 @@ def test_diverted_requests_reads_smgs_off_ring_branches() -> None:
     )
     assert diverted_requests(text) == 5.0
     assert diverted_requests("smg_router_requests_total 4\n") is None
+
+
+async def test_waiters_go_when_program_mode_is_switched_off(lab) -> None:
+    ctl = await lab()
+    a1, a2 = keys_on(A, 2)
+    await turn(ctl, request("t1", a1, 950), prompt=950)
+    waiting = asyncio.create_task(turn(ctl, request("t2", a2, 200), prompt=200))
+    await asyncio.sleep(0)
+    assert ctl.waiting == 1
+    ctl.set_router_policy("round_robin")
+    d = await asyncio.wait_for(waiting, 1.0)
+    assert (d.action, d.reason) == ("bypass", "bypass_no_placement")
+    assert ctl.waiting == 0
