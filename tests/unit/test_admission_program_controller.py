@@ -201,7 +201,7 @@ def test_diverted_requests_reads_smgs_off_ring_branches() -> None:
 async def test_waiters_go_when_program_mode_is_switched_off(lab) -> None:
     ctl = await lab()
     a1, a2 = keys_on(A, 2)
-    await turn(ctl, request("t1", a1, 950), prompt=950)
+    await asyncio.wait_for(turn(ctl, request("t1", a1, 850), prompt=850), 1.0)
     waiting = asyncio.create_task(turn(ctl, request("t2", a2, 200), prompt=200))
     await asyncio.sleep(0)
     assert ctl.waiting == 1
