@@ -311,10 +311,9 @@ class ProgramCore:
     def _release(self, url: str, which: str, outcome: Outcome, now: float) -> Release:
         e = self.queues.pop(url, which)
         s = self.ledger.get(e.sid)
-        if s is None:  # closed while waiting: its turn goes uncounted
-            s = self.ledger.open(e.sid, url, now, e.tokens)
-        self.ledger.activate(s)
-        self._start(e.ticket, s, now, e.tokens, outcome)
+        if s is not None:  # (closed while waiting: its turn goes uncounted)
+            self.ledger.activate(s)
+            self._start(e.ticket, s, now, e.tokens, outcome)
         wait = max(0.0, now - e.enqueued_at)
         if which == "paused":
             self.paused_waits.append(wait)

@@ -437,3 +437,14 @@ def test_the_same_attempt_asked_twice_is_one_running_turn() -> None:
     c.turn_ended("t1", 1.0)
     s = c.ledger.get("s")
     assert s is not None and s.running == 0
+
+
+def test_a_session_closed_while_its_turn_waits_is_not_brought_back() -> None:
+    c = core()
+    turn(c, "a1", "a", 900, 0.0)
+    turn(c, "b1", "b", 200, 0.0)
+    c.end_session("b", 1.0)
+    c.end_session("a", 1.0)
+    (r,) = c.drain(1.0)
+    assert r.ticket == "b1" and c.ledger.get("b") is None
+    assert c.ledger.undecayed(E1) == 0
