@@ -67,7 +67,17 @@ import aiohttp
 from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.utils import floatToGoString
 
-from kvproxy.admission import classify
+from kvproxy.admission import catalogue, classify
+from kvproxy.admission.catalogue import (
+    _C_DECISION,
+    _C_EVENT,
+    _PROGRAM_COUNTERS,
+    C_DIVERTED,
+    C_PAUSED_WAIT_COUNT,
+    C_PAUSED_WAIT_SUM,
+    PROGRAM_HELP,
+    PROGRAM_STATS_KEYS,  # noqa: F401 (re-exported: tests and users import it from here)
+)
 from kvproxy.admission.decisions import Event, Outcome
 from kvproxy.admission.ledger import (
     CAPACITY_AVAILABLE,
@@ -1098,30 +1108,17 @@ class AdmissionController:
                 self._counters.inc(C_POLL_ERROR)
                 self._log.warning("tick", "admission: tick failed", exc_info=True)
 
-    def _program_health(self, now: float) -> dict[str, Any]:
-        counts = self.program.ledger.counts()
-        oldest = self.program.queues.oldest()
-        return {
-            "mode": self._cfg.mode,
-            "program_active": self.program_active,
-            "router_policy": self.placement.policy,
-            "fallback": self.fallback_reason,
-            "priority_steering": self.priority_steering,
-            "placement": {
-                "workers": list(self.placement.workers),
-                "available": sorted(self.placement.available),
-                "generation": self.placement.generation,
-            },
-            "sessions": counts,
-            "held": None
-            if oldest is None
-            else {
-                "reason": oldest.held.value,
-                "engine": oldest.engine,
-                "wait_s": round(now - oldest.enqueued_at, 3),
-            },
-            "program_engines": self.program.engine_rows(now),
-        }
+    def program_snapshot(self, now: float | None = None) -> catalogue.ProgramSnapshot:
+        """Program admission now: the one snapshot stats, /metrics and health render."""
+        return catalogue.take(
+            self.program,
+            self.placement,
+            self._clock() if now is None else now,
+            active=self.program_active,
+            mode=self._cfg.mode,
+            fallback=self.fallback_reason,
+            priority_steering=self.priority_steering,
+        )
 
     # -- aging timer -------------------------------------------------------------------
 
@@ -1261,38 +1258,24 @@ class AdmissionController:
         return len(self._waiters) + len(self._pwaiters)
 
     @property
-    def program_waiting_new(self) -> int:
-        return sum(q.live_new for q in self.program.queues.by_engine.values())
-
-    @property
-    def program_waiting_paused(self) -> int:
-        return sum(q.live_paused for q in self.program.queues.by_engine.values())
-
-    def _waiting_gauges(self) -> dict[str, float]:
-        return {
-            _A + "waiting": float(len(self._waiters) + len(self._pwaiters)),
-            _A + "waiting_continuing": float(self._n_cont),
-            _A + "waiting_new": float(len(self._waiters) - self._n_cont + self.program_waiting_new),
-            _A + "waiting_paused": float(self.program_waiting_paused),
-        }
-
-    def _program_gauges(self) -> dict[str, float]:
-        counts = self.program.ledger.counts()
-        return {
-            _A + "program_active": 1.0 if self.program_active else 0.0,
-            _A + "sessions_active": float(counts["active"]),
-            _A + "sessions_paused": float(counts["paused"]),
-            _A + "sessions_new": float(counts["new"]),
-            _A + "sessions_running": float(counts["running"]),
-        }
-
-    @property
     def waiting_continuing(self) -> int:
         return self._n_cont
 
     @property
     def waiting_new(self) -> int:
-        return len(self._waiters) - self._n_cont
+        return len(self._waiters) - self._n_cont + self.program_waiting_new
+
+    @property
+    def program_waiting_new(self) -> int:
+        return sum(q.live_new for q in self.program.queues.by_engine.values())
+
+    def _waiting_gauges(self, snap: catalogue.ProgramSnapshot) -> dict[str, float]:
+        return {
+            _A + "waiting": float(len(self._waiters) + len(self._pwaiters)),
+            _A + "waiting_continuing": float(self._n_cont),
+            _A + "waiting_new": float(len(self._waiters) - self._n_cont + snap.waiting_new),
+            _A + "waiting_paused": float(snap.waiting_paused),
+        }
 
     @staticmethod
     def _rates(values: Mapping[str, float]) -> dict[str, float]:
@@ -1340,8 +1323,9 @@ class AdmissionController:
             out[name] = window[name]
         for name in _PROGRAM_COUNTERS:
             out[name] = window.get(name, 0.0)
-        out.update(self._waiting_gauges())
-        out.update(self._program_gauges())
+        snap = self.program_snapshot()
+        out.update(self._waiting_gauges(snap))
+        out.update(catalogue.gauges(snap))
         out.update(self._rates(window))
         out.update(self.ledger.snapshot(self._clock(), reset_usage_window=reset))
         if reset:
@@ -1350,6 +1334,7 @@ class AdmissionController:
 
     def health(self) -> dict[str, Any]:
         now = self._clock()
+        snap = self.program_snapshot(now)
         ledger = self.ledger
         degraded = ledger.is_degraded(now)
         engines = [
@@ -1372,7 +1357,7 @@ class AdmissionController:
             "resident_sessions": ledger.resident_sessions,
             "committed": ledger.committed,
             "session_residency": self._residency,
-            **self._program_health(now),
+            **catalogue.health(snap),
             "pressure": ledger.pressure,
             "lease_count": ledger.lease_count,
             "waiting": len(self._waiters) + len(self._pwaiters),
@@ -1396,12 +1381,13 @@ class AdmissionController:
         yield from counter_families(exported, _HELP)
 
         now = self._clock()
+        snap = self.program_snapshot(now)
         ledger = self.ledger
         degraded = ledger.is_degraded(now)
         gauges: dict[str, float] = {
             _A + "enabled": 1.0 if self._cfg.enabled else 0.0,
-            **self._waiting_gauges(),
-            **self._program_gauges(),
+            **self._waiting_gauges(snap),
+            **catalogue.gauges(snap),
             **self._rates(totals),
             _B + "ceiling": float(ledger.ceiling),
             _B + "reserved": float(ledger.reserved),
@@ -1422,7 +1408,7 @@ class AdmissionController:
         }
         yield from gauge_families(gauges, _HELP)
         yield from _engine_families(ledger.engines(now))
-        yield from _program_engine_families(self.program.engine_rows(now))
+        yield from catalogue.engine_families(snap)
 
         buckets: list[tuple[str, float]] = []
         cumulative = 0
@@ -1475,86 +1461,7 @@ def _le(bound: float) -> str:
 # ---------------------------------------------------------------------- program mode
 
 _PROGRAM_LEASE = "p:"
-# Outcome -> the Decision action the handler reports (X-KVProxy-Admission).
-_C_DECISION = {o: _A + "decision_" + o.value for o in Outcome}
-_C_EVENT = {e: _A + "event_" + e.value for e in Event}
-C_PAUSED_WAIT_SUM = _A + "paused_wait_seconds_sum"
-C_PAUSED_WAIT_COUNT = _A + "paused_wait_count"
-C_DIVERTED = _A + "router_diverted"
-_PROGRAM_COUNTERS = (
-    *_C_DECISION.values(),
-    *_C_EVENT.values(),
-    C_PAUSED_WAIT_SUM,
-    C_PAUSED_WAIT_COUNT,
-    C_DIVERTED,
-)
-for _o, _name in _C_DECISION.items():
-    _HELP[_name] = f"Program admission decisions with outcome {_o.value}."
-for _e, _name in _C_EVENT.items():
-    _HELP[_name] = f"Program admission events: {_e.value}."
-_HELP[C_PAUSED_WAIT_SUM] = "Seconds paused sessions' turns waited before going (sum)."
-_HELP[C_PAUSED_WAIT_COUNT] = "Paused sessions' turns that waited."
-_HELP[C_DIVERTED] = (
-    "Requests smg routed outside the consistent-hashing ring (its random_fallback and "
-    "no_healthy_workers branches); only counted when router.metrics_url is reachable."
-)
-# Keys stats() adds for program admission (on top of the fleet path's).
-PROGRAM_STATS_KEYS = frozenset(
-    {
-        *_PROGRAM_COUNTERS,
-        _A + "waiting_paused",
-        _A + "program_active",
-        _A + "sessions_active",
-        _A + "sessions_paused",
-        _A + "sessions_new",
-        _A + "sessions_running",
-    }
-)
-_HELP[_A + "program_active"] = "1 when program admission keeps per-engine ledgers."
-_HELP[_A + "waiting_paused"] = "Turns of paused sessions waiting now (program mode)."
-_HELP[_A + "sessions_active"] = "Sessions counted on their engine (program mode)."
-_HELP[_A + "sessions_paused"] = "Paused sessions (program mode)."
-_HELP[_A + "sessions_new"] = "Sessions whose first turn has not been admitted yet."
-_HELP[_A + "sessions_running"] = "Sessions with a turn in flight (program mode)."
-
-ENGINE_FAMILIES = (
-    (
-        "footprint",
-        "agentic_kv_admission_engine_footprint_tokens",
-        "Undecayed footprint U of the engine's active sessions (drives pausing).",
-    ),
-    (
-        "committed",
-        "agentic_kv_admission_engine_committed_tokens",
-        "Decayed footprint W of the engine's active sessions (drives admission).",
-    ),
-    ("capacity", "agentic_kv_admission_engine_capacity_tokens", "max_total_num_tokens x headroom."),
-    (
-        "target",
-        "agentic_kv_admission_engine_target",
-        "The engine's admission target theta (fraction of capacity), set by feedback.",
-    ),
-    (
-        "waiting_new",
-        "agentic_kv_admission_engine_waiting_new",
-        "New sessions waiting in the engine's FIFO.",
-    ),
-    (
-        "waiting_paused",
-        "agentic_kv_admission_engine_waiting_paused",
-        "Paused sessions' turns waiting on the engine.",
-    ),
-    (
-        "paused_sessions",
-        "agentic_kv_admission_engine_paused_sessions",
-        "Paused sessions attributed to the engine.",
-    ),
-    (
-        "active_sessions",
-        "agentic_kv_admission_engine_active_sessions",
-        "Active sessions counted on the engine.",
-    ),
-)
+_HELP.update(PROGRAM_HELP)
 
 
 def _loop_time() -> float:
@@ -1580,17 +1487,6 @@ def _scaled(cfg: AdmissionConfig, k: float) -> AdmissionConfig:
         lease_ttl_s=cfg.lease_ttl_s * k,
         session_idle_s=cfg.session_idle_s * k,
     )
-
-
-def _program_engine_families(rows: Sequence[Mapping[str, Any]]) -> Iterator[Metric]:
-    """Per-engine program-admission gauges labelled by engine base URL."""
-    for key, name, help_text in ENGINE_FAMILIES:
-        fam = GaugeMetricFamily(name, help_text, labels=["engine"])
-        for row in rows:
-            value = row.get(key)
-            if isinstance(value, int | float) and not isinstance(value, bool):
-                fam.add_metric([str(row["url"])], float(value))
-        yield fam
 
 
 _BRANCH_RE = re.compile(
