@@ -78,7 +78,13 @@ async def _sessions_ctx(app: web.Application) -> AsyncIterator[None]:
 async def _admission_ctx(app: web.Application) -> AsyncIterator[None]:
     rt = app[RUNTIME]
     rt.admission = AdmissionController(
-        rt.config.admission, healthy_engines=rt.fleet.healthy_engines, http=rt.http
+        rt.config.admission,
+        healthy_engines=rt.fleet.healthy_engines,
+        http=rt.http,
+        router_policy=rt.config.router.policy,
+        workers=rt.fleet.ring_workers,
+        time_scale=rt.config.server.time_scale,
+        router_metrics_url=rt.config.router.metrics_url,
     )
     await rt.admission.start()
     rt.registry.register(_FeatureCollector(rt))

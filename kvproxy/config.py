@@ -48,6 +48,15 @@ class ServerConfig:
     backlog: int = 2048
     # The start-up line and router reachability changes are logged at INFO.
     log_level: str = "INFO"
+    # Wall seconds per simulated second: multiplies every kvproxy timer and duration
+    # (admission poll interval, staleness, waits, leases, idle times, tick). 1.0 in
+    # production; a benchmark against simulated engines running faster than real time
+    # sets it below 1 so the dynamics stay the same.
+    time_scale: float = 1.0
+
+
+ROUTER_POLICIES_MIRRORED = ("consistent_hashing",)
+ADMISSION_MODES = ("program", "request")
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +73,16 @@ class RouterConfig:
     max_connections: int = 0
     # How often the engine list is re-read from the router's /workers.
     discovery_interval_s: float = 5.0
+    # The router's load-balancing policy as deployed (smg --policy). With
+    # consistent_hashing kvproxy mirrors the router's ring and keeps a ledger per
+    # engine; with any other policy placement is unknown and program admission falls
+    # back to fleet-wide accounting (said at start and in /kvproxy/health).
+    policy: str = "cache_aware"
+    # smg's Prometheus endpoint (smg --prometheus-host/--prometheus-port), e.g.
+    # http://127.0.0.1:29000/metrics. When set, program admission reads smg's
+    # consistent-hashing branch counter and counts and warns about requests smg routed
+    # off the ring (random_fallback, no_healthy_workers, target_worker_miss).
+    metrics_url: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,10 +140,58 @@ class AdmissionConfig:
     # Prompt-size estimate for text / chat bodies (no input_ids): characters per token
     # before calibration from the engines' reported prompt_tokens.
     chars_per_token: float = 4.0
-    # Program-aware mode: count a session's KV between its turns (its residency) and
-    # hold new sessions, never turns of sessions already resident. False: every
-    # request is admitted on its own (the per-request behaviour).
+    # program: program-aware admission (per-engine session ledgers when the router's
+    # placement can be mirrored, see router.policy; else the fleet-wide residency
+    # ledger). request: every request admitted on its own (Relax per-request semantics).
+    mode: str = "program"
+    # Fleet-wide fallback only: count a session's KV between its turns. The YAML key
+    # session_residency is accepted as an alias of mode (true -> program,
+    # false -> request); see _build_section.
     session_residency: bool = True
+    # --- program mode, per-engine ledger (docs/admission.md#program-mode) ---
+    # engine: one ledger per engine from the mirrored ring; fleet: the fleet-wide
+    # residency ledger even when placement is known (ablation).
+    ledger: str = "engine"
+    # Ablation: hold continuing turns of active sessions for capacity like new ones
+    # (false, the default: a continuing turn is forwarded at once, never held).
+    hold_continuing: bool = False
+    # Pause idle sessions under growth pressure; a paused session's next turn waits at
+    # most paused_max_wait_s (then goes anyway), ahead of new sessions.
+    pause: bool = True
+    paused_max_wait_s: float = 8.0
+    # A new session waits in its engine's FIFO at most this long, then goes anyway.
+    new_session_max_wait_s: float = 600.0
+    # Inject a size-based top-level priority when every engine evicts by priority.
+    priority_steering: bool = True
+    # Tokens per priority step: priority = floor(log2(context / priority_unit_tokens)),
+    # clamped to [0, priority_max] and monotone per session.
+    priority_unit_tokens: int = 4096
+    priority_max: int = 9
+    # Adapt each engine's admission target from its eviction and retraction counters
+    # and the cached fraction of continuing turns.
+    feedback: bool = True
+    tick_s: float = 1.0
+    # An idle session counts fully for idle_lease_s after its last turn, then decays
+    # with idle_half_life_s (0: it stops counting at once); after idle_ttl_s it leaves.
+    idle_lease_s: float = 5.0
+    idle_half_life_s: float = 10.0
+    idle_ttl_s: float = 600.0
+    # Pause when the undecayed footprint passes pause_high x capacity, down to pause_low.
+    pause_high: float = 0.95
+    pause_low: float = 0.85
+    # Admission target theta (fraction of capacity): start and bounds.
+    target_start: float = 0.92
+    target_min: float = 0.60
+    target_max: float = 0.95
+    # The gate stays off while the undecayed footprint is under this fraction.
+    gate_off_below: float = 0.75
+    # Thrash: continuing turns' cached fraction under this over a feedback window.
+    thrash_cached_fraction: float = 0.85
+    feedback_window_s: float = 5.0
+    # Per-session constant added to its footprint (tokens).
+    session_buffer_tokens: int = 100
+    # Bound of the per-engine session table (least recently active idle session first).
+    max_sessions: int = 100_000
     # A session with no request for this long stops being counted resident (its KV is
     # evictable anyway); this releases residency when sessions never close explicitly.
     session_idle_s: float = 600.0
@@ -160,6 +227,9 @@ _SECTIONS: dict[str, type] = {
     "session_lifecycle": SessionLifecycleConfig,
     "admission": AdmissionConfig,
 }
+
+# Keys that were renamed: old key -> message naming the replacement.
+_SESSION_RESIDENCY = "session_residency"
 
 
 def _coerce(key: str, value: Any, annotation: str) -> Any:
@@ -209,6 +279,19 @@ def _build_section(name: str, raw: Any, base: Any) -> Any:
         raise ConfigError(f"{name}: must be a mapping (got {type(raw).__name__})")
     known = {f.name: f for f in fields(cls)}
     changes: dict[str, Any] = {}
+    if name == "admission" and _SESSION_RESIDENCY in raw:
+        # The old key keeps working: true is mode program, false is mode request.
+        raw = dict(raw)
+        old = _coerce("admission.session_residency", raw.pop(_SESSION_RESIDENCY), "bool")
+        implied = "program" if old else "request"
+        if "mode" in raw and raw["mode"] != implied:
+            raise ConfigError(
+                f"admission.session_residency: {str(old).lower()} contradicts admission.mode: "
+                f"{raw['mode']!r}; session_residency is replaced by mode (true -> program, "
+                "false -> request): set only mode"
+            )
+        changes["mode"] = implied
+        changes["session_residency"] = old
     for key, value in raw.items():
         if key not in known:
             allowed = ", ".join(sorted(known))
@@ -278,11 +361,20 @@ def validate(cfg: Config) -> None:
         s.admin_token is None or (s.admin_token.strip() == s.admin_token != ""),
         "server.admin_token: must be null or a non-empty string without surrounding spaces",
     )
+    _check(0 < s.time_scale <= 100, f"server.time_scale: must be in (0, 100] (got {s.time_scale})")
+    _check(
+        bool(re.match(r"^[a-z_]+$", r.policy)),
+        f"router.policy: must be a policy name such as consistent_hashing (got {r.policy!r})",
+    )
     _check(
         s.log_level.upper() in {"DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"},
         f"server.log_level: must be one of DEBUG, INFO, WARNING, ERROR, CRITICAL (got {s.log_level!r})",
     )
     _check(bool(_URL_RE.match(r.url)), f"router.url: must be an http(s) URL (got {r.url!r})")
+    _check(
+        r.metrics_url is None or bool(_URL_RE.match(r.metrics_url)),
+        f"router.metrics_url: must be null or an http(s) URL (got {r.metrics_url!r})",
+    )
     for i, url in enumerate(r.engines):
         _check(
             bool(_URL_RE.match(url)), f"router.engines[{i}]: must be an http(s) URL (got {url!r})"
@@ -378,6 +470,58 @@ def validate(cfg: Config) -> None:
             a.session_idle_s > 0,
             f"admission.session_idle_s: must be > 0 (got {a.session_idle_s})",
         )
+        _validate_program(a)
+
+
+def _validate_program(a: AdmissionConfig) -> None:
+    _check(
+        a.mode in ADMISSION_MODES,
+        f"admission.mode: must be program or request (got {a.mode!r})",
+    )
+    _check(
+        a.ledger in ("engine", "fleet"),
+        f"admission.ledger: must be engine or fleet (got {a.ledger!r})",
+    )
+    for key in ("paused_max_wait_s", "new_session_max_wait_s", "idle_half_life_s"):
+        value = getattr(a, key)
+        _check(value >= 0, f"admission.{key}: must be >= 0 (got {value})")
+    for key in ("tick_s", "idle_lease_s", "idle_ttl_s", "feedback_window_s"):
+        value = getattr(a, key)
+        _check(value > 0, f"admission.{key}: must be > 0 (got {value})")
+    for key in (
+        "pause_high",
+        "pause_low",
+        "target_start",
+        "target_min",
+        "target_max",
+        "gate_off_below",
+        "thrash_cached_fraction",
+    ):
+        value = getattr(a, key)
+        _check(0 < value <= 1, f"admission.{key}: must be in (0, 1] (got {value})")
+    _check(
+        a.pause_low < a.pause_high,
+        f"admission.pause_low: must be < pause_high ({a.pause_high}) (got {a.pause_low})",
+    )
+    _check(
+        a.target_min <= a.target_start <= a.target_max,
+        "admission.target_start: must be in [target_min, target_max] "
+        f"([{a.target_min}, {a.target_max}]) (got {a.target_start})",
+    )
+    _check(
+        0 <= a.priority_max <= 9,
+        "admission.priority_max: must be in [0, 9] (SGLang preempts a running request at a "
+        f"priority gap of 10) (got {a.priority_max})",
+    )
+    _check(
+        a.priority_unit_tokens >= 1,
+        f"admission.priority_unit_tokens: must be >= 1 (got {a.priority_unit_tokens})",
+    )
+    _check(
+        a.session_buffer_tokens >= 0,
+        f"admission.session_buffer_tokens: must be >= 0 (got {a.session_buffer_tokens})",
+    )
+    _check(a.max_sessions >= 1, f"admission.max_sessions: must be >= 1 (got {a.max_sessions})")
 
 
 # CLI flag -> (section, key). Relax-compatible names first.
@@ -392,6 +536,9 @@ CLI_OVERRIDES: dict[str, tuple[str, str]] = {
     "agentic_admission_expected_decode_cap": ("admission", "expected_decode_cap"),
     "agentic_admission_max_wait_s": ("admission", "max_wait_s"),
     "agentic_admission_scope": ("admission", "scope"),
+    "admission_mode": ("admission", "mode"),
+    "router_policy": ("router", "policy"),
+    "time_scale": ("server", "time_scale"),
 }
 
 

@@ -49,6 +49,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--router-url", metavar="URL", help=f"router base URL (router.url; default {_R.url})"
     )
+    parser.add_argument(
+        "--router-policy",
+        metavar="POLICY",
+        help=f"the router's policy as deployed, e.g. consistent_hashing (router.policy; default {_R.policy})",
+    )
+    parser.add_argument(
+        "--admission-mode",
+        choices=("program", "request"),
+        help="admission.mode (default program)",
+    )
+    parser.add_argument(
+        "--time-scale",
+        type=float,
+        metavar="X",
+        help=f"wall seconds per simulated second (server.time_scale; default {_S.time_scale})",
+    )
     relax = parser.add_argument_group(
         "Relax-compatible feature flags (override the YAML; defaults are the YAML's defaults)"
     )

@@ -5,9 +5,16 @@
 #   MODEL=Qwen/Qwen3-8B NUM_ENGINES=2 TP=1 scripts/launch_stack.sh [kvproxy serve flags...]
 #
 # Engines get ports 31001.., the router 30000 (Prometheus 29000), kvproxy 8100.
-# ROUTER_POLICY_ARGS replaces the router's policy flags; to reproduce the rollout
-# benchmark's placement (sessions sticky by X-Session-ID) use
-#   ROUTER_POLICY_ARGS="--policy round_robin --sticky-sessions --routing-key-headers X-Session-ID --assignment-mode min_load"
+#
+# The deployment contract (docs/operations.md#deployment-contract):
+#   smg     --policy consistent_hashing --disable-worker-overload-protection
+#           (kvproxy mirrors the ring; smg's overload protection would move requests off
+#           their ring engine, and kvproxy's admission does that job instead)
+#   engines --enable-session-radix-cache --radix-eviction-policy priority
+#           --enable-priority-scheduling --enable-metrics
+#   kvproxy --router-policy consistent_hashing (router.policy), routing key = session id
+# ROUTER_POLICY / ROUTER_POLICY_ARGS replace the router's policy flags (kvproxy is told
+# the policy; with one it cannot mirror, program admission falls back to fleet-wide).
 # Ctrl-C stops everything this script started (by PID).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -21,7 +28,8 @@ ROUTER_METRICS_PORT="${ROUTER_METRICS_PORT:-29000}"
 PROXY_PORT="${PROXY_PORT:-8100}"
 CONFIG="${CONFIG:-configs/kvproxy.yaml}"
 PY="${PY:-.venv/bin/python}"
-ROUTER_POLICY_ARGS="${ROUTER_POLICY_ARGS:---policy cache_aware}"
+ROUTER_POLICY="${ROUTER_POLICY:-consistent_hashing}"
+ROUTER_POLICY_ARGS="${ROUTER_POLICY_ARGS:---policy $ROUTER_POLICY --disable-worker-overload-protection}"
 LOGS="${LOGS:-results/stack-logs}"
 mkdir -p "$LOGS"
 
@@ -45,11 +53,13 @@ workers=()
 for i in $(seq 0 $((NUM_ENGINES - 1))); do
     port=$((ENGINE_BASE_PORT + i))
     gpus=$(seq -s, $((i * TP)) $((i * TP + TP - 1)))
-    # What the session lifecycle assumes: session radix cache with priority eviction.
+    # What kvproxy assumes: session radix cache with priority eviction, priorities
+    # honoured (request priorities reach radix eviction only with priority scheduling on).
     SGLANG_ENABLE_UNIFIED_RADIX_TREE=1 CUDA_VISIBLE_DEVICES="$gpus" \
         "$PY" -m sglang.launch_server --model-path "$MODEL" --tp "$TP" \
         --host 127.0.0.1 --port "$port" \
         --enable-metrics --enable-session-radix-cache --radix-eviction-policy priority \
+        --enable-priority-scheduling \
         >"$LOGS/engine-$port.log" 2>&1 &
     pids+=($!)
     workers+=("http://127.0.0.1:$port")
@@ -64,7 +74,7 @@ pids+=($!)
 wait_http "http://127.0.0.1:$ROUTER_PORT/readiness" 120
 
 "$PY" -m kvproxy serve --config "$CONFIG" --port "$PROXY_PORT" \
-    --router-url "http://127.0.0.1:$ROUTER_PORT" "$@" >"$LOGS/kvproxy.log" 2>&1 &
+    --router-url "http://127.0.0.1:$ROUTER_PORT" --router-policy "$ROUTER_POLICY" "$@" >"$LOGS/kvproxy.log" 2>&1 &
 pids+=($!)
 wait_http "http://127.0.0.1:$PROXY_PORT/kvproxy/health" 60
 

@@ -23,6 +23,7 @@ RESTART_ONLY = (
     "server.backlog",
     "router.url",
     "router.max_connections",
+    "server.time_scale",
 )
 
 
@@ -52,6 +53,7 @@ async def reload_config(rt: Runtime) -> dict[str, Any]:
             port=rt.config.server.port,
             max_body_bytes=rt.config.server.max_body_bytes,
             backlog=rt.config.server.backlog,
+            time_scale=rt.config.server.time_scale,
         ),
         router=dataclasses.replace(
             new.router, url=rt.config.router.url, max_connections=rt.config.router.max_connections
@@ -61,6 +63,8 @@ async def reload_config(rt: Runtime) -> dict[str, Any]:
     rt.fleet.reconfigure(new.router)
     await rt.sessions.reconfigure(new.session_lifecycle)
     await rt.admission.reconfigure(new.admission)
+    if new.router.policy != rt.admission.placement.policy:
+        rt.admission.set_router_policy(new.router.policy)
     logging.getLogger("kvproxy").setLevel(new.server.log_level.upper())
     rt.reloads += 1
     applied = [k for k in changed if k not in RESTART_ONLY]

@@ -73,6 +73,14 @@ def banners(health: Mapping[str, Any]) -> list[dict[str, str]]:
                 "go through without being held (fail open). Check the engines' /metrics.",
             }
         )
+    if admission.get("enabled") and admission.get("fallback"):
+        out.append(
+            {
+                "id": "admission-fallback",
+                "level": "warning",
+                "text": f"Program admission without per-engine ledgers: {admission['fallback']}.",
+            }
+        )
     legacy = None
     if health.get("legacy_router"):
         legacy = LEGACY_ROUTER_WARNING.format(flavor=fleet.get("router_flavor", "?"))

@@ -51,8 +51,10 @@ iteration is wrapped so that an exception never stops polling.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import math
+import re
 import time
 from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
@@ -65,7 +67,18 @@ import aiohttp
 from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.utils import floatToGoString
 
-from kvproxy.admission import classify
+from kvproxy.admission import catalogue, classify
+from kvproxy.admission.catalogue import (
+    _C_DECISION,
+    _C_EVENT,
+    _PROGRAM_COUNTERS,
+    C_DIVERTED,
+    C_PAUSED_WAIT_COUNT,
+    C_PAUSED_WAIT_SUM,
+    PROGRAM_HELP,
+    PROGRAM_STATS_KEYS,  # noqa: F401 (re-exported: tests and users import it from here)
+)
+from kvproxy.admission.decisions import Event, Outcome
 from kvproxy.admission.ledger import (
     CAPACITY_AVAILABLE,
     DEGRADED,
@@ -73,9 +86,13 @@ from kvproxy.admission.ledger import (
     EngineView,
     Ledger,
 )
+from kvproxy.admission.params import ProgramParams
+from kvproxy.admission.program import ProgramCore, Release
 from kvproxy.admission.reservation import ReservationSizer
 from kvproxy.config import AdmissionConfig
+from kvproxy.fleet.engine_info import EngineSessionMode, parse_server_info, probe
 from kvproxy.fleet.engine_metrics import parse_engine_metrics
+from kvproxy.fleet.placement import Placement
 from kvproxy.observability import WindowedCounters, counter_families, gauge_families
 
 log = logging.getLogger(__name__)
@@ -232,6 +249,8 @@ class AdmissionRequest:
     headers: Mapping[str, str]  # case-insensitive mapping (aiohttp CIMultiDictProxy)
     body: Mapping[str, Any]  # parsed JSON object
     session_id: str | None
+    # The X-SMG-Routing-Key the router will see (None: the session id).
+    routing_key: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -243,6 +262,8 @@ class Decision:
     lease_id: str | None
     tokens: int
     wait_s: float
+    # Program mode: the priority to inject when the body carries none (None: nothing).
+    priority: int | None = None
 
 
 _PASS_DISABLED = Decision(PASS, R_DISABLED, None, 0, 0.0)
@@ -254,7 +275,16 @@ _WAITING, _RESOLVED, _CANCELLED = 0, 1, 2
 
 
 class _Waiter:
-    __slots__ = ("continuing", "enqueued_at", "future", "session", "state", "ticket", "tokens")
+    __slots__ = (
+        "continuing",
+        "enqueued_at",
+        "future",
+        "program",
+        "session",
+        "state",
+        "ticket",
+        "tokens",
+    )
 
     def __init__(
         self,
@@ -271,6 +301,7 @@ class _Waiter:
         self.future = future
         self.session = session  # passed to the ledger (None when residency is off)
         self.continuing = continuing  # in the continuing FIFO
+        self.program = False  # waits in program admission's per-engine queues
         self.state = _WAITING
 
 
@@ -349,22 +380,51 @@ class AdmissionController:
         *,
         healthy_engines: Callable[[], Sequence[str]],
         http: aiohttp.ClientSession | None,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Callable[[], float] | None = None,
         fetch_metrics: Callable[[str], Awaitable[str]] | None = None,
+        router_policy: str | None = None,
+        workers: Callable[[], tuple[Sequence[str], Sequence[str]]] | None = None,
+        server_info: Mapping[str, Mapping[str, Any]] | None = None,
+        time_scale: float = 1.0,
+        router_metrics_url: str | None = None,
     ) -> None:
+        """``healthy_engines``: engine base URLs to poll. Program mode (docs/admission.md):
+        ``router_policy`` is the router's policy as deployed (None: unknown, fleet-wide
+        accounting); ``workers`` returns (the worker URLs exactly as the router registered
+        them, the available ones) for the ring mirror (default: the healthy engines);
+        ``server_info`` seeds the engines' ``/server_info`` documents (else they are
+        read over ``http``); ``time_scale`` multiplies every duration of ``cfg``. Time
+        is the running loop's (``loop.time()``) unless ``clock`` is given."""
         if http is None and fetch_metrics is None:
             raise ValueError("AdmissionController needs http or fetch_metrics")
+        self._raw_cfg = cfg
+        self._time_scale = time_scale
+        cfg = _scaled(cfg, time_scale)
         self._cfg = cfg
         self._healthy_engines = healthy_engines
         self._http = http
-        self._clock = clock
+        self._clock = clock or _loop_time
+        self._workers = workers  # None: the healthy engines polled
+        self.placement = Placement(router_policy or "unknown")
+        self.program = ProgramCore(ProgramParams.from_config(self._raw_cfg, time_scale))
+        self._modes: dict[str, EngineSessionMode] = {}
+        for url, info in (server_info or {}).items():
+            self.set_server_info(url, info)
+        self._pwaiters: dict[str, _Waiter] = {}  # program-mode waiters by ticket
+        self._ptimer: asyncio.TimerHandle | None = None
+        self._ptimer_at = math.inf
+        self._tick_task: asyncio.Task[None] | None = None
+        self._fallback_logged = False
+        self._diverted_seen: float | None = None
+        self._events_seen: dict[str, int] = {}
+        self._router_metrics_url = router_metrics_url
         self._fetch = fetch_metrics or self._http_fetch
         self.ledger = Ledger(
             headroom=cfg.headroom,
             pressure_threshold=cfg.pressure_threshold,
             lease_ttl_s=cfg.lease_ttl_s,
             staleness_s=cfg.effective_staleness_s,
-            session_residency=cfg.session_residency,
+            session_residency=_residency_of(cfg),
         )
         self._sizer = ReservationSizer(cfg)
         # Tickets of sessions' first requests, until the engine reports their usage.
@@ -387,7 +447,7 @@ class AdmissionController:
 
     @property
     def config(self) -> AdmissionConfig:
-        return self._cfg
+        return self._raw_cfg
 
     @property
     def enabled(self) -> bool:
@@ -399,31 +459,39 @@ class AdmissionController:
             return
         await self.poll_once()
         self._poll_task = asyncio.create_task(self._poll_loop(), name="kvproxy-admission-poll")
+        self._tick_task = asyncio.create_task(self._tick_loop(), name="kvproxy-admission-tick")
+        self._say_fallback()
 
     async def stop(self) -> None:
         """Stop polling and the aging timer; every waiter leaves as bypass/degraded."""
         await self._stop_polling()
         self._cancel_timer()
         self._release_all_waiters(R_DEGRADED)
+        self._program_release_all(Outcome.BYPASS_NO_METRICS)
         self.ledger.clear_engines()
         self.ledger.clear_residency()
 
     async def reconfigure(self, cfg: AdmissionConfig) -> None:
         """Hot reload. Thresholds apply to the next decision; toggling starts or stops."""
         was_enabled = self._cfg.enabled
+        self._raw_cfg = cfg
+        self.program.configure(ProgramParams.from_config(cfg, self._time_scale))
+        cfg = _scaled(cfg, self._time_scale)
         self._cfg = cfg
         self.ledger.configure(
             headroom=cfg.headroom,
             pressure_threshold=cfg.pressure_threshold,
             lease_ttl_s=cfg.lease_ttl_s,
             staleness_s=cfg.effective_staleness_s,
-            session_residency=cfg.session_residency,
+            session_residency=_residency_of(cfg),
         )
         self._sizer.configure(cfg)
         if was_enabled and not cfg.enabled:
             await self._stop_polling()
             self._cancel_timer()
             self._release_all_waiters(R_DISABLED)
+            self._program_release_all(Outcome.BYPASS_NO_METRICS)
+            self.program.clear()
             self.ledger.clear_engines()
             self.ledger.clear_residency()
         elif cfg.enabled and not was_enabled:
@@ -431,10 +499,14 @@ class AdmissionController:
         elif cfg.enabled:
             self._cancel_timer()  # max_wait_s may have changed: re-arm from scratch
             self._drain(self._clock())
+            self._program_check_active()
 
     async def _stop_polling(self) -> None:
-        task, self._poll_task = self._poll_task, None
-        if task is not None:
+        for name in ("_poll_task", "_tick_task"):
+            task = getattr(self, name)
+            setattr(self, name, None)
+            if task is None:
+                continue
             task.cancel()
             try:
                 await task
@@ -485,6 +557,8 @@ class AdmissionController:
             self._counters.inc(C_BYPASS)
             self._counters.inc(C_BYPASS_PROTECTED)
             return _BYPASS_PROTECTED
+        if self.program_active:
+            return self._decide_program(req)
         ledger = self.ledger
         lease = ledger.lease_for_ticket(ticket)
         if lease is not None:
@@ -499,7 +573,7 @@ class AdmissionController:
             return self._bypass(R_DEGRADED, 0)
 
         now = self._clock()
-        sid = req.session_id if cfg.session_residency else None
+        sid = req.session_id if self._residency else None
         continuing = ledger.is_resident(sid)
         if req.session_id is not None and not continuing:
             # A session's first request: what it finds cached is the shared prefix.
@@ -617,6 +691,9 @@ class AdmissionController:
     def _cancel_waiter(self, w: _Waiter) -> None:
         """The awaiting task was cancelled: remove the waiter or release a raced lease."""
         now = self._clock()
+        if w.program:
+            self._program_cancel(w, now)
+            return
         if w.state == _WAITING:
             order = self._cont if w.continuing else self._new
             was_head = bool(order) and order[0] is w
@@ -651,12 +728,15 @@ class AdmissionController:
 
     def _release(self, lease_id: str) -> None:
         now = self._clock()
+        if lease_id.startswith(_PROGRAM_LEASE):
+            self._program_turn_ended(lease_id[len(_PROGRAM_LEASE) :], now)
+            return
         if self.ledger.release(lease_id, now) is not None and self._waiters:
             self._drain(now)
 
     def _aged_turn_ended(self, req: AdmissionRequest, tokens: int) -> None:
         """An aged (lease-less) turn of a session ended: the session is resident now."""
-        if self._cfg.enabled and self._cfg.session_residency and req.session_id is not None:
+        if self._cfg.enabled and self._residency and req.session_id is not None:
             self.ledger.note_unleased_turn(req.session_id, tokens, self._clock())
 
     def end_session(self, session_id: str) -> None:
@@ -665,6 +745,9 @@ class AdmissionController:
         Its waiting requests are not touched (the caller cancels tickets it owns); a
         lease of it still live is released normally but adds no residency.
         """
+        if self.program.end_session(session_id, self._clock()):
+            self._counters.inc(C_SESSION_ENDED)
+            self._program_drain(self._clock())
         if self.ledger.end_session(session_id):
             self._counters.inc(C_SESSION_ENDED)
             if self._waiters:
@@ -675,13 +758,29 @@ class AdmissionController:
         self.observe_usage(req, prompt_tokens, None)
 
     def observe_usage(
-        self, req: AdmissionRequest, prompt_tokens: int | None, cached_tokens: int | None
+        self,
+        req: AdmissionRequest,
+        prompt_tokens: int | None,
+        cached_tokens: int | None,
+        completion_tokens: int | None = None,
     ) -> None:
         """Learn from what an engine reported for a finished request: the prompt size of
-        a text prompt, and (for a session's first request) the shared cached prefix."""
+        a text prompt, (for a session's first request) the shared cached prefix, and in
+        program mode the session's context (prompt + completion) and residency."""
         first_turn = self._first_turns.pop(req.ticket_id, False)
         if not self._cfg.enabled:
             return
+        if prompt_tokens is not None:
+            try:
+                self.program.observe_response(
+                    req.ticket_id,
+                    self._clock(),
+                    prompt_tokens=int(prompt_tokens),
+                    completion_tokens=None if completion_tokens is None else int(completion_tokens),
+                    cached_tokens=None if cached_tokens is None else int(cached_tokens),
+                )
+            except Exception:
+                self._log.warning("observe", "admission: usage not recorded", exc_info=True)
         try:
             if prompt_tokens is not None:
                 self._sizer.observe(req.body, req.session_id, int(prompt_tokens))
@@ -689,6 +788,337 @@ class AdmissionController:
                 self._sizer.observe_shared(int(cached_tokens))
         except Exception:
             self._log.warning("calibrate", "admission: calibration failed", exc_info=True)
+
+    # -- program mode (per-engine ledgers; docs/admission.md#program-mode) --------------
+
+    @property
+    def _residency(self) -> bool:
+        return _residency_of(self._cfg)
+
+    @property
+    def program_active(self) -> bool:
+        """Program admission with per-engine ledgers: mode program, ledger engine, and a
+        router policy kvproxy can mirror. Otherwise the fleet-wide path decides."""
+        cfg = self._cfg
+        return (
+            cfg.enabled
+            and cfg.mode == "program"
+            and cfg.ledger == "engine"
+            and self.placement.mirrored
+        )
+
+    @property
+    def fallback_reason(self) -> str | None:
+        """Why program mode uses fleet-wide accounting (None when it does not)."""
+        cfg = self._cfg
+        if not cfg.enabled or cfg.mode != "program":
+            return None
+        if cfg.ledger != "engine":
+            return "admission.ledger is fleet"
+        if not self.placement.mirrored:
+            return (
+                f"router.policy {self.placement.policy!r} cannot be mirrored (only "
+                "consistent_hashing): placement unknown, fleet-wide accounting"
+            )
+        return None
+
+    def _say_fallback(self) -> None:
+        reason = self.fallback_reason
+        if reason and not self._fallback_logged:
+            self._fallback_logged = True
+            log.warning("admission: %s", reason)
+
+    def set_router_policy(self, policy: str) -> None:
+        """Tell the controller the router's policy (lab / tests: no config reload)."""
+        workers, available = self.placement.workers, self.placement.available
+        self.placement = Placement(policy)
+        self.placement.update(workers, available)
+        self._fallback_logged = False
+        self._say_fallback()
+        self._program_check_active()
+
+    def _program_check_active(self) -> None:
+        """Program mode switched off (reload, policy change): its waiters go (fail open)."""
+        if not self.program_active and self._pwaiters:
+            self._program_release_all(Outcome.BYPASS_NO_PLACEMENT)
+        elif self.program_active:
+            self._program_drain(self._clock())
+
+    def set_workers(self, workers: Sequence[str], available: Sequence[str] | None = None) -> None:
+        """Fix the ring's worker URLs (as the router registered them) and the available
+        ones (default: all); replaces the ``workers`` source given at construction."""
+        snapshot = (tuple(workers), tuple(workers if available is None else available))
+        self._workers = lambda: snapshot
+        self.refresh_placement()
+
+    def set_server_info(self, url: str, info: Mapping[str, Any]) -> None:
+        """An engine's ``/server_info`` document (lab / tests: no HTTP)."""
+        base = url.rstrip("/")
+        self._modes[base] = parse_server_info(base, info)
+
+    @property
+    def priority_steering(self) -> bool:
+        """Inject priorities: configured, and every known engine evicts by priority."""
+        if not (self._cfg.priority_steering and self._modes):
+            return False
+        return all(m.eviction_policy == "priority" for m in self._modes.values())
+
+    def refresh_placement(self, polled: Sequence[str] | None = None) -> int:
+        """Re-read the worker set; on a change re-attribute sessions (returns moves).
+
+        Without a ``workers`` source the ring is the polled (healthy) engines."""
+        if self._workers is None:
+            if polled is None:
+                return 0
+            workers = available = polled
+        else:
+            try:
+                workers, available = self._workers()
+            except Exception:
+                self._log.warning("workers", "admission: worker list unavailable", exc_info=True)
+                return 0
+        if not self.placement.update(workers, available):
+            return 0
+        core = self.program
+        owner = self.placement.owner
+        moved = core.reattribute({sid: owner(sid) for sid in core.ledger.sessions}, self._clock())
+        if moved:
+            log.info("admission: %d session(s) moved to another engine", moved)
+        return moved
+
+    async def _probe_engines(self, urls: Sequence[str]) -> None:
+        if self._http is None or not self._cfg.priority_steering:
+            return
+        missing = [u for u in urls if u.rstrip("/") not in self._modes]
+        if not missing:
+            return
+        results = await asyncio.gather(
+            *(probe(self._http, u, self._cfg.metrics_timeout_s) for u in missing),
+            return_exceptions=True,
+        )
+        for result in results:
+            if isinstance(result, EngineSessionMode):
+                self._modes[result.url] = result
+
+    def _program_observe(
+        self, urls: Sequence[str], results: Sequence[str | BaseException], now: float
+    ) -> None:
+        led = self.program.ledger
+        for url, result in zip(urls, results, strict=True):
+            if isinstance(result, BaseException):
+                continue
+            m = parse_engine_metrics(result)
+            led.observe_engine(
+                url.rstrip("/"),
+                now,
+                max_total_num_tokens=m.max_total_num_tokens,
+                evicted_total=m.evicted_tokens_total,
+                retracted_total=m.num_retracted_requests_total,
+            )
+
+    async def _check_router_diversion(self) -> None:
+        """Count requests smg's own counters show routed off the ring (and warn)."""
+        url = self._router_metrics_url
+        if url is None or self._http is None or not self.program_active:
+            return
+        try:
+            timeout = aiohttp.ClientTimeout(total=self._cfg.metrics_timeout_s)
+            async with self._http.get(url, timeout=timeout) as resp:
+                text = await resp.text(errors="replace")
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            self._log.warning("smg-metrics", "admission: %s unreadable: %r", url, exc)
+            return
+        total = diverted_requests(text)
+        if total is None:
+            return
+        seen, self._diverted_seen = self._diverted_seen, total
+        if seen is not None and total > seen:
+            self._counters.inc(C_DIVERTED, total - seen)
+            self._log.warning(
+                "diverted",
+                "admission: smg routed %d request(s) off the consistent-hashing ring "
+                "(no healthy owner or random fallback): per-engine accounting is off for them",
+                int(total - seen),
+            )
+
+    def _decide_program(self, req: AdmissionRequest) -> Decision | tuple[_Waiter, bool]:
+        ticket = req.ticket_id
+        existing = self._pwaiters.get(ticket)
+        if existing is not None:
+            return existing, True
+        now = self._clock()
+        core = self.program
+        sid = req.session_id
+        try:
+            tokens = self._sizer.size(req.path, req.body, sid).tokens
+        except Exception:  # fail open on a body the sizer cannot read
+            self._log.warning("size", "admission: cannot size request %s", ticket, exc_info=True)
+            tokens = 0
+        owner = None if sid is None else self.placement.owner(req.routing_key or sid)
+        if sid is not None and core.ledger.get(sid) is None:
+            self._first_turns[ticket] = True
+            if len(self._first_turns) > _FIRST_TURNS_MAX:
+                del self._first_turns[next(iter(self._first_turns))]
+        verdict = core.request(ticket, sid, owner, tokens, now)
+        if verdict.outcome is not None:
+            self._program_drain(now)
+            return self._program_decision(ticket, sid, verdict.outcome, tokens, 0.0)
+        waiter = _Waiter(ticket, tokens, now, asyncio.get_running_loop().create_future(), sid)
+        waiter.program = True
+        self._pwaiters[ticket] = waiter
+        self._counters.inc(C_WAIT)
+        if sid is not None and verdict.held is not None and verdict.held.value.startswith("new"):
+            self._counters.inc(C_WAIT_NEW_SESSION)
+        self._program_arm(now)
+        return waiter, False
+
+    def _program_decision(
+        self, ticket: str, sid: str | None, outcome: Outcome, tokens: int, wait_s: float
+    ) -> Decision:
+        c = self._counters
+        c.inc(_C_DECISION[outcome])
+        started = outcome not in (Outcome.BYPASS_NO_SESSION, Outcome.CANCELLED) and (
+            ticket in self.program._inflight
+        )
+        if outcome.fail_open:
+            c.inc(C_BYPASS)
+            action = BYPASS
+        else:
+            c.inc(C_ADMIT)
+            action = ADMIT
+            if outcome.waited:
+                c.inc(C_WAIT_GRANTED)
+                c.inc(C_WAIT_SECONDS_SUM, wait_s)
+        prio = self.program.priority(sid) if self.priority_steering else None
+        lease = _PROGRAM_LEASE + ticket if started else None
+        return Decision(action, outcome.value, lease, tokens, wait_s, prio)
+
+    def _program_apply(self, releases: Sequence[Release]) -> None:
+        for r in releases:
+            w = self._pwaiters.pop(r.ticket, None)
+            if w is None:
+                # Nobody awaits it (cancelled in a race): end the turn it started.
+                self.program.turn_ended(r.ticket, self._clock())
+                continue
+            w.state = _RESOLVED
+            self._observe_wait(r.wait_s)
+            if r.outcome in (Outcome.RESUMED_WAITED, Outcome.PAUSED_AGED):
+                self._counters.inc(C_PAUSED_WAIT_SUM, r.wait_s)
+                self._counters.inc(C_PAUSED_WAIT_COUNT)
+            decision = self._program_decision(r.ticket, w.session, r.outcome, w.tokens, r.wait_s)
+            if not w.future.done():
+                w.future.set_result(decision)
+            else:
+                self.program.turn_ended(r.ticket, self._clock())
+
+    def _program_drain(self, now: float) -> None:
+        if self._pwaiters:
+            self._program_apply(self.program.drain(now))
+        self._program_arm(now)
+
+    def _program_turn_ended(self, ticket: str, now: float) -> None:
+        self.program.turn_ended(ticket, now)
+        if self._pwaiters:
+            self._program_drain(now)
+
+    def _program_cancel(self, w: _Waiter, now: float) -> None:
+        if w.state == _WAITING:
+            w.state = _CANCELLED
+            self._pwaiters.pop(w.ticket, None)
+            self.program.cancel(w.ticket)
+            self._counters.inc(C_CANCELLED)
+            self._counters.inc(_C_DECISION[Outcome.CANCELLED])
+            self._observe_wait(now - w.enqueued_at)
+            if not w.future.done():
+                w.future.set_result(_BYPASS_CANCELLED)
+            self._program_drain(now)
+        else:  # granted in the race: the turn it started ends unforwarded
+            self._program_turn_ended(w.ticket, now)
+
+    def _program_release_all(self, outcome: Outcome) -> None:
+        now = self._clock()
+        waiters = list(self._pwaiters.values())
+        self._pwaiters.clear()
+        for w in waiters:
+            self.program.cancel(w.ticket)
+            w.state = _RESOLVED
+            decision = self._program_decision(
+                w.ticket, w.session, outcome, w.tokens, now - w.enqueued_at
+            )
+            if not w.future.done():
+                w.future.set_result(decision)
+        if self._ptimer is not None:
+            self._ptimer.cancel()
+            self._ptimer = None
+        self._ptimer_at = math.inf
+
+    def _program_arm(self, now: float) -> None:
+        """Arm the deadline timer for the earliest waiting deadline (nothing overstays)."""
+        deadline = self.program.next_deadline() if self._pwaiters else None
+        if deadline is None:
+            if self._ptimer is not None:
+                self._ptimer.cancel()
+                self._ptimer = None
+            self._ptimer_at = math.inf
+            return
+        if deadline == self._ptimer_at and self._ptimer is not None:
+            return
+        if self._ptimer is not None:
+            self._ptimer.cancel()
+        self._ptimer_at = deadline
+        loop = asyncio.get_running_loop()
+        self._ptimer = loop.call_later(max(0.0, deadline - now), self._on_program_timer)
+
+    def _on_program_timer(self) -> None:
+        self._ptimer = None
+        self._ptimer_at = math.inf
+        try:
+            self._program_drain(self._clock())
+        except Exception:
+            self._log.warning("ptimer", "admission: program timer failed", exc_info=True)
+
+    def tick(self) -> None:
+        """One program-admission tick now (the tick loop calls it every ``tick_s``)."""
+        now = self._clock()
+        self._program_apply(self.program.tick(now))
+        self._sync_events()
+        self._program_arm(now)
+
+    def _sync_events(self) -> None:
+        """Carry the core's event counts into the counters (deltas since last time)."""
+        seen = self._events_seen
+        for name, value in self.program.events.items():
+            delta = value - seen.get(name, 0)
+            if delta > 0:
+                self._counters.inc(_C_EVENT[Event(name)], delta)
+            seen[name] = value
+
+    async def _tick_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                await asyncio.sleep(self.program.p.tick_s)
+                if self.program_active or self.program.ledger.sessions:
+                    self.tick()
+                else:
+                    loop.time()  # nothing to do
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                self._counters.inc(C_POLL_ERROR)
+                self._log.warning("tick", "admission: tick failed", exc_info=True)
+
+    def program_snapshot(self, now: float | None = None) -> catalogue.ProgramSnapshot:
+        """Program admission now: the one snapshot stats, /metrics and health render."""
+        return catalogue.take(
+            self.program,
+            self.placement,
+            self._clock() if now is None else now,
+            active=self.program_active,
+            mode=self._cfg.mode,
+            fallback=self.fallback_reason,
+            priority_steering=self.priority_steering,
+        )
 
     # -- aging timer -------------------------------------------------------------------
 
@@ -739,6 +1169,8 @@ class AdmissionController:
         """Scrape every healthy engine once and reconcile the ledger; never raises."""
         try:
             urls = list(dict.fromkeys(self._healthy_engines()))
+            self.refresh_placement(urls)
+            await self._probe_engines(urls)
             results = await asyncio.gather(*(self._scrape(u) for u in urls), return_exceptions=True)
             now = self._clock()
             ledger = self.ledger
@@ -763,6 +1195,8 @@ class AdmissionController:
                     self._log.warning(
                         "usage:" + url, "admission: /metrics of %s has no KV usage gauges", url
                     )
+            self._program_observe(urls, results, now)
+            await self._check_router_diversion()
             ledger.reconcile(now)
             expired = ledger.expire(now)
             if expired:
@@ -821,7 +1255,7 @@ class AdmissionController:
 
     @property
     def waiting(self) -> int:
-        return len(self._waiters)
+        return len(self._waiters) + len(self._pwaiters)
 
     @property
     def waiting_continuing(self) -> int:
@@ -829,7 +1263,19 @@ class AdmissionController:
 
     @property
     def waiting_new(self) -> int:
-        return len(self._waiters) - self._n_cont
+        return len(self._waiters) - self._n_cont + self.program_waiting_new
+
+    @property
+    def program_waiting_new(self) -> int:
+        return sum(q.live_new for q in self.program.queues.by_engine.values())
+
+    def _waiting_gauges(self, snap: catalogue.ProgramSnapshot) -> dict[str, float]:
+        return {
+            _A + "waiting": float(len(self._waiters) + len(self._pwaiters)),
+            _A + "waiting_continuing": float(self._n_cont),
+            _A + "waiting_new": float(len(self._waiters) - self._n_cont + snap.waiting_new),
+            _A + "waiting_paused": float(snap.waiting_paused),
+        }
 
     @staticmethod
     def _rates(values: Mapping[str, float]) -> dict[str, float]:
@@ -849,8 +1295,13 @@ class AdmissionController:
 
     def oldest_wait_s(self) -> float:
         """How long the longest-waiting request has been held so far (0 when none)."""
+        now = self._clock()
         oldest = next(iter(self._waiters.values()), None)
-        return 0.0 if oldest is None else max(0.0, self._clock() - oldest.enqueued_at)
+        first = math.inf if oldest is None else oldest.enqueued_at
+        entry = self.program.queues.oldest()
+        if entry is not None:
+            first = min(first, entry.enqueued_at)
+        return 0.0 if first == math.inf else max(0.0, now - first)
 
     def stats(self, *, reset: bool = False) -> dict[str, float]:
         """``agentic_kv/admission/*`` and ``agentic_kv/budget/*`` over the current window.
@@ -863,15 +1314,18 @@ class AdmissionController:
         counters restart and the usage window restarts at the current level.
         """
         self._sync_evicted()
+        self._sync_events()
         window = self._counters.window_items()
         out: dict[str, float] = {_A + "enabled": 1.0 if self._cfg.enabled else 0.0}
         for name in _STATS_COUNTERS:
             if name == C_LEASE_EXPIRED and not window[name]:
                 continue
             out[name] = window[name]
-        out[_A + "waiting"] = float(len(self._waiters))
-        out[_A + "waiting_continuing"] = float(self._n_cont)
-        out[_A + "waiting_new"] = float(len(self._waiters) - self._n_cont)
+        for name in _PROGRAM_COUNTERS:
+            out[name] = window.get(name, 0.0)
+        snap = self.program_snapshot()
+        out.update(self._waiting_gauges(snap))
+        out.update(catalogue.gauges(snap))
         out.update(self._rates(window))
         out.update(self.ledger.snapshot(self._clock(), reset_usage_window=reset))
         if reset:
@@ -880,6 +1334,7 @@ class AdmissionController:
 
     def health(self) -> dict[str, Any]:
         now = self._clock()
+        snap = self.program_snapshot(now)
         ledger = self.ledger
         degraded = ledger.is_degraded(now)
         engines = [
@@ -901,12 +1356,13 @@ class AdmissionController:
             "resident": ledger.resident_total,
             "resident_sessions": ledger.resident_sessions,
             "committed": ledger.committed,
-            "session_residency": self._cfg.session_residency,
+            "session_residency": self._residency,
+            **catalogue.health(snap),
             "pressure": ledger.pressure,
             "lease_count": ledger.lease_count,
-            "waiting": len(self._waiters),
+            "waiting": len(self._waiters) + len(self._pwaiters),
             "waiting_continuing": self._n_cont,
-            "waiting_new": len(self._waiters) - self._n_cont,
+            "waiting_new": len(self._waiters) - self._n_cont + self.program_waiting_new,
             "engines_fresh": sum(1 for e in engines if e["fresh"]),
             "engines_stale": sum(1 for e in engines if not e["fresh"]),
             "engines": engines,
@@ -915,20 +1371,23 @@ class AdmissionController:
     def collect(self) -> Iterable[Metric]:
         """prometheus-client custom collector: counters, gauges, wait histogram."""
         self._sync_evicted()
+        self._sync_events()
         totals = self._counters.total_items()
         exported = WindowedCounters()
         for name in _STATS_COUNTERS:
             exported.inc(name, totals[name])
+        for name in _PROGRAM_COUNTERS:
+            exported.inc(name, totals.get(name, 0.0))
         yield from counter_families(exported, _HELP)
 
         now = self._clock()
+        snap = self.program_snapshot(now)
         ledger = self.ledger
         degraded = ledger.is_degraded(now)
         gauges: dict[str, float] = {
             _A + "enabled": 1.0 if self._cfg.enabled else 0.0,
-            _A + "waiting": float(len(self._waiters)),
-            _A + "waiting_continuing": float(self._n_cont),
-            _A + "waiting_new": float(len(self._waiters) - self._n_cont),
+            **self._waiting_gauges(snap),
+            **catalogue.gauges(snap),
             **self._rates(totals),
             _B + "ceiling": float(ledger.ceiling),
             _B + "reserved": float(ledger.reserved),
@@ -949,6 +1408,7 @@ class AdmissionController:
         }
         yield from gauge_families(gauges, _HELP)
         yield from _engine_families(ledger.engines(now))
+        yield from catalogue.engine_families(snap)
 
         buckets: list[tuple[str, float]] = []
         cumulative = 0
@@ -996,3 +1456,58 @@ def _engine_families(engines: Iterable[EngineView]) -> Iterator[Metric]:
 
 def _le(bound: float) -> str:
     return floatToGoString(bound)
+
+
+# ---------------------------------------------------------------------- program mode
+
+_PROGRAM_LEASE = "p:"
+_HELP.update(PROGRAM_HELP)
+
+
+def _loop_time() -> float:
+    try:
+        return asyncio.get_running_loop().time()
+    except RuntimeError:
+        return time.monotonic()
+
+
+def _residency_of(cfg: AdmissionConfig) -> bool:
+    return cfg.session_residency and cfg.mode != "request"
+
+
+def _scaled(cfg: AdmissionConfig, k: float) -> AdmissionConfig:
+    """``cfg`` with the fleet path's durations multiplied by the time scale ``k``."""
+    if k == 1.0:
+        return cfg
+    return dataclasses.replace(
+        cfg,
+        max_wait_s=cfg.max_wait_s * k,
+        poll_interval_s=cfg.poll_interval_s * k,
+        staleness_s=None if cfg.staleness_s is None else cfg.staleness_s * k,
+        lease_ttl_s=cfg.lease_ttl_s * k,
+        session_idle_s=cfg.session_idle_s * k,
+    )
+
+
+_BRANCH_RE = re.compile(
+    r'^smg_consistent_hashing_policy_branch_total\{[^}]*branch="([a-z_]+)"[^}]*\}\s+(\S+)', re.M
+)
+# Branches of smg's consistent_hashing policy that send a request somewhere other than
+# its ring owner (policies/consistent_hashing.rs). Overload protection filters workers
+# before the policy runs, so those diversions show as routing_key_hit: no smg counter
+# tells them apart (hence --disable-worker-overload-protection in the contract).
+_OFF_RING = frozenset({"random_fallback", "no_healthy_workers", "target_worker_miss"})
+
+
+def diverted_requests(text: str) -> float | None:
+    """Sum of smg's off-ring branch counters in its /metrics text; None when absent."""
+    found = False
+    total = 0.0
+    for branch, value in _BRANCH_RE.findall(text):
+        found = True
+        if branch in _OFF_RING:
+            try:
+                total += float(value)
+            except ValueError:
+                continue
+    return total if found else None

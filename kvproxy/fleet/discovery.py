@@ -36,6 +36,10 @@ class EngineList:
     unhealthy: tuple[str, ...] = ()
     flavor: RouterFlavor = RouterFlavor.UNKNOWN
     labels: dict[str, dict[str, str]] = field(default_factory=dict)
+    # The worker URLs exactly as the router lists them (DP rank suffixes and all), in
+    # its order, and the healthy ones: what smg's consistent-hashing ring is built from.
+    ring_urls: tuple[str, ...] = ()
+    ring_healthy: tuple[str, ...] = ()
 
     @property
     def all(self) -> tuple[str, ...]:
@@ -67,12 +71,17 @@ def parse_workers(doc: Any) -> EngineList:
     unhealthy: list[str] = []
     labels: dict[str, dict[str, str]] = {}
     flavor = RouterFlavor.UNKNOWN
+    ring_urls: list[str] = []
+    ring_healthy: list[str] = []
     for entry in doc["workers"]:
         if not isinstance(entry, dict) or not isinstance(entry.get("url"), str):
             continue
         url = base_url(entry["url"])
         if not url:
             continue
+        ring_urls.append(entry["url"])
+        if entry.get("is_healthy", True) is not False:
+            ring_healthy.append(entry["url"])
         if isinstance(entry.get("labels"), dict):
             flavor = RouterFlavor.SMG
             labels[url] = {str(k): str(v) for k, v in entry["labels"].items()}
@@ -86,6 +95,8 @@ def parse_workers(doc: Any) -> EngineList:
         unhealthy=_dedupe([u for u in unhealthy if u not in healthy_set]),
         flavor=flavor,
         labels=labels,
+        ring_urls=_dedupe(ring_urls),
+        ring_healthy=_dedupe(ring_healthy),
     )
 
 
@@ -93,9 +104,22 @@ def parse_list_workers(doc: Any) -> EngineList:
     """Parse a legacy ``GET /list_workers`` document (no health: all count as healthy)."""
     if not isinstance(doc, dict) or not isinstance(doc.get("urls"), list):
         raise DiscoveryError("expected an object with a 'urls' list")
-    urls = [base_url(u) for u in doc["urls"] if isinstance(u, str) and u.strip()]
-    return EngineList(healthy=_dedupe(urls), flavor=RouterFlavor.LEGACY_LIST)
+    raw = [u for u in doc["urls"] if isinstance(u, str) and u.strip()]
+    urls = [base_url(u) for u in raw]
+    return EngineList(
+        healthy=_dedupe(urls),
+        flavor=RouterFlavor.LEGACY_LIST,
+        ring_urls=_dedupe(raw),
+        ring_healthy=_dedupe(raw),
+    )
 
 
 def static_engines(urls: tuple[str, ...]) -> EngineList:
-    return EngineList(healthy=_dedupe([base_url(u) for u in urls]), flavor=RouterFlavor.STATIC)
+    """A configured list: the ring mirrors these strings as given (write them exactly as
+    the router registered them)."""
+    return EngineList(
+        healthy=_dedupe([base_url(u) for u in urls]),
+        flavor=RouterFlavor.STATIC,
+        ring_urls=_dedupe(list(urls)),
+        ring_healthy=_dedupe(list(urls)),
+    )

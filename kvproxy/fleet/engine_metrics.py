@@ -47,6 +47,10 @@ _NAMES = (
     "kv_evictable_tokens",
     "num_running_reqs",
     "num_queue_reqs",
+    # Counters read by program admission's feedback (deltas between polls). With several
+    # cache_type label sets the largest is taken (one radix cache per engine in practice).
+    "evicted_tokens_total",
+    "num_retracted_requests_total",
 )
 # One sample line of interest: "\n" prefix name, optional {labels}, whitespace, value.
 # The labels group runs to the last "}" on the line, so a "}" inside a label value
@@ -69,6 +73,8 @@ class EngineMetrics:
     kv_evictable_tokens: int | None = None
     num_running_reqs: int | None = None
     num_queue_reqs: int | None = None
+    evicted_tokens_total: int | None = None
+    num_retracted_requests_total: int | None = None
     usage_source: str | None = None
 
 
@@ -136,6 +142,8 @@ def parse_engine_metrics(text: str) -> EngineMetrics:
         kv_evictable_tokens=_sum_over_dp(found.get("kv_evictable_tokens")),
         num_running_reqs=_sum_over_dp(found.get("num_running_reqs")),
         num_queue_reqs=_sum_over_dp(found.get("num_queue_reqs")),
+        evicted_tokens_total=_sum_over_dp(found.get("evicted_tokens_total")),
+        num_retracted_requests_total=_sum_over_dp(found.get("num_retracted_requests_total")),
         usage_source=source,
     )
 

@@ -62,6 +62,10 @@ class Fleet:
     def healthy_engines(self) -> tuple[str, ...]:
         return self._engines.healthy
 
+    def ring_workers(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """(worker URLs as the router registered them, the healthy ones): the ring."""
+        return self._engines.ring_urls, self._engines.ring_healthy
+
     def all_engines(self) -> tuple[str, ...]:
         """Every engine base URL known: healthy, unhealthy and the static list."""
         return self._engines.all

@@ -34,6 +34,7 @@ from kvproxy.proxy.body import inject_fields, parse_object
 from kvproxy.proxy.errors import ErrorType, error_response
 from kvproxy.proxy.upstream import forward_request_headers, forward_response_headers
 from kvproxy.sessions.identity import (
+    ROUTING_KEY_HEADER,
     InvalidSessionId,
     injection_plan,
     new_rid,
@@ -57,6 +58,7 @@ _RESPONSE_BUFFER_LIMIT = 1024 * 1024
 _TAIL_BYTES = 4096
 _PROMPT_TOKENS_RE = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
 _CACHED_TOKENS_RE = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
+_COMPLETION_TOKENS_RE = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
 
 ObserveTail = Callable[[bytes], None]
 
@@ -209,6 +211,15 @@ class ProxyHandlers:
             except InvalidSessionId:
                 session_id = None
         ticket = rid or new_rid()
+        routing_key: str | None = None
+        if admission_on and session_id is not None and cfg.admission.mode == "program":
+            # Program admission attributes each session to the ring owner of its routing
+            # key: every request of a session carries it (sticky routing).
+            routing_key = request.headers.get(ROUTING_KEY_HEADER) or extra_headers.get(
+                ROUTING_KEY_HEADER
+            )
+            if routing_key is None:
+                routing_key = extra_headers[ROUTING_KEY_HEADER] = session_id
 
         async with AsyncExitStack() as stack:
             tracked = None
@@ -243,6 +254,7 @@ class ProxyHandlers:
                         headers=request.headers,
                         body=body,
                         session_id=session_id,
+                        routing_key=routing_key,
                     )
                     enter = stack.enter_async_context(rt.admission.admit(admission_req))
                     decision: Decision = await (
@@ -259,12 +271,20 @@ class ProxyHandlers:
                                 f"request {ticket} was cancelled before it was forwarded",
                             ),
                         )
+                    if (
+                        decision.priority is not None
+                        and "priority" not in body
+                        and "priority" not in fields
+                    ):
+                        # Eviction steered by priority: spliced in, never re-serialised.
+                        fields["priority"] = decision.priority
                     if decision.action != "pass":
                         response_headers = {
                             "X-KVProxy-Admission": decision.action
                             if decision.action == "admit"
                             else f"bypass; reason={decision.reason}",
                             "X-KVProxy-Admission-Wait-Ms": f"{decision.wait_s * 1000:.1f}",
+                            "X-KVProxy-Admission-Decision": decision.reason,
                         }
                 if tracked is not None:
                     tracked.forwarded()
@@ -281,6 +301,7 @@ class ProxyHandlers:
                         areq,
                         _last_int(_PROMPT_TOKENS_RE, tail),
                         _last_int(_CACHED_TOKENS_RE, tail),
+                        _last_int(_COMPLETION_TOKENS_RE, tail),
                     )
 
             if not fields:

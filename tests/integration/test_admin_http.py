@@ -128,7 +128,8 @@ async def _data(http: aiohttp.ClientSession, proxy: Proxy, since: str = "0") -> 
 async def test_dashboard_data_without_a_token_and_its_since_cursor(
     make_proxy: MakeProxy, http: aiohttp.ClientSession
 ) -> None:
-    proxy = await make_proxy(admission={"enabled": True})
+    # mode request: no fallback banner (program mode behind a round_robin router says so).
+    proxy = await make_proxy(admission={"enabled": True, "mode": "request"})
     async with http.get(proxy.url + "/kvproxy/dashboard") as resp:
         assert resp.status == 200
         csp = resp.headers["Content-Security-Policy"]

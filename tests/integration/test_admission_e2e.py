@@ -20,6 +20,8 @@ import pytest
 from multidict import CIMultiDictProxy
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvproxy.admission.coordinator import PROGRAM_STATS_KEYS
+
 from .conftest import ENGINE_TOKENS, MakeProxy, Proxy, recorded, set_faults, wait_until
 
 pytestmark = pytest.mark.usefixtures("router")
@@ -567,7 +569,9 @@ async def test_headers_stats_window_and_prometheus_series(
 
     async with http.get(proxy.url + "/kvproxy/stats") as resp:
         s = await resp.json()
-    assert {k for k in s if k.startswith((A, B))} == ADMISSION_KEYS | BUDGET_KEYS
+    assert {k for k in s if k.startswith((A, B))} == ADMISSION_KEYS | BUDGET_KEYS | (
+        PROGRAM_STATS_KEYS
+    )
     assert (s[A + "admit"], s[A + "wait"], s[A + "bypass"]) == (3, 1, 1)
     assert s[A + "bypass_protected"] == 1 and s[A + "waiting"] == 0
     assert s[A + "defer_rate"] == pytest.approx(1 / 5)

@@ -302,3 +302,33 @@ async def test_with_both_features_off_the_charts_say_so_and_hover_reads_a_moment
         assert await chart.locator("line.cursor").count() == 0
         assert await chart.locator(".at").text_content() == ""
     assert b.errors == []
+
+
+async def test_dashboard_shows_program_admission_per_engine_and_the_fallback(
+    make_proxy: MakeProxy, http: aiohttp.ClientSession
+) -> None:
+    proxy = await make_proxy(admission=ADMISSION, router={"policy": "round_robin"})
+    async with browser() as b:
+        page = b.page
+        await open_dashboard(b, proxy)
+        banner = page.locator('[data-banner-id="admission-fallback"]')
+        await banner.wait_for(state="visible", timeout=RENDER_TIMEOUT_MS)
+        assert "round_robin" in (await banner.text_content() or "")
+        # Told the policy is mirrorable (the lab's injection point), the table fills in.
+        proxy.runtime.admission.set_router_policy("consistent_hashing")
+        await proxy.runtime.admission.poll_once()
+        body = {"input_ids": [5] * 50, "sampling_params": {"max_new_tokens": 2}}
+        async with http.post(
+            f"{proxy.url}/generate", json=body, headers={"X-Session-ID": "dash-program-1"}
+        ) as resp:
+            assert resp.status == 200
+        await banner.wait_for(state="detached", timeout=RENDER_TIMEOUT_MS)
+        rows = page.locator("#program tbody tr")
+
+        async def filled() -> bool:
+            return await rows.count() >= 1
+
+        await until(filled, "program admission rows")
+        text = await page.text_content("#program") or ""
+        assert "Footprint / capacity" in text and "http://" in text
+    assert b.errors == []

@@ -11,6 +11,7 @@ from multidict import CIMultiDict
 from prometheus_client import CollectorRegistry, generate_latest
 
 from kvproxy.admission.coordinator import (
+    PROGRAM_STATS_KEYS,
     AdmissionController,
     AdmissionRequest,
     Decision,
@@ -715,7 +716,7 @@ async def test_stats_keys_values_and_reset(make_env: Factory) -> None:
     async with ctl.admit(req("degraded-check", 1, headers={"X-KVProxy-Protected": "1"})):
         pass
     s = ctl.stats(reset=True)
-    assert set(s) == ADMISSION_KEYS | BUDGET_KEYS
+    assert set(s) == ADMISSION_KEYS | BUDGET_KEYS | PROGRAM_STATS_KEYS
     assert s["agentic_kv/admission/admit"] == 2
     assert s["agentic_kv/admission/wait"] == 1
     assert s["agentic_kv/admission/bypass"] == 1

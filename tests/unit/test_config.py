@@ -110,3 +110,40 @@ def test_staleness_default_is_a_few_poll_intervals() -> None:
     assert cfg.admission.effective_staleness_s == 6.0
     cfg = from_mapping({"admission": {"poll_interval_s": 0.5}})
     assert cfg.admission.effective_staleness_s == 5.0
+
+
+def test_session_residency_maps_to_mode_and_a_contradiction_names_the_replacement() -> None:
+    from kvproxy.config import ConfigError, from_mapping
+
+    on = {"enabled": True}
+    assert from_mapping({"admission": on}).admission.mode == "program"
+    assert from_mapping({"admission": {**on, "session_residency": False}}).admission.mode == (
+        "request"
+    )
+    assert from_mapping({"admission": {**on, "session_residency": True}}).admission.mode == (
+        "program"
+    )
+    with pytest.raises(ConfigError, match="replaced by mode"):
+        from_mapping({"admission": {**on, "session_residency": False, "mode": "program"}})
+
+
+@pytest.mark.parametrize(
+    ("section", "key", "value", "message"),
+    [
+        ("admission", "mode", "fleet", "admission.mode"),
+        ("admission", "ledger", "global", "admission.ledger"),
+        ("admission", "priority_max", 10, "preempts"),
+        ("admission", "pause_low", 0.99, "admission.pause_low"),
+        ("admission", "paused_max_wait_s", -1, "admission.paused_max_wait_s"),
+        ("server", "time_scale", 0, "server.time_scale"),
+        ("router", "policy", "Consistent Hashing", "router.policy"),
+        ("router", "metrics_url", "nope", "router.metrics_url"),
+    ],
+)
+def test_program_keys_are_validated(section: str, key: str, value: object, message: str) -> None:
+    from kvproxy.config import ConfigError, from_mapping
+
+    doc: dict[str, dict[str, object]] = {"admission": {"enabled": True}}
+    doc.setdefault(section, {})[key] = value
+    with pytest.raises(ConfigError, match=message):
+        from_mapping(doc)

@@ -388,6 +388,29 @@ function renderEngines(doc) {
     : "No engines known yet: kvproxy reads them from the router's /workers.";
 }
 
+function renderProgram(doc) {
+  const a = doc.health.admission || {};
+  const rows = (a.program_engines || []).map((e) => {
+    const usage = e.capacity > 0 ? e.footprint / e.capacity : null;
+    return el("tr", { "data-engine": e.url },
+      el("td", {}, el("code", {}, e.url)),
+      el("td", {}, meter(usage, doc.config.admission.pause_high || 0.95)),
+      el("td", { class: "num" }, fmt(e.committed)),
+      el("td", { class: "num" }, fmt(e.target, "fraction")),
+      el("td", { class: "num" }, fmt(e.active_sessions)),
+      el("td", { class: "num" }, fmt(e.paused_sessions)),
+      el("td", { class: "num" }, fmt(e.waiting_new)),
+      el("td", { class: "num" }, fmt(e.waiting_paused)));
+  });
+  document.querySelector("#program tbody").replaceChildren(...rows);
+  let note = "";
+  if (!doc.health.features.admission) note = "(admission is off)";
+  else if (a.fallback) note = `Fleet-wide accounting: ${a.fallback}`;
+  else if (a.held) note = `Oldest waiter held: ${a.held.reason} on ${a.held.engine} for ${a.held.wait_s.toFixed(1)} s`;
+  else if (!rows.length) note = "No sessions attributed yet.";
+  document.getElementById("program-note").textContent = note;
+}
+
 function renderConfig(doc) {
   const c = doc.config;
   const lc = c.session_lifecycle;
@@ -397,7 +420,7 @@ function renderConfig(doc) {
       lc.enabled ? `on_close ${lc.on_close}${lc.sticky_routing ? ", sticky" : ""}` : "session_lifecycle.enabled",
       "cfg-lifecycle"),
     tile("Admission", ad.enabled ? "on" : "off",
-      ad.enabled ? `scope ${ad.scope}${ad.session_residency ? ", session residency" : ""}` : "admission.enabled",
+      ad.enabled ? `mode ${ad.mode}, scope ${ad.scope}${ad.mode === "program" && ad.session_residency ? ", session residency" : ""}` : "admission.enabled",
       "cfg-admission"),
     tile("Headroom", fmt(ad.headroom, "fraction"), "of the fleet's KV pool", "cfg-headroom"),
     tile("Pressure threshold", fmt(ad.pressure_threshold, "fraction"), "per engine", "cfg-pressure"),
@@ -419,6 +442,7 @@ function render(doc) {
   renderTiles(doc);
   for (const chart of CHARTS) drawChart(chart, doc);
   renderEngines(doc);
+  renderProgram(doc);
   renderConfig(doc);
   document.body.dataset.lastSeq = String(state.lastSeq);
 }

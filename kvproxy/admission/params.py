@@ -1,0 +1,79 @@
+"""Program admission's parameters, in seconds of wall time. Pure.
+
+Built from :class:`~kvproxy.config.AdmissionConfig` and ``server.time_scale``: every
+duration is multiplied by the time scale (wall seconds per simulated second), so a
+run against engines simulated faster than real time keeps the same dynamics.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvproxy.config import AdmissionConfig
+
+
+@dataclass(frozen=True, slots=True)
+class ProgramParams:
+    headroom: float = 0.90
+    hold_continuing: bool = False
+    pause: bool = True
+    paused_max_wait_s: float = 8.0
+    new_session_max_wait_s: float = 600.0
+    priority_steering: bool = True
+    priority_unit_tokens: int = 4096
+    priority_max: int = 9
+    feedback: bool = True
+    tick_s: float = 1.0
+    idle_lease_s: float = 5.0
+    idle_half_life_s: float = 10.0
+    idle_ttl_s: float = 600.0
+    pause_high: float = 0.95
+    pause_low: float = 0.85
+    target_start: float = 0.92
+    target_min: float = 0.60
+    target_max: float = 0.95
+    target_cut: float = 0.8  # multiplicative decrease on thrash
+    target_step: float = 0.02  # additive increase after quiet windows
+    quiet_windows: int = 3
+    gate_off_below: float = 0.75
+    thrash_cached_fraction: float = 0.85
+    min_feedback_turns: int = 3  # continuing turns a window needs to judge its cached fraction
+    feedback_window_s: float = 5.0
+    cut_interval_s: float = 10.0  # at most one cut per this long
+    session_buffer_tokens: int = 100
+    growth_alpha: float = 0.5  # EMA weight of the newest per-turn growth
+    staleness_s: float = 6.0
+    max_queue: int = 10_000
+    max_sessions: int = 100_000
+
+    @classmethod
+    def from_config(cls, cfg: AdmissionConfig, time_scale: float = 1.0) -> ProgramParams:
+        k = time_scale
+        return cls(
+            headroom=cfg.headroom,
+            hold_continuing=cfg.hold_continuing,
+            pause=cfg.pause,
+            paused_max_wait_s=cfg.paused_max_wait_s * k,
+            new_session_max_wait_s=cfg.new_session_max_wait_s * k,
+            priority_steering=cfg.priority_steering,
+            priority_unit_tokens=cfg.priority_unit_tokens,
+            priority_max=cfg.priority_max,
+            feedback=cfg.feedback,
+            tick_s=cfg.tick_s * k,
+            idle_lease_s=cfg.idle_lease_s * k,
+            idle_half_life_s=cfg.idle_half_life_s * k,
+            idle_ttl_s=cfg.idle_ttl_s * k,
+            pause_high=cfg.pause_high,
+            pause_low=cfg.pause_low,
+            target_start=cfg.target_start,
+            target_min=cfg.target_min,
+            target_max=cfg.target_max,
+            gate_off_below=cfg.gate_off_below,
+            thrash_cached_fraction=cfg.thrash_cached_fraction,
+            feedback_window_s=cfg.feedback_window_s * k,
+            cut_interval_s=2 * cfg.feedback_window_s * k,
+            session_buffer_tokens=cfg.session_buffer_tokens,
+            staleness_s=cfg.effective_staleness_s * k,
+            max_queue=cfg.max_queue,
+            max_sessions=cfg.max_sessions,
+        )

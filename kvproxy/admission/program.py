@@ -1,0 +1,438 @@
+"""Program admission's decisions and tick over the per-engine ledger and queues. Pure.
+
+Time is injected (``now``); the asyncio coordinator owns one :class:`ProgramCore`,
+calls it on the event loop only, and turns its answers into futures and timers.
+
+Rules (docs/admission.md#program-mode):
+
+* a continuing turn of an ACTIVE session is forwarded at once, never held;
+* a NEW session's first turn waits in its engine's FIFO until it fits the engine
+  (``fits``: gate off below the crossover, else ``W + tokens <= theta x C``); a head
+  that does not fit blocks that engine's FIFO; after ``new_session_max_wait_s`` it goes
+  anyway (``new_aged``);
+* a PAUSED session's turn resumes at once if its footprint fits, else waits at most
+  ``paused_max_wait_s`` (then ``paused_aged``), ahead of every new session of its engine;
+* fail open: no session id, no placement, no fresh capacity, a first turn larger than
+  its engine's capacity, full queues: forwarded at once, counted by reason.
+
+The tick (every ``tick_s``): idle expiry; per engine, resume before pause: drain the
+paused queue, then the new FIFO; then, under growth pressure (``U > pause_high x C``,
+gate on), pause idle sessions (idle at least ``idle_lease_s``) smallest footprint first
+(ties: longest idle) until ``U <= pause_low x C``, or mark the smallest running one to
+pause at its response; then the feedback rule once per ``feedback_window_s``.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from kvproxy.admission.decisions import Event, Held, Outcome
+from kvproxy.admission.engine_ledger import EngineLedger, Session, SessionState
+from kvproxy.admission.params import ProgramParams
+from kvproxy.admission.priority import next_priority
+from kvproxy.admission.queues import Entry, Queues
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """The answer to one request: forward now (``outcome``) or wait (``held``)."""
+
+    outcome: Outcome | None
+    held: Held | None = None
+    engine: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Release:
+    """A waiting ticket's decision, made by a drain or a tick."""
+
+    ticket: str
+    outcome: Outcome
+    wait_s: float
+
+
+class ProgramCore:
+    def __init__(self, params: ProgramParams) -> None:
+        self.p = params
+        self.ledger = EngineLedger(params)
+        self.queues = Queues()
+        self.events: Counter[str] = Counter()
+        self.paused_waits: list[float] = []  # waits of paused turns since last read
+        self._inflight: dict[str, tuple[str, Outcome]] = {}  # ticket -> (sid, outcome)
+        self._last_tick = 0.0
+
+    def configure(self, params: ProgramParams) -> None:
+        self.p = params
+        self.ledger.p = params
+
+    # -- requests ------------------------------------------------------------------
+
+    def request(
+        self, ticket: str, sid: str | None, owner: str | None, tokens: int, now: float
+    ) -> Verdict:
+        """Decide for one turn. ``owner``: the ring owner of its routing key."""
+        if sid is None:
+            return Verdict(Outcome.BYPASS_NO_SESSION)
+        led = self.ledger
+        s = led.get(sid)
+        if owner is None:
+            if s is not None:
+                self._start(ticket, s, now, tokens, Outcome.BYPASS_NO_PLACEMENT)
+            return Verdict(Outcome.BYPASS_NO_PLACEMENT)
+        if s is None:
+            s = led.open(sid, owner, now, tokens)
+        elif s.engine != owner:
+            self._move(s, owner, now)
+        if s.state is SessionState.ACTIVE and not self.p.hold_continuing:
+            self._start(ticket, s, now, tokens, Outcome.CONTINUING_FORWARDED)
+            return Verdict(Outcome.CONTINUING_FORWARDED, engine=owner)
+        if not led.fresh(owner, now):
+            led.activate(s)
+            self._start(ticket, s, now, tokens, Outcome.BYPASS_NO_METRICS)
+            return Verdict(Outcome.BYPASS_NO_METRICS, engine=owner)
+        if s.state is SessionState.PAUSED:
+            need = max(s.footprint(self.p.session_buffer_tokens), tokens)
+            if led.fits(owner, need, now):
+                led.activate(s)
+                self._start(ticket, s, now, tokens, Outcome.RESUMED)
+                return Verdict(Outcome.RESUMED, engine=owner)
+            return self._wait(
+                ticket, s, tokens, now, "paused", now + self.p.paused_max_wait_s, Held.PAUSED_FIT
+            )
+        # NEW (or, in the hold_continuing ablation, a continuing turn).
+        continuing = s.state is SessionState.ACTIVE
+        if tokens > led.capacity(owner):
+            led.activate(s)
+            self._start(ticket, s, now, tokens, Outcome.BYPASS_OVERSIZED)
+            return Verdict(Outcome.BYPASS_OVERSIZED, engine=owner)
+        paused_waiting, new_waiting = self.queues.waiting(owner)
+        if not paused_waiting and not new_waiting and led.fits(owner, tokens, now):
+            outcome = Outcome.CONTINUING_FORWARDED if continuing else Outcome.NEW_ADMITTED
+            led.activate(s)
+            self._start(ticket, s, now, tokens, outcome)
+            return Verdict(outcome, engine=owner)
+        held = (
+            Held.CONTINUING_FIT
+            if continuing
+            else (Held.NEW_BEHIND if paused_waiting or new_waiting else Held.NEW_SESSION_FIT)
+        )
+        s.est = max(s.est, tokens)
+        return self._wait(ticket, s, tokens, now, "new", now + self.p.new_session_max_wait_s, held)
+
+    def _wait(
+        self,
+        ticket: str,
+        s: Session,
+        tokens: int,
+        now: float,
+        which: str,
+        deadline: float,
+        held: Held,
+    ) -> Verdict:
+        if len(self.queues) >= self.p.max_queue:
+            self.ledger.activate(s)
+            self._start(ticket, s, now, tokens, Outcome.BYPASS_QUEUE_FULL)
+            return Verdict(Outcome.BYPASS_QUEUE_FULL, engine=s.engine)
+        self.queues.push(Entry(ticket, s.sid, s.engine, tokens, now, deadline, held), which)
+        return Verdict(None, held=held, engine=s.engine)
+
+    def _start(self, ticket: str, s: Session, now: float, tokens: int, outcome: Outcome) -> None:
+        if ticket in self._inflight:  # the same attempt asked twice: one running turn
+            return
+        self.ledger.turn_started(s, now, tokens)
+        self._inflight[ticket] = (s.sid, outcome)
+
+    def priority(self, sid: str | None) -> int | None:
+        """The priority to send with the session's request (monotone), or None."""
+        if sid is None:
+            return None
+        s = self.ledger.get(sid)
+        if s is None:
+            return None
+        s.prio = next_priority(
+            s.prio,
+            max(s.ctx, s.est),
+            unit_tokens=self.p.priority_unit_tokens,
+            max_priority=self.p.priority_max,
+        )
+        return s.prio
+
+    def cancel(self, ticket: str) -> bool:
+        """Withdraw a waiting ticket; True if it was waiting."""
+        entry = self.queues.remove(ticket)
+        if entry is None:
+            return False
+        s = self.ledger.get(entry.sid)
+        if (
+            s is not None
+            and s.state is SessionState.NEW
+            and not s.running
+            and s.turns == 0
+            and not any(e.sid == s.sid for e, _ in self.queues.live())
+        ):
+            self.ledger.drop(s.sid)  # never admitted: forget it
+        return True
+
+    def turn_ended(self, ticket: str, now: float) -> None:
+        """The forwarded turn's ``async with`` block exited (any path)."""
+        found = self._inflight.pop(ticket, None)
+        if found is None:
+            return
+        s = self.ledger.get(found[0])
+        if s is None:
+            return
+        self.ledger.turn_ended(s, now)
+        if s.pause_pending and not s.running and s.state is SessionState.ACTIVE:
+            self.ledger.pause(s, now)
+            self.events[Event.PAUSED] += 1
+
+    def observe_response(
+        self,
+        ticket: str,
+        now: float,
+        *,
+        prompt_tokens: int | None,
+        completion_tokens: int | None,
+        cached_tokens: int | None,
+    ) -> None:
+        found = self._inflight.get(ticket)
+        if found is None:
+            return
+        sid, outcome = found
+        s = self.ledger.get(sid)
+        if s is None:
+            return
+        self.ledger.observe_response(
+            s,
+            now,
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            cached_tokens=cached_tokens,
+            continuing=outcome in (Outcome.CONTINUING_FORWARDED, Outcome.CONTINUING_WAITED),
+        )
+
+    def end_session(self, sid: str, now: float) -> bool:
+        """The session closed: it leaves at once (waiting turns of it stay queued)."""
+        if self.ledger.drop(sid) is None:
+            return False
+        self.events[Event.CLOSED] += 1
+        return True
+
+    # -- placement -----------------------------------------------------------------
+
+    def _move(self, s: Session, owner: str, now: float) -> None:
+        self.ledger.move(s, owner, now)
+        self.events[Event.MOVED] += 1
+
+    def reattribute(self, owner_of: dict[str, str | None], now: float) -> int:
+        """Apply new owners (sid -> engine) after a worker-set or health change."""
+        moved = 0
+        for sid, owner in owner_of.items():
+            s = self.ledger.get(sid)
+            if s is None or owner is None or owner == s.engine:
+                continue
+            self._move(s, owner, now)
+            moved += 1
+        if moved:
+            for entry, _ in list(self.queues.live()):
+                s = self.ledger.get(entry.sid)
+                if s is not None and s.engine != entry.engine:
+                    self.queues.move(entry.ticket, s.engine)
+        return moved
+
+    # -- draining and the tick -----------------------------------------------------
+
+    def drain(self, now: float, engines: Iterable[str] | None = None) -> list[Release]:
+        """Release waiting heads that fit or are past their deadline (resumes first)."""
+        out: list[Release] = []
+        urls = list(self.queues.by_engine) if engines is None else list(engines)
+        for url in urls:
+            out.extend(self._drain_engine(url, now))
+        return out
+
+    def _drain_engine(self, url: str, now: float) -> list[Release]:
+        out: list[Release] = []
+        q = self.queues.engine(url)
+        led = self.ledger
+        fresh = led.fresh(url, now)
+        for _ in range(len(q.paused) + 1):
+            e = q.head("paused")
+            if e is None:
+                break
+            s = led.get(e.sid)
+            if s is None or s.state is not SessionState.PAUSED:
+                outcome = Outcome.RESUMED_WAITED  # closed or resumed meanwhile: let it go
+            elif not fresh:
+                outcome = Outcome.BYPASS_NO_METRICS
+            elif led.fits(url, max(s.footprint(self.p.session_buffer_tokens), e.tokens), now):
+                outcome = Outcome.RESUMED_WAITED
+            elif now >= e.deadline:
+                outcome = Outcome.PAUSED_AGED
+            else:
+                break
+            out.append(self._release(url, "paused", outcome, now))
+        if q.live_paused:
+            # Resumes go before new sessions; but an aged new head still leaves.
+            out.extend(self._age_new(url, now))
+            return out
+        for _ in range(len(q.new) + 1):
+            e = q.head("new")
+            if e is None:
+                break
+            s = led.get(e.sid)
+            continuing = s is not None and s.state is SessionState.ACTIVE
+            if s is None:
+                outcome = Outcome.NEW_WAITED
+            elif not fresh:
+                outcome = Outcome.BYPASS_NO_METRICS
+            elif e.tokens > led.capacity(url):
+                outcome = Outcome.BYPASS_OVERSIZED
+            elif led.fits(url, e.tokens, now):
+                outcome = Outcome.CONTINUING_WAITED if continuing else Outcome.NEW_WAITED
+            elif now >= e.deadline:
+                outcome = Outcome.NEW_AGED
+            else:
+                break
+            out.append(self._release(url, "new", outcome, now))
+        return out
+
+    def _age_new(self, url: str, now: float) -> list[Release]:
+        out: list[Release] = []
+        q = self.queues.engine(url)
+        for _ in range(len(q.new) + 1):
+            e = q.head("new")
+            if e is None or now < e.deadline:
+                break
+            out.append(self._release(url, "new", Outcome.NEW_AGED, now))
+        return out
+
+    def _release(self, url: str, which: str, outcome: Outcome, now: float) -> Release:
+        e = self.queues.pop(url, which)
+        s = self.ledger.get(e.sid)
+        if s is not None:  # (closed while waiting: its turn goes uncounted)
+            self.ledger.activate(s)
+            self._start(e.ticket, s, now, e.tokens, outcome)
+        wait = max(0.0, now - e.enqueued_at)
+        if which == "paused":
+            self.paused_waits.append(wait)
+            if len(self.paused_waits) > 10_000:
+                del self.paused_waits[:5_000]
+        return Release(e.ticket, outcome, wait)
+
+    def next_deadline(self) -> float | None:
+        return self.queues.earliest_deadline()
+
+    def tick(self, now: float) -> list[Release]:
+        """Expiry, then per engine: resume/admit (drain), pause, feedback."""
+        self._last_tick = now
+        for _ in self.ledger.expire(now):
+            self.events[Event.IDLE_EXPIRED] += 1
+        out = self.drain(now)
+        urls = set(self.ledger.engines) | set(self.queues.by_engine)
+        for url in urls:
+            if self.p.pause and self.ledger.fresh(url, now):
+                self._pause(url, now)
+            if self.p.feedback:
+                self._feedback(url, now)
+        if out or urls:
+            out.extend(self.drain(now))
+        return out
+
+    def _pause(self, url: str, now: float) -> None:
+        led = self.ledger
+        cap = led.capacity(url)
+        if cap <= 0 or led.gate_off(url):
+            return
+        u = led.undecayed(url)
+        if u <= self.p.pause_high * cap:
+            return
+        b = self.p.session_buffer_tokens
+        active = [led.sessions[sid] for sid in led.engines[url].sessions]
+        idle = [s for s in active if not s.running and s.idle_s(now) >= self.p.idle_lease_s]
+        idle.sort(key=lambda s: (s.footprint(b), -s.idle_s(now)))
+        target = self.p.pause_low * cap
+        for s in idle:
+            if u <= target:
+                return
+            u -= s.footprint(b)
+            led.pause(s, now)
+            self.events[Event.PAUSED] += 1
+        if u > target:
+            running = [s for s in active if s.running and not s.pause_pending]
+            if running:
+                smallest = min(running, key=lambda s: s.footprint(b))
+                smallest.pause_pending = True
+                self.events[Event.PAUSE_MARKED] += 1
+
+    def _feedback(self, url: str, now: float) -> None:
+        """Once per window: cut theta on thrash, raise it after quiet windows."""
+        led = self.ledger
+        eng = led.engines.get(url)
+        if eng is None or now - eng.window_start < self.p.feedback_window_s:
+            return
+        p = self.p
+        low_cache = (
+            eng.turns_in_window >= p.min_feedback_turns
+            and eng.resident_sum > 0
+            and eng.cached_sum / eng.resident_sum < p.thrash_cached_fraction
+        )
+        thrash = low_cache or eng.retracted_delta > 0 or eng.evicted_delta > eng.freed_tokens
+        _, new_waiting = self.queues.waiting(url)
+        if led.gate_off(url):
+            eng.quiet = 0
+        elif thrash:
+            eng.quiet = 0
+            if now - eng.last_cut >= p.cut_interval_s:
+                cut = max(p.target_min, eng.theta * p.target_cut)
+                if cut < eng.theta:
+                    eng.theta = cut
+                    eng.last_cut = now
+                    self.events[Event.TARGET_CUT] += 1
+        else:
+            eng.quiet += 1
+            if eng.quiet >= p.quiet_windows and new_waiting and eng.theta < p.target_max:
+                eng.theta = min(p.target_max, eng.theta + p.target_step)
+                eng.quiet = 0
+                self.events[Event.TARGET_RAISED] += 1
+        eng.window_start = now
+        eng.evicted_delta = eng.retracted_delta = eng.freed_tokens = 0
+        eng.cached_sum = eng.resident_sum = eng.turns_in_window = 0
+
+    # -- reads ---------------------------------------------------------------------
+
+    def engine_rows(self, now: float) -> list[dict[str, float | str | bool | None]]:
+        led = self.ledger
+        rows: list[dict[str, float | str | bool | None]] = []
+        for url in sorted(set(led.engines) | set(self.queues.by_engine)):
+            eng = led.engine(url, now)
+            paused_w, new_w = self.queues.waiting(url)
+            states = Counter(led.sessions[sid].state for sid in eng.sessions)
+            paused = sum(1 for s in led.on_engine(url) if s.state is SessionState.PAUSED)
+            rows.append(
+                {
+                    "url": url,
+                    "fresh": led.fresh(url, now),
+                    "capacity": led.capacity(url),
+                    "max_total_num_tokens": eng.max_total_num_tokens,
+                    "committed": led.committed(url, now),
+                    "footprint": float(led.undecayed(url)),
+                    "target": eng.theta,
+                    "gate_off": led.gate_off(url),
+                    "shared_prefix": float(eng.shared_prefix),
+                    "active_sessions": float(states[SessionState.ACTIVE]),
+                    "paused_sessions": float(paused),
+                    "waiting_new": float(new_w),
+                    "waiting_paused": float(paused_w),
+                }
+            )
+        return rows
+
+    def clear(self) -> list[str]:
+        """Forget everything; returns the tickets that were waiting."""
+        tickets = list(self.queues.entries)
+        self.queues = Queues()
+        self.ledger = EngineLedger(self.p)
+        self._inflight.clear()
+        return tickets

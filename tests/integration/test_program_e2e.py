@@ -1,0 +1,409 @@
+"""Program admission end to end: simulated engines, the real router (smg) with
+``--policy consistent_hashing --disable-worker-overload-protection``, kvproxy in front.
+
+The ring mirror is checked against smg's own choices (with an engine unhealthy too);
+then admission: a full engine holds its new sessions while another engine's pass,
+continuing turns are never held, a paused turn waits no longer than its bound,
+``priority`` reaches the engines, the fail-open paths, and the ledger returns to zero.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+import pytest
+from aiohttp.test_utils import TestServer
+
+from kvproxy import stack
+from kvproxy.app import create_app
+from kvproxy.config import from_mapping
+from kvproxy.fleet.ring import HashRing
+from kvproxy.runtime import RUNTIME, Runtime
+
+from .conftest import set_faults, wait_until
+
+POOL = 20_000
+ENGINE_ARGS = ("--time-scale", "0.02", "--record-requests", "4096", "--enable-priority-scheduling")
+DECISION = "X-KVProxy-Admission-Decision"
+WAIT_MS = "X-KVProxy-Admission-Wait-Ms"
+_ids = itertools.count()
+
+
+@pytest.fixture(scope="module")
+def ch_engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[stack.ManagedProcess]]:
+    logs = tmp_path_factory.mktemp("program-stack")
+    started: list[stack.ManagedProcess] = []
+    try:
+        for _ in range(3):
+            started.append(
+                stack.start_sim_engine(
+                    max_total_tokens=POOL,
+                    mode="session-radix",
+                    eviction_policy="priority",
+                    extra_args=ENGINE_ARGS,
+                    log_dir=logs,
+                )
+            )
+        yield started
+    finally:
+        for proc in started:
+            proc.stop()
+
+
+@pytest.fixture(scope="module")
+def ch_router(
+    ch_engines: list[stack.ManagedProcess], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[stack.ManagedProcess]:
+    proc = stack.start_router(
+        [e.url for e in ch_engines],
+        policy="consistent_hashing",
+        extra_args=("--disable-worker-overload-protection",),
+        log_dir=Path(tmp_path_factory.mktemp("program-router")),
+    )
+    try:
+        yield proc
+    finally:
+        proc.stop()
+
+
+@pytest.fixture
+async def http() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+        yield session
+
+
+@pytest.fixture(autouse=True)
+async def _clear_faults(ch_engines: list[stack.ManagedProcess]) -> AsyncIterator[None]:
+    yield
+    async with aiohttp.ClientSession() as session:
+        for e in ch_engines:
+            async with session.post(f"{e.url}/sim/faults", json={"reset": True}) as resp:
+                assert resp.status == 200
+
+
+async def smg_workers(http: aiohttp.ClientSession, router_url: str) -> list[dict[str, Any]]:
+    async with http.get(f"{router_url}/workers") as resp:
+        assert resp.status == 200
+        return orjson.loads(await resp.read())["workers"]
+
+
+async def served_by(http: aiohttp.ClientSession, engine_urls: list[str], rid: str) -> list[str]:
+    """Which engines recorded a request carrying ``rid``."""
+    out = []
+    for url in engine_urls:
+        async with http.get(f"{url}/sim/requests") as resp:
+            entries = orjson.loads(await resp.read())["requests"]
+        if any(rid in e["body"] for e in entries):
+            out.append(url)
+    return out
+
+
+async def recorded_bodies(
+    http: aiohttp.ClientSession, engine_urls: list[str], marker: str
+) -> list[tuple[str, dict[str, Any]]]:
+    out = []
+    for url in engine_urls:
+        async with http.get(f"{url}/sim/requests") as resp:
+            for e in orjson.loads(await resp.read())["requests"]:
+                if e["path"] == "/generate" and marker in e["body"]:
+                    out.append((url, orjson.loads(e["body"])))
+    return out
+
+
+async def test_ring_mirror_predicts_smg_including_with_an_engine_unhealthy(
+    ch_router: stack.ManagedProcess, ch_engines: list[stack.ManagedProcess], http
+) -> None:
+    urls = [e.url for e in ch_engines]
+    workers = await smg_workers(http, ch_router.url)
+    registered = [w["url"] for w in workers]  # exactly as smg registered them
+    ring = HashRing(registered)
+
+    async def check(keys: list[str], available: list[str]) -> None:
+        for key in keys:
+            rid = f"ring-{next(_ids):08d}"
+            body = {"rid": rid, "input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 1}}
+            async with http.post(
+                f"{ch_router.url}/generate", json=body, headers={"X-SMG-Routing-Key": key}
+            ) as resp:
+                assert resp.status == 200, await resp.text()
+            expected = ring.owner(key, available)
+            assert expected is not None
+            assert await served_by(http, urls, rid) == [expected.rstrip("/")], key
+
+    await check([f"key-{i}" for i in range(40)], registered)
+    # One engine unhealthy: smg keeps it on the ring and walks clockwise past it.
+    down = urls[0]
+    await set_faults(http, [down], status_503=True)
+
+    async def unhealthy() -> bool:
+        return any(
+            w["url"].rstrip("/") == down and not w["is_healthy"]
+            for w in await smg_workers(http, ch_router.url)
+        )
+
+    await wait_until(unhealthy, timeout_s=20, what="smg marking the engine unhealthy")
+    available = [u for u in registered if u.rstrip("/") != down]
+    await check([f"key-{i}" for i in range(40)], available)
+    await set_faults(http, [down], reset=True)
+
+    async def healthy() -> bool:
+        return all(w["is_healthy"] for w in await smg_workers(http, ch_router.url))
+
+    await wait_until(healthy, timeout_s=20, what="smg marking the engine healthy again")
+
+
+class Proxy:
+    def __init__(self, server: TestServer) -> None:
+        self.server = server
+        self.url = str(server.make_url("")).rstrip("/")
+
+    @property
+    def rt(self) -> Runtime:
+        return self.server.app[RUNTIME]
+
+
+@pytest.fixture
+async def proxy(ch_router: stack.ManagedProcess) -> AsyncIterator[Any]:
+    servers: list[TestServer] = []
+
+    async def factory(policy: str = "consistent_hashing", **admission: Any) -> Proxy:
+        doc = {
+            "server": {"log_level": "WARNING"},
+            "router": {"url": ch_router.url, "policy": policy, "discovery_interval_s": 0.5},
+            "session_lifecycle": {"enabled": True},
+            "admission": {
+                "enabled": True,
+                "headroom": 1.0,
+                "poll_interval_s": 0.2,
+                "staleness_s": 0.6,
+                "tick_s": 0.05,
+                "default_completion_tokens": 8,
+                "session_buffer_tokens": 0,
+                "new_session_max_wait_s": 30.0,
+                "max_wait_s": 30.0,
+                **admission,
+            },
+        }
+        server = TestServer(create_app(from_mapping(doc)), host="127.0.0.1")
+        await server.start_server()
+        servers.append(server)
+        p = Proxy(server)
+        await wait_until(
+            _program_ready(p) if policy == "consistent_hashing" else _noop,
+            timeout_s=10,
+            what="placement known",
+        )
+        return p
+
+    yield factory
+    for server in servers:
+        await server.close()
+
+
+def _program_ready(p: Proxy):
+    async def ready() -> bool:
+        h = p.rt.admission.health()
+        return bool(h["program_active"] and h["placement"]["available"])
+
+    return ready
+
+
+async def _noop() -> bool:
+    return True
+
+
+def keys_on(p: Proxy, engine: str, n: int, prefix: str) -> list[str]:
+    owner = p.rt.admission.placement.owner
+    out = [k for k in (f"{prefix}-{next(_ids)}" for _ in range(2000)) if owner(k) == engine]
+    assert len(out) >= n
+    return out[:n]
+
+
+async def gen(
+    http: aiohttp.ClientSession, p: Proxy, sid: str, tokens: int, *, new_tokens: int = 4
+) -> aiohttp.ClientResponse:
+    # One token value per session: sessions share no prefix (no shared-prefix credit).
+    token = 10 + sum(sid.encode()) % 5000
+    body = {"input_ids": [token] * tokens, "sampling_params": {"max_new_tokens": new_tokens}}
+    async with http.post(f"{p.url}/generate", json=body, headers={"X-Session-ID": sid}) as resp:
+        await resp.read()
+        return resp
+
+
+async def close(http: aiohttp.ClientSession, p: Proxy, sid: str) -> None:
+    async with http.post(f"{p.url}/close_session", json={"session_id": sid}) as resp:
+        assert resp.status == 200, await resp.text()
+
+
+async def test_a_full_engine_holds_its_new_sessions_while_the_others_pass(
+    proxy, ch_engines, http
+) -> None:
+    p = await proxy()
+    a_url, b_url = ch_engines[0].url, ch_engines[1].url
+    a1, a2 = keys_on(p, a_url, 2, "full-a")
+    (b1,) = keys_on(p, b_url, 1, "full-b")
+    r = await gen(http, p, a1, 16_000)
+    assert r.status == 200 and r.headers[DECISION] == "new_admitted"
+    # a1 holds ~16k of A's 20k (target 0.92): a2's first turn (4k) waits.
+    waiting = asyncio.create_task(gen(http, p, a2, 4_000))
+
+    async def held() -> bool:
+        return p.rt.admission.health()["waiting_new"] == 1
+
+    await wait_until(held, what="a2 waiting")
+    r = await gen(http, p, b1, 4_000)  # another engine's new session passes
+    assert r.headers[DECISION] == "new_admitted" and float(r.headers[WAIT_MS]) == 0.0
+    for tokens in (16_010, 16_020):  # continuing turns of the full engine: never held
+        r = await gen(http, p, a1, tokens)
+        assert r.status == 200, r.headers
+        assert r.headers[DECISION] == "continuing_forwarded"
+        assert float(r.headers[WAIT_MS]) == 0.0
+    assert not waiting.done()
+    await close(http, p, a1)  # frees A
+    r = await asyncio.wait_for(waiting, 10)
+    assert r.status == 200 and r.headers[DECISION] == "new_waited"
+    assert float(r.headers[WAIT_MS]) > 0
+    for sid in (a2, b1):
+        await close(http, p, sid)
+    # Every request went to its session's ring owner, with the routing key set.
+    bodies = await recorded_bodies(http, [e.url for e in ch_engines], "full-")
+    assert bodies
+    owner = p.rt.admission.placement.owner
+    for url, body in bodies:
+        assert owner(body["session_id"]) == url
+
+
+async def test_priority_reaches_the_engines_and_grows_with_the_context(
+    proxy, ch_engines, http
+) -> None:
+    p = await proxy()
+    assert p.rt.admission.priority_steering
+    (sid,) = keys_on(p, ch_engines[2].url, 1, "prio")
+    for tokens in (1_000, 9_000, 17_000):
+        assert (await gen(http, p, sid, tokens)).status == 200
+    await close(http, p, sid)
+    bodies = [b for _, b in await recorded_bodies(http, [ch_engines[2].url], sid)]
+    assert [b["priority"] for b in bodies] == [0, 1, 2]
+    off = await proxy(priority_steering=False)
+    (sid2,) = keys_on(off, ch_engines[2].url, 1, "noprio")
+    await gen(http, off, sid2, 9_000)
+    await close(http, off, sid2)
+    assert all(
+        "priority" not in b for _, b in await recorded_bodies(http, [ch_engines[2].url], sid2)
+    )
+
+
+async def test_a_paused_sessions_turn_waits_no_longer_than_its_bound(
+    proxy, ch_engines, http
+) -> None:
+    p = await proxy(idle_lease_s=0.2, idle_half_life_s=600.0, paused_max_wait_s=0.5)
+    a_url = ch_engines[1].url
+    small, big = keys_on(p, a_url, 2, "pause")
+    # small 3k, big 12k then 14.25k (growth 2.25k: footprint ~16.5k). U ~19.5k passes
+    # 0.95 x 20k; pausing small alone brings it under 0.85 x 20k, and small's next turn
+    # does not fit big's 16.5k under the 0.92 target: it waits for its bound.
+    assert (await gen(http, p, small, 3_000)).headers[DECISION] == "new_admitted"
+    assert (await gen(http, p, big, 12_000)).headers[DECISION] == "new_admitted"
+    r = await gen(http, p, big, 14_250)
+    assert r.headers[DECISION] == "continuing_forwarded"
+
+    async def paused() -> bool:
+        return p.rt.admission.health()["sessions"]["paused"] == 1
+
+    await wait_until(paused, what="the small idle session paused")
+    r = await gen(http, p, small, 3_100)
+    assert r.status == 200
+    assert r.headers[DECISION] == "paused_aged"
+    assert 400 <= float(r.headers[WAIT_MS]) <= 800  # bound 0.5 s, timer-driven
+    for sid in (small, big):
+        await close(http, p, sid)
+
+
+async def test_fail_open_paths(proxy, ch_engines, http) -> None:
+    # Unknown router policy: fleet-wide accounting, said in health; requests pass.
+    fleet = await proxy(policy="round_robin")
+    async with http.get(f"{fleet.url}/kvproxy/health") as resp:
+        health = orjson.loads(await resp.read())
+    assert "round_robin" in health["admission"]["fallback"]
+    r = await gen(http, fleet, "fallback-1", 100)
+    assert r.status == 200 and r.headers[DECISION] == "capacity_available"
+    await close(http, fleet, "fallback-1")
+
+    p = await proxy()
+    url = ch_engines[0].url
+    # Larger than the engine's whole capacity: forwarded at once.
+    (big,) = keys_on(p, url, 1, "oversized")
+    r = await gen(http, p, big, POOL + 10)
+    assert r.headers[DECISION] == "bypass_oversized" and float(r.headers[WAIT_MS]) == 0.0
+    await close(http, p, big)
+    # No fresh metrics from its engine: forwarded at once.
+    await set_faults(http, [url], metrics="error")
+
+    async def stale() -> bool:
+        return not any(
+            e["fresh"] for e in p.rt.admission.health()["program_engines"] if e["url"] == url
+        )
+
+    await wait_until(stale, what="the engine's reading going stale")
+    (sid,) = keys_on(p, url, 1, "nometrics")
+    r = await gen(http, p, sid, 100)
+    assert r.status == 200 and r.headers[DECISION] == "bypass_no_metrics"
+    await close(http, p, sid)
+    # No session id: nothing to attribute, forwarded at once.
+    body = {"input_ids": [1] * 10, "sampling_params": {"max_new_tokens": 1}}
+    async with http.post(f"{p.url}/generate", json=body) as resp:
+        assert resp.status == 200 and resp.headers[DECISION] == "bypass_no_session"
+
+
+async def test_ledger_returns_to_zero_after_a_burst_with_disconnects_errors_and_closes(
+    proxy, ch_engines, http
+) -> None:
+    p = await proxy()
+    sids = [f"burst-{next(_ids)}" for _ in range(12)]
+
+    async def session(i: int, sid: str) -> None:
+        for t in range(3):
+            if i % 4 == 1 and t == 1:  # a client that gives up mid-turn
+                body = {"input_ids": [3] * 3000, "sampling_params": {"max_new_tokens": 400}}
+                timeout = aiohttp.ClientTimeout(total=0.05)
+                with pytest.raises(TimeoutError):
+                    async with http.post(
+                        f"{p.url}/generate",
+                        json=body,
+                        headers={"X-Session-ID": sid},
+                        timeout=timeout,
+                    ) as resp:
+                        await resp.read()
+                continue
+            if i % 4 == 2 and t == 2:  # an engine-side error (bad request)
+                bad = {"input_ids": "nope", "sampling_params": {"max_new_tokens": 1}}
+                async with http.post(
+                    f"{p.url}/generate", json=bad, headers={"X-Session-ID": sid}
+                ) as resp:
+                    assert resp.status >= 400
+                continue
+            await gen(http, p, sid, 2_000 * (t + 1))
+        await close(http, p, sid)
+
+    await asyncio.gather(*(session(i, s) for i, s in enumerate(sids)))
+
+    async def drained() -> bool:
+        h = p.rt.admission.health()
+        s = h["sessions"]
+        return (
+            h["waiting"] == 0
+            and s["running"] == 0
+            and s["active"] == 0
+            and s["paused"] == 0
+            and s["new"] == 0
+        )
+
+    await wait_until(drained, timeout_s=15, what="the session ledger back to zero")
+    rows = p.rt.admission.health()["program_engines"]
+    assert all(r["footprint"] == 0 and r["committed"] == 0 for r in rows)

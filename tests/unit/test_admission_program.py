@@ -1,0 +1,450 @@
+"""Program admission's pure core: ledger, queues, decisions, tick, feedback, priority
+(tables with an injected clock)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from kvproxy.admission.decisions import Event, Held, Outcome
+from kvproxy.admission.engine_ledger import SessionState
+from kvproxy.admission.params import ProgramParams
+from kvproxy.admission.priority import next_priority, size_priority
+from kvproxy.admission.program import ProgramCore
+from kvproxy.config import AdmissionConfig
+from kvproxy.fleet.placement import Placement
+from kvproxy.fleet.ring import HashRing
+
+E1, E2 = "http://e1:1", "http://e2:1"
+# Capacity 1000 (headroom 1), gate off below 750, target 900, pause 950 -> 850.
+P = ProgramParams(
+    headroom=1.0,
+    target_start=0.9,
+    session_buffer_tokens=0,
+    idle_lease_s=5.0,
+    idle_half_life_s=10.0,
+    paused_max_wait_s=8.0,
+    new_session_max_wait_s=60.0,
+    staleness_s=1e9,
+    growth_alpha=0.5,
+)
+
+
+def core(params: ProgramParams = P, engines: tuple[str, ...] = (E1, E2)) -> ProgramCore:
+    c = ProgramCore(params)
+    for url in engines:
+        c.ledger.observe_engine(url, 0.0, max_total_num_tokens=1000)
+    return c
+
+
+def turn(c: ProgramCore, ticket: str, sid: str, tokens: int, now: float, engine: str = E1):
+    return c.request(ticket, sid, engine, tokens, now)
+
+
+def finish(c: ProgramCore, ticket: str, now: float, prompt: int, completion: int = 0, cached=None):
+    c.observe_response(
+        ticket, now, prompt_tokens=prompt, completion_tokens=completion, cached_tokens=cached
+    )
+    c.turn_ended(ticket, now)
+
+
+# -- ledger --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("idle", "half_life", "weight"),
+    [
+        (0.0, 10.0, 1.0),
+        (4.9, 10.0, 1.0),
+        (5.0, 10.0, 1.0),
+        (15.0, 10.0, 0.5),
+        (25.0, 10.0, 0.25),
+        (5.1, 0.0, 0.0),
+    ],
+)
+def test_idle_sessions_count_fully_for_the_lease_then_decay(idle, half_life, weight) -> None:
+    c = core(dataclasses.replace(P, idle_half_life_s=half_life))
+    turn(c, "t1", "s", 100, 0.0)
+    finish(c, "t1", 0.0, prompt=100)
+    s = c.ledger.get("s")
+    assert s is not None
+    assert c.ledger.weight(s, idle) == pytest.approx(weight)
+    assert c.ledger.committed(E1, idle) == pytest.approx(100 * weight)
+    assert c.ledger.undecayed(E1) == 100  # pause pressure ignores decay
+
+
+def test_context_is_prompt_plus_completion_and_growth_is_an_ema() -> None:
+    c = core()
+    for i, (prompt, completion) in enumerate([(100, 20), (200, 20), (300, 60)]):
+        turn(c, f"t{i}", "s", prompt, float(i))
+        finish(c, f"t{i}", float(i), prompt=prompt, completion=completion)
+    s = c.ledger.get("s")
+    assert s is not None and s.ctx == 360 and s.turns == 3
+    # growth: turn 2 -> 220-120 = 100; turn 3 -> 0.5*(360-220) + 0.5*100 = 120
+    assert s.growth == pytest.approx(120.0)
+    assert s.footprint(0) == 480
+
+
+def test_shared_prefix_credit_counts_a_common_prefix_once() -> None:
+    c = core()
+    for i in range(3):
+        turn(c, f"t{i}", f"s{i}", 300, 0.0)
+        finish(c, f"t{i}", 0.0, prompt=300, cached=0 if i == 0 else 200)
+    assert c.ledger.engines[E1].shared_prefix == 200
+    assert c.ledger.undecayed(E1) == 900 - 2 * 200
+
+
+def test_closed_leaves_at_once_and_idle_ones_expire_after_the_ttl() -> None:
+    c = core(dataclasses.replace(P, idle_ttl_s=100.0))
+    for sid in ("a", "b"):
+        turn(c, sid, sid, 100, 0.0)
+        finish(c, sid, 0.0, prompt=100)
+    assert c.end_session("a", 1.0) and not c.end_session("a", 1.0)
+    assert c.ledger.undecayed(E1) == 100
+    c.tick(100.0)
+    assert c.ledger.get("b") is not None
+    c.tick(100.5)
+    assert c.ledger.get("b") is None and c.events[Event.IDLE_EXPIRED] == 1
+    assert c.ledger.undecayed(E1) == 0
+
+
+def test_session_table_is_bounded_least_recent_idle_first() -> None:
+    c = core(dataclasses.replace(P, max_sessions=2))
+    for i, sid in enumerate(("a", "b", "c")):
+        turn(c, sid, sid, 10, float(i))
+        if sid != "c":
+            finish(c, sid, float(i), prompt=10)
+    assert list(c.ledger.sessions) == ["b", "c"]
+
+
+# -- decisions -----------------------------------------------------------------------
+
+
+def test_continuing_turn_of_an_active_session_is_never_held() -> None:
+    c = core()
+    turn(c, "t1", "s", 700, 0.0)
+    finish(c, "t1", 0.0, prompt=700)
+    # Way over the target and even the capacity: still forwarded at once.
+    v = turn(c, "t2", "s", 5000, 1.0)
+    assert v.outcome is Outcome.CONTINUING_FORWARDED
+
+
+def test_hold_continuing_ablation_holds_continuing_turns_that_do_not_fit() -> None:
+    c = core(dataclasses.replace(P, hold_continuing=True))
+    turn(c, "a1", "a", 800, 0.0)
+    finish(c, "a1", 0.0, prompt=800)
+    turn(c, "b1", "b", 50, 0.0)
+    finish(c, "b1", 0.0, prompt=50)
+    v = turn(c, "b2", "b", 200, 1.0)
+    assert v.outcome is None and v.held is Held.CONTINUING_FIT
+    c.end_session("a", 2.0)
+    (r,) = c.drain(2.0)
+    assert (r.ticket, r.outcome) == ("b2", Outcome.CONTINUING_WAITED)
+
+
+def test_new_sessions_wait_in_their_engines_fifo_until_they_fit() -> None:
+    c = core()
+    assert turn(c, "a1", "a", 800, 0.0).outcome is Outcome.NEW_ADMITTED
+    v = turn(c, "b1", "b", 200, 0.0)
+    assert v.outcome is None and v.held is Held.NEW_SESSION_FIT
+    # The other engine's new sessions pass.
+    assert turn(c, "x1", "x", 200, 0.0, engine=E2).outcome is Outcome.NEW_ADMITTED
+    # A small one behind the head waits too (FIFO-with-fit: the head blocks).
+    assert turn(c, "c1", "c", 10, 0.0).held is Held.NEW_BEHIND
+    finish(c, "a1", 1.0, prompt=400)  # a shrank to 400: b (200) fits, then c
+    assert [(r.ticket, r.outcome) for r in c.drain(1.0)] == [
+        ("b1", Outcome.NEW_WAITED),
+        ("c1", Outcome.NEW_WAITED),
+    ]
+
+
+def test_new_session_goes_anyway_after_its_bound() -> None:
+    c = core()
+    turn(c, "a1", "a", 900, 0.0)
+    turn(c, "b1", "b", 200, 0.0)
+    assert c.next_deadline() == 60.0
+    assert c.drain(59.9) == []
+    (r,) = c.drain(60.0)
+    assert (r.ticket, r.outcome, r.wait_s) == ("b1", Outcome.NEW_AGED, 60.0)
+    assert Outcome.NEW_AGED.fail_open
+
+
+@pytest.mark.parametrize(
+    ("sid", "owner", "fresh", "tokens", "outcome"),
+    [
+        (None, E1, True, 10, Outcome.BYPASS_NO_SESSION),
+        ("s", None, True, 10, Outcome.BYPASS_NO_PLACEMENT),
+        ("s", E1, False, 10, Outcome.BYPASS_NO_METRICS),
+        ("s", E1, True, 1001, Outcome.BYPASS_OVERSIZED),
+        ("s", E1, True, 700, Outcome.NEW_ADMITTED),
+    ],
+)
+def test_fail_open_paths(sid, owner, fresh, tokens, outcome) -> None:
+    c = core(dataclasses.replace(P, staleness_s=5.0))
+    now = 10.0 if not fresh else 1.0
+    v = c.request("t", sid, owner, tokens, now)
+    assert v.outcome is outcome
+
+
+def test_full_queues_fail_open() -> None:
+    c = core(dataclasses.replace(P, max_queue=1))
+    turn(c, "a1", "a", 900, 0.0)
+    assert turn(c, "b1", "b", 200, 0.0).outcome is None
+    assert turn(c, "c1", "c", 200, 0.0).outcome is Outcome.BYPASS_QUEUE_FULL
+
+
+def test_cancelled_waiter_leaves_and_a_never_admitted_session_is_forgotten() -> None:
+    c = core()
+    turn(c, "a1", "a", 900, 0.0)
+    turn(c, "b1", "b", 200, 0.0)
+    assert c.cancel("b1") and not c.cancel("b1")
+    assert c.ledger.get("b") is None and len(c.queues) == 0
+
+
+# -- pause, resume, the bounded hold --------------------------------------------------
+
+
+def fill(c: ProgramCore, sizes: dict[str, int], now: float = 0.0) -> None:
+    # First turns admitted small (target lifted for the set-up); their responses
+    # report the whole context.
+    eng = c.ledger.engines[E1]
+    theta, eng.theta = eng.theta, 1.0
+    for sid, size in sizes.items():
+        assert turn(c, sid + "0", sid, 10, now).outcome is Outcome.NEW_ADMITTED
+        finish(c, sid + "0", now, prompt=size)
+    eng.theta = theta
+
+
+def test_pause_takes_idle_sessions_smallest_first_until_the_low_mark() -> None:
+    c = core(dataclasses.replace(P, feedback=False))
+    fill(c, {"big": 500, "mid": 300, "small": 100, "tiny": 60})  # U = 960 > 950
+    c.tick(4.0)  # idle < lease: nobody pausable yet
+    assert c.events[Event.PAUSED] == 0
+    c.tick(6.0)
+    states = {sid: c.ledger.sessions[sid].state for sid in ("big", "mid", "small", "tiny")}
+    # 960 - 60 = 900 > 850 -> also small: 800 <= 850
+    assert states == {
+        "big": SessionState.ACTIVE,
+        "mid": SessionState.ACTIVE,
+        "small": SessionState.PAUSED,
+        "tiny": SessionState.PAUSED,
+    }
+    assert c.ledger.undecayed(E1) == 800 and c.events[Event.PAUSED] == 2
+
+
+def test_no_pause_while_the_gate_is_off_or_disabled() -> None:
+    c = core()
+    fill(c, {"a": 300, "b": 300})
+    c.tick(100.0)
+    assert c.events[Event.PAUSED] == 0
+    c2 = core(dataclasses.replace(P, pause=False))
+    fill(c2, {"a": 500, "b": 460})
+    c2.tick(100.0)
+    assert c2.events[Event.PAUSED] == 0
+
+
+def test_with_no_idle_session_the_smallest_running_one_pauses_at_its_response() -> None:
+    c = core(dataclasses.replace(P, feedback=False))
+    turn(c, "a0", "a", 600, 0.0)
+    assert turn(c, "b0", "b", 100, 0.0).outcome is Outcome.NEW_ADMITTED
+    c.ledger.sessions["b"].est = 380  # U = 980 > 950, nobody idle
+    c.tick(10.0)
+    assert c.events[Event.PAUSE_MARKED] == 1
+    finish(c, "b0", 11.0, prompt=380)
+    assert c.ledger.sessions["b"].state is SessionState.PAUSED
+
+
+def paused_setup() -> ProgramCore:
+    c = core(dataclasses.replace(P, feedback=False))
+    fill(c, {"big": 500, "mid": 300, "small": 100, "tiny": 60})
+    c.tick(6.0)  # pauses tiny and small; U = 800
+    return c
+
+
+def test_a_paused_turn_that_fits_resumes_at_once() -> None:
+    c = paused_setup()
+    assert turn(c, "tiny1", "tiny", 60, 7.0).outcome is Outcome.RESUMED
+    assert c.ledger.undecayed(E1) == 860
+
+
+def test_a_paused_turn_waits_at_most_its_bound_ahead_of_new_sessions() -> None:
+    c = paused_setup()
+    c.configure(dataclasses.replace(c.p, idle_lease_s=1000.0))  # no decay from here on
+    turn(c, "m1", "mid", 300, 7.0)  # continuing: forwarded, W now includes mid at 300
+    c.ledger.sessions["mid"].growth = 100  # mid is expected to grow: W ~ 900
+    v = turn(c, "small1", "small", 100, 7.0)
+    assert v.outcome is None and v.held is Held.PAUSED_FIT
+    # A new session now waits behind the paused turn, even a tiny one.
+    assert turn(c, "n1", "new", 1, 7.5).held is Held.NEW_BEHIND
+    assert c.drain(14.9) == []
+    releases = c.drain(15.0)
+    assert [(r.ticket, r.outcome) for r in releases] == [("small1", Outcome.PAUSED_AGED)]
+    assert releases[0].wait_s == pytest.approx(8.0)
+    assert c.paused_waits == [pytest.approx(8.0)]
+
+
+def test_resumes_go_before_new_sessions_in_the_tick() -> None:
+    c = paused_setup()
+    turn(c, "m1", "mid", 300, 7.0)
+    c.ledger.sessions["mid"].growth = 100
+    turn(c, "small1", "small", 100, 7.0)
+    turn(c, "n1", "new", 50, 7.0)
+    finish(c, "m1", 8.0, prompt=200)  # mid shrinks: room for both
+    c.ledger.sessions["mid"].growth = 0
+    out = c.tick(8.0)
+    assert [(r.ticket, r.outcome) for r in out] == [
+        ("small1", Outcome.RESUMED_WAITED),
+        ("n1", Outcome.NEW_WAITED),
+    ]
+
+
+# -- feedback ------------------------------------------------------------------------
+
+
+def hot(c: ProgramCore) -> None:
+    fill(c, {"a": 400, "b": 400})  # U = 800: gate on (>= 750), no pause (< 950)
+
+
+def continuing_turns(c: ProgramCore, now: float, cached: int, n: int = 3) -> None:
+    for i in range(n):
+        sid = "ab"[i % 2]
+        t = f"{sid}{now}{i}"
+        turn(c, t, sid, 400, now)
+        finish(c, t, now, prompt=400, cached=cached)
+
+
+def test_feedback_cuts_the_target_on_a_low_cached_fraction_at_most_once_per_interval() -> None:
+    c = core()
+    hot(c)
+    continuing_turns(c, 1.0, cached=200)  # 0.5 < 0.85
+    c.tick(5.0)
+    assert c.ledger.engines[E1].theta == pytest.approx(0.72)
+    continuing_turns(c, 6.0, cached=200)
+    c.tick(10.0)  # within cut_interval_s (10 s) of the last cut
+    assert c.ledger.engines[E1].theta == pytest.approx(0.72)
+    continuing_turns(c, 11.0, cached=200)
+    c.tick(15.0)
+    assert c.ledger.engines[E1].theta == pytest.approx(0.6)  # 0.576, floored at target_min
+    assert c.events[Event.TARGET_CUT] == 2
+
+
+def test_feedback_cuts_on_retractions_and_unexplained_evictions() -> None:
+    for kwargs in ({"retracted_total": 1}, {"evicted_total": 500}):
+        c = core()
+        c.ledger.observe_engine(
+            E1, 0.0, max_total_num_tokens=1000, retracted_total=0, evicted_total=0
+        )
+        hot(c)
+        c.ledger.observe_engine(E1, 1.0, max_total_num_tokens=1000, **kwargs)
+        c.tick(5.0)
+        assert c.ledger.engines[E1].theta < 0.9, kwargs
+
+
+def test_feedback_raises_after_quiet_windows_only_with_new_sessions_waiting() -> None:
+    c = core()
+    hot(c)
+    for k in range(1, 4):
+        continuing_turns(c, 5.0 * k - 1, cached=400)
+        c.tick(5.0 * k)
+    assert c.ledger.engines[E1].theta == pytest.approx(0.9)  # nobody waiting
+    turn(c, "n1", "n", 400, 16.0)  # 800 + 400 > 900: waits
+    for k in range(4, 7):
+        c.tick(5.0 * k)
+    assert c.ledger.engines[E1].theta == pytest.approx(0.92)
+
+
+def test_feedback_stays_out_of_the_way_while_the_gate_is_off_or_disabled() -> None:
+    c = core()
+    fill(c, {"a": 100})
+    c.ledger.observe_engine(E1, 0.0, max_total_num_tokens=1000, retracted_total=0)
+    c.ledger.observe_engine(E1, 1.0, max_total_num_tokens=1000, retracted_total=5)
+    c.tick(5.0)
+    assert c.ledger.engines[E1].theta == pytest.approx(0.9)
+    c2 = core(dataclasses.replace(P, feedback=False))
+    hot(c2)
+    continuing_turns(c2, 1.0, cached=0)
+    c2.tick(5.0)
+    assert c2.ledger.engines[E1].theta == pytest.approx(0.9)
+
+
+# -- priority ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("ctx", "prio"),
+    [(0, 0), (4095, 0), (8191, 0), (8192, 1), (16384, 2), (40_000, 3), (10**9, 9)],
+)
+def test_size_priority(ctx: int, prio: int) -> None:
+    assert size_priority(ctx) == prio
+
+
+def test_priority_is_monotone_per_session_and_below_the_preemption_gap() -> None:
+    assert next_priority(3, 100) == 3
+    assert next_priority(0, 10**12, max_priority=9) == 9
+    c = core()
+    turn(c, "t1", "s", 20_000, 0.0)
+    assert c.priority("s") == 2
+    finish(c, "t1", 1.0, prompt=100)
+    assert c.priority("s") == 2  # never lowered
+    assert c.priority("unknown") is None
+
+
+# -- placement -----------------------------------------------------------------------
+
+
+def test_placement_mirrors_the_ring_and_strips_dp_suffixes() -> None:
+    urls = ["http://h:1@0", "http://h:1@1", "http://h:2"]
+    p = Placement("consistent_hashing")
+    assert p.owner("k") is None  # nothing registered yet
+    assert p.update(urls, urls) and not p.update(urls, urls)
+    ring = HashRing(urls)
+    for i in range(50):
+        raw = ring.owner(f"k{i}")
+        assert raw is not None
+        assert p.owner(f"k{i}") == raw.split("@")[0]
+    assert Placement("round_robin").owner("k") is None
+    assert not Placement("cache_aware").mirrored
+
+
+def test_reattribution_moves_sessions_and_their_waiting_turns() -> None:
+    c = core()
+    turn(c, "a1", "a", 900, 0.0)
+    turn(c, "b1", "b", 200, 0.0)  # waits on E1
+    assert c.reattribute({"a": E1, "b": E2}, 1.0) == 1
+    assert c.events[Event.MOVED] == 1
+    assert c.queues.waiting(E2) == (0, 1)
+    (r,) = c.drain(1.0)
+    assert (r.ticket, r.outcome) == ("b1", Outcome.NEW_WAITED)
+
+
+def test_params_scale_every_duration_by_the_time_scale() -> None:
+    cfg = AdmissionConfig(enabled=True)
+    p = ProgramParams.from_config(cfg, time_scale=0.5)
+    assert (p.tick_s, p.paused_max_wait_s, p.idle_lease_s, p.idle_half_life_s) == (
+        0.5,
+        4.0,
+        2.5,
+        5.0,
+    )
+    assert p.new_session_max_wait_s == 300.0 and p.idle_ttl_s == 300.0
+
+
+def test_the_same_attempt_asked_twice_is_one_running_turn() -> None:
+    c = core()
+    turn(c, "t1", "s", 100, 0.0)
+    turn(c, "t1", "s", 100, 0.0)
+    c.turn_ended("t1", 1.0)
+    s = c.ledger.get("s")
+    assert s is not None and s.running == 0
+
+
+def test_a_session_closed_while_its_turn_waits_is_not_brought_back() -> None:
+    c = core()
+    turn(c, "a1", "a", 900, 0.0)
+    turn(c, "b1", "b", 200, 0.0)
+    c.end_session("b", 1.0)
+    c.end_session("a", 1.0)
+    (r,) = c.drain(1.0)
+    assert r.ticket == "b1" and c.ledger.get("b") is None
+    assert c.ledger.undecayed(E1) == 0

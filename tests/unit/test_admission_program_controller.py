@@ -1,0 +1,211 @@
+"""The asyncio glue of program admission, driven the way the lab drives it: engine URLs,
+router policy and server_info injected, metrics through an overridden ``_scrape``."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+from multidict import CIMultiDict
+
+from kvproxy.admission.coordinator import AdmissionController, AdmissionRequest
+from kvproxy.config import AdmissionConfig
+from kvproxy.fleet.ring import HashRing
+
+A, B = "http://a:1", "http://b:1"
+RING = HashRing([A, B])
+
+
+def keys_on(url: str, n: int) -> list[str]:
+    out = [k for k in (f"s{i}" for i in range(500)) if RING.owner(k) == url]
+    return out[:n]
+
+
+def metrics(cap: int, evicted: int = 0) -> str:
+    return (
+        f'sglang:max_total_num_tokens{{model_name="m"}} {cap}\n'
+        'sglang:token_usage{model_name="m"} 0.1\n'
+        f'sglang:evicted_tokens_total{{model_name="m",cache_type="RadixCache"}} {evicted}\n'
+    )
+
+
+class Lab(AdmissionController):
+    caps: dict[str, int]
+
+    async def _scrape(self, url: str) -> str:
+        return metrics(self.caps[url])
+
+
+def request(ticket: str, sid: str | None, tokens: int, **body: Any) -> AdmissionRequest:
+    full = {"input_ids": [1] * tokens, "sampling_params": {"max_new_tokens": 0}, **body}
+    return AdmissionRequest(ticket, "/generate", CIMultiDict(), full, sid)
+
+
+@pytest.fixture
+async def lab() -> AsyncIterator[Any]:
+    made: list[Lab] = []
+
+    async def factory(policy: str | None = "consistent_hashing", info: str = "priority", **cfg):
+        settings: dict[str, Any] = {
+            "enabled": True,
+            "headroom": 1.0,
+            "poll_interval_s": 3600.0,
+            "staleness_s": 3600.0,
+            "target_start": 0.9,
+            "session_buffer_tokens": 0,
+            **cfg,
+        }
+        ctl = Lab(
+            AdmissionConfig(**settings),
+            healthy_engines=lambda: [A, B],
+            http=None,
+            fetch_metrics=lambda url: asyncio.sleep(0, ""),
+            router_policy=policy,
+            server_info={u: {"radix_eviction_policy": info} for u in (A, B)},
+        )
+        ctl.caps = {A: 1000, B: 1000}
+        await ctl.start()
+        made.append(ctl)
+        return ctl
+
+    yield factory
+    for ctl in made:
+        await ctl.stop()
+
+
+async def turn(ctl: AdmissionController, r: AdmissionRequest, prompt: int, completion: int = 0):
+    async with ctl.admit(r) as decision:
+        ctl.observe_usage(r, prompt, 0, completion)
+    return decision
+
+
+async def test_a_full_engine_holds_its_new_sessions_while_the_other_engines_pass(lab) -> None:
+    ctl = await lab()
+    assert ctl.program_active and ctl.fallback_reason is None
+    a1, a2 = keys_on(A, 2)
+    (b1,) = keys_on(B, 1)
+    d = await turn(ctl, request("t1", a1, 700), prompt=800, completion=100)
+    assert (d.action, d.reason) == ("admit", "new_admitted")
+    # a1 holds 900 of A's 1000: a2's first turn (200) waits; b1's passes at once.
+    waiting = asyncio.create_task(turn(ctl, request("t2", a2, 200), prompt=200))
+    await asyncio.sleep(0)
+    assert ctl.waiting == 1 and ctl.health()["held"]["reason"] == "new_session_fit"
+    d = await turn(ctl, request("t3", b1, 200), prompt=200)
+    assert d.reason == "new_admitted"
+    # A continuing turn of the active session on the full engine is never held.
+    d = await turn(ctl, request("t4", a1, 950), prompt=950)
+    assert d.reason == "continuing_forwarded" and d.wait_s == 0.0
+    ctl.end_session(a1)  # frees A: the waiting new session goes
+    d = await asyncio.wait_for(waiting, 2.0)
+    assert (d.action, d.reason) == ("admit", "new_waited")
+    stats = ctl.stats()
+    assert stats["agentic_kv/admission/decision_new_waited"] == 1
+    assert stats["agentic_kv/admission/decision_continuing_forwarded"] == 1
+    assert stats["agentic_kv/admission/sessions_running"] == 0
+
+
+async def test_priority_is_injected_only_when_engines_evict_by_priority(lab) -> None:
+    ctl = await lab()
+    (a1,) = keys_on(A, 1)
+    d = await turn(
+        ctl,
+        request(
+            "t1",
+            a1,
+            100,
+        ),
+        prompt=100,
+    )
+    assert d.priority == 0
+    ctl.caps[A] = 10**6
+    await ctl.poll_once()
+    d = await turn(ctl, request("t2", a1, 20_000), prompt=20_000)
+    assert d.priority == 2
+    lru = await lab(info="lru")
+    d = await turn(lru, request("t3", a1, 100), prompt=100)
+    assert d.priority is None
+    off = await lab(priority_steering=False)
+    d = await turn(off, request("t4", a1, 100), prompt=100)
+    assert d.priority is None
+
+
+async def test_unknown_router_policy_falls_back_to_fleet_accounting_and_says_so(lab) -> None:
+    ctl = await lab(policy="round_robin")
+    assert not ctl.program_active
+    health = ctl.health()
+    assert "round_robin" in health["fallback"] and health["program_active"] is False
+    d = await turn(ctl, request("t1", "s", 10), prompt=10)
+    assert d.reason == "capacity_available"  # the fleet-wide path decided
+    ctl.set_router_policy("consistent_hashing")
+    assert ctl.program_active
+    fleet = await lab(ledger="fleet")
+    assert not fleet.program_active and fleet.fallback_reason == "admission.ledger is fleet"
+    request_mode = await lab(mode="request")
+    assert not request_mode.program_active and request_mode.fallback_reason is None
+
+
+async def test_a_paused_turn_waits_no_longer_than_its_bound(lab) -> None:
+    ctl = await lab(
+        idle_lease_s=0.01, idle_half_life_s=3600.0, paused_max_wait_s=0.2, feedback=False
+    )
+    a1, a2 = keys_on(A, 2)
+    await turn(ctl, request("t1", a1, 10), prompt=500)
+    await turn(ctl, request("t2", a2, 10), prompt=10)
+    # a2 grows past the pause mark while a1 is idle: the tick pauses the smaller, a1.
+    ctl.caps[A] = 1000
+    await asyncio.sleep(0.02)
+    task = asyncio.create_task(turn(ctl, request("t3", a2, 470), prompt=480))
+    await asyncio.sleep(0)
+    await asyncio.wait_for(task, 1.0)
+    ctl.tick()
+    assert ctl.program.ledger.sessions[a1].state.value == "paused"
+    # a2 keeps growing (continuing, forwarded); a1's next turn does not fit and waits.
+    async with ctl.admit(request("t4", a2, 900)):
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        d = await asyncio.wait_for(turn(ctl, request("t5", a1, 500), prompt=500), 2.0)
+        waited = loop.time() - started
+    assert d.reason == "paused_aged" and d.action == "bypass"
+    assert 0.15 <= waited < 1.0 and d.wait_s == pytest.approx(0.2, abs=0.1)
+    assert ctl.stats()["agentic_kv/admission/paused_wait_count"] == 1
+
+
+async def test_placement_moves_sessions_when_an_engine_goes_unavailable(lab) -> None:
+    ctl = await lab()
+    ctl.set_workers([A, B])
+    sessions = keys_on(A, 3)
+    for i, sid in enumerate(sessions):
+        await turn(ctl, request(f"t{i}", sid, 10), prompt=10)
+    ctl.set_workers([A, B], available=[B])
+    assert all(ctl.program.ledger.sessions[s].engine == B for s in sessions)
+    assert ctl.stats()["agentic_kv/admission/event_moved"] == 3
+    text = "".join(str(m) for m in ctl.collect())
+    assert "agentic_kv_admission_engine_footprint_tokens" in text
+
+
+def test_diverted_requests_reads_smgs_off_ring_branches() -> None:
+    from kvproxy.admission.coordinator import diverted_requests
+
+    text = (
+        "# TYPE smg_consistent_hashing_policy_branch_total counter\n"
+        'smg_consistent_hashing_policy_branch_total{branch="routing_key_hit"} 90\n'
+        'smg_consistent_hashing_policy_branch_total{branch="random_fallback"} 3\n'
+        'smg_consistent_hashing_policy_branch_total{branch="no_healthy_workers"} 2\n'
+    )
+    assert diverted_requests(text) == 5.0
+    assert diverted_requests("smg_router_requests_total 4\n") is None
+
+
+async def test_waiters_go_when_program_mode_is_switched_off(lab) -> None:
+    ctl = await lab()
+    a1, a2 = keys_on(A, 2)
+    await asyncio.wait_for(turn(ctl, request("t1", a1, 850), prompt=850), 1.0)
+    waiting = asyncio.create_task(turn(ctl, request("t2", a2, 200), prompt=200))
+    await asyncio.sleep(0)
+    assert ctl.waiting == 1
+    ctl.set_router_policy("round_robin")
+    d = await asyncio.wait_for(waiting, 1.0)
+    assert (d.action, d.reason) == ("bypass", "bypass_no_placement")
+    assert ctl.waiting == 0
