@@ -59,7 +59,8 @@ def run(args: argparse.Namespace) -> int:
     from aiohttp import web
 
     from kvproxy.admin.reload import reload_config
-    from kvproxy.app import RUNTIME, create_app
+    from kvproxy.app import RUNTIME, create_app, slow_client_guard
+    from kvproxy.proxy.slow_clients import run_guarded_app
 
     overrides = overrides_from_args(args)
     try:
@@ -104,15 +105,14 @@ def run(args: argparse.Namespace) -> int:
         cfg.session_lifecycle.enabled,
         cfg.admission.enabled,
     )
-    web.run_app(
+    # web.run_app, with the server layer bounding slow clients (kvproxy.proxy.slow_clients).
+    run_guarded_app(
         app,
+        guard=slow_client_guard(app),
         host=cfg.server.host,
         port=cfg.server.port,
-        handler_cancellation=True,
         shutdown_timeout=cfg.server.shutdown_grace_s,
         backlog=cfg.server.backlog,
-        access_log=None,
-        print=None,
         loop=uvloop.new_event_loop() if uvloop is not None else None,
     )
     return 0
