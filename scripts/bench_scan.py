@@ -5,7 +5,8 @@ For ``/generate`` bodies with ``input_ids`` and chat bodies with ``messages`` of
 4 KB, 200 KB and 1 MB, times per call (microseconds):
 
   full   ``parse_object(raw)`` (orjson.loads) plus the reads a decision makes
-  scan   ``scan_object(raw)`` plus the same reads (prompt tokens from the count)
+  scan   ``scan_object(raw, counted_keys_for(path))`` plus the same reads (prompt
+         tokens from the count); chat bodies are parsed directly (no key to count)
 
 "The reads" are what session lifecycle and admission use: session id, rid, priority,
 sampling limits, nvext, prompt token count. Each figure is the median over ``--rounds``
@@ -100,7 +101,7 @@ def reads_full(raw: bytes) -> Any:
     )
 
 
-def reads_scan(raw: bytes, keys: tuple[str, ...] = counted_keys_for("/generate")) -> Any:
+def reads_scan(raw: bytes, keys: tuple[str, ...]) -> Any:
     scan = scan_object(raw, keys)
     assert scan is not None
     return (
@@ -135,19 +136,29 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     rounds = args.rounds or (3 if args.quick else 7)
     results: list[dict[str, Any]] = []
-    for kind, make in (("generate+input_ids", generate_body), ("chat+messages", chat_body)):
+    kinds = (
+        ("generate+input_ids", generate_body, "/generate"),
+        ("chat+messages", chat_body, "/v1/chat/completions"),
+    )
+    for kind, make, path in kinds:
+        keys = counted_keys_for(path)
+
+        def reads_scan_path(raw: bytes, keys: tuple[str, ...] = keys) -> Any:
+            return reads_scan(raw, keys)
+
         for label, size in SIZES.items():
             raw = make(size, args.seed)
-            assert reads_full(raw) == reads_scan(raw), (kind, label)
+            assert reads_full(raw) == reads_scan_path(raw), (kind, label)
             loops = max(3, int((2_000_000 if not args.quick else 400_000) / len(raw)))
             full = timeit(reads_full, raw, loops, rounds)
-            scan = timeit(reads_scan, raw, loops, rounds)
+            scan = timeit(reads_scan_path, raw, loops, rounds)
             results.append(
                 {
                     "body": kind,
                     "size": label,
                     "bytes": len(raw),
-                    "method": scan_object(raw).method,  # type: ignore[union-attr]
+                    "path": path,
+                    "method": scan_object(raw, keys).method,  # type: ignore[union-attr]
                     "full": full,
                     "scan": scan,
                     "speedup": full["median_us"] / scan["median_us"],

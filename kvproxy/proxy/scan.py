@@ -49,9 +49,15 @@ import orjson
 
 # Top-level keys whose flat token-id arrays are counted instead of parsed.
 COUNTED_KEYS: tuple[str, ...] = ("input_ids", "prompt")
-# Where a token-id ``prompt`` can occur (``/v1/completions``); elsewhere only
-# ``input_ids`` is looked for (each absent key costs one search through the body).
-_KEYS_BY_PATH: dict[str, tuple[str, ...]] = {"/v1/completions": COUNTED_KEYS}
+# The keys worth looking for on each path: each absent key costs one search through
+# the body (about a tenth of a full parse). Chat bodies carry ``messages`` (``input_ids``
+# on chat is SGLang 0.5.23's rarely used extension), so they are parsed directly; a
+# caller that expects ids on chat passes ``("input_ids",)`` itself.
+_KEYS_BY_PATH: dict[str, tuple[str, ...]] = {
+    "/generate": ("input_ids",),
+    "/v1/completions": COUNTED_KEYS,
+    "/v1/chat/completions": (),
+}
 _DEFAULT_KEYS: tuple[str, ...] = ("input_ids",)
 # Arrays shorter than this are parsed normally (excising them saves nothing).
 MIN_EXCISE_BYTES = 256
@@ -76,7 +82,8 @@ _NEEDLES = {key: b'"' + key.encode() + b'"' for key in COUNTED_KEYS}
 
 
 def counted_keys_for(path: str) -> tuple[str, ...]:
-    """The keys worth counting on ``path``: ``prompt`` only on ``/v1/completions``."""
+    """The keys worth counting on ``path``: ``prompt`` only on ``/v1/completions``, none
+    on chat (see :data:`_KEYS_BY_PATH`)."""
     return _KEYS_BY_PATH.get(path, _DEFAULT_KEYS)
 
 

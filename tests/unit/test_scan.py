@@ -496,3 +496,14 @@ def test_property_corrupted_bodies(raw: bytes, data: st.DataObject) -> None:
 
 def test_min_excise_threshold_is_what_the_tables_assume() -> None:
     assert len(orjson.dumps(_ids(300))) > MIN_EXCISE_BYTES > len(b"[1,2,3]")
+
+
+def test_counted_keys_per_path() -> None:
+    from kvproxy.proxy.scan import counted_keys_for
+
+    assert counted_keys_for("/generate") == ("input_ids",)
+    assert counted_keys_for("/v1/completions") == ("input_ids", "prompt")
+    assert counted_keys_for("/v1/chat/completions") == ()
+    chat = orjson.dumps({"messages": [], "input_ids": _ids(400)})
+    scan = scan_object(chat, counted_keys_for("/v1/chat/completions"))
+    assert scan is not None and scan.method == METHOD_FULL and scan.input_ids_count == 400
