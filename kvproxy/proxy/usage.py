@@ -33,7 +33,8 @@ import orjson
 MAX_EVENT_BYTES = 256 * 1024
 # How many bytes of a big event (or body) the key search looks at.
 SEARCH_BYTES = 4096
-DEFAULT_TAIL_BYTES = 16 * 1024
+# Per stream: at most twice this plus one chunk is held (2,000 open streams: ~32 MB).
+DEFAULT_TAIL_BYTES = 8 * 1024
 
 _KEYS = ("prompt_tokens", "completion_tokens", "cached_tokens")
 _KEY_RES = {key: re.compile(rb'"' + key.encode() + rb'"\s*:\s*(\d+)') for key in _KEYS}
