@@ -36,7 +36,14 @@ the existing pure readers (``resolve_identity``, ``injection_plan``,
 ``request_priority``, ``completion_tokens``, ``prompt_chars``) accept it unchanged. An
 excised array is materialised (by orjson, on its slice) only when someone indexes it;
 the readers that only need its length use :attr:`BodyScan.prompt_token_count` and
-:attr:`BodyScan.batch_size` instead.
+:attr:`BodyScan.batch_size` instead (or :func:`prompt_token_count` / :func:`batch_size`,
+which take a dict or a scan).
+
+Wiring (for the request handler): ``parse_object(raw)`` becomes
+``scan_object(raw, counted_keys_for(path))``; the scan is passed wherever the dict went
+(``resolve_identity``, ``injection_plan``, ``AdmissionRequest.body``); in the sizer,
+``exact_prompt_tokens`` and ``_batch_size`` become :func:`prompt_token_count` and
+:func:`batch_size`. ``inject_fields`` keeps splicing into the raw bytes.
 """
 
 from __future__ import annotations
@@ -335,6 +342,26 @@ class BodyScan(Mapping[str, Any]):
         return self._doc.get("messages") is not None
 
 
+def prompt_token_count(body: Mapping[str, Any]) -> int | None:
+    """``reservation.exact_prompt_tokens`` for a dict or a :class:`BodyScan` (no list
+    built for the latter): the drop-in for the sizer's reads."""
+    if isinstance(body, BodyScan):
+        return body.prompt_token_count
+    n = _list_length(body.get("input_ids"))
+    return n if n is not None else _list_length(body.get("prompt"))
+
+
+def batch_size(body: Mapping[str, Any]) -> int:
+    """``reservation._batch_size`` for a dict or a :class:`BodyScan`."""
+    if isinstance(body, BodyScan):
+        return body.batch_size
+    ids = body.get("input_ids")
+    if type(ids) is list and ids and type(ids[0]) is list:
+        return len(ids)
+    text = body.get("text")
+    return max(1, len(text)) if type(text) is list else 1
+
+
 def _full(raw: bytes) -> BodyScan | None:
     try:
         doc = orjson.loads(raw)
@@ -394,7 +421,9 @@ __all__ = [
     "METHOD_FULL",
     "METHOD_SCAN",
     "BodyScan",
+    "batch_size",
     "counted_keys_for",
     "locate_flat_array",
+    "prompt_token_count",
     "scan_object",
 ]

@@ -25,7 +25,9 @@ from kvproxy.proxy.scan import (
     METHOD_SCAN,
     MIN_EXCISE_BYTES,
     BodyScan,
+    batch_size,
     locate_flat_array,
+    prompt_token_count,
     scan_object,
 )
 from kvproxy.sessions.identity import InvalidSessionId, injection_plan, resolve_identity
@@ -56,6 +58,9 @@ def assert_agrees(raw: bytes) -> BodyScan | None:
     # The scan's facts first (before anything materialises an excised array).
     assert scan.prompt_token_count == exact_prompt_tokens(full)
     assert scan.batch_size == _batch_size(full)
+    assert prompt_token_count(scan) == prompt_token_count(full) == exact_prompt_tokens(full)
+    assert batch_size(scan) == batch_size(full) == _batch_size(full)
+    assert scan._materialised == {}
     assert scan.input_ids_count == (
         exact_prompt_tokens({"input_ids": full["input_ids"]}) if "input_ids" in full else None
     )
