@@ -24,6 +24,7 @@ from kvproxy.config import Config
 from kvproxy.fleet.registry import Fleet, legacy_warning
 from kvproxy.proxy.handlers import INTERCEPTED_PATHS, ProxyHandlers
 from kvproxy.proxy.metrics import ProxyMetrics
+from kvproxy.proxy.slow_clients import SlowClientGuard
 from kvproxy.proxy.upstream import create_client_session
 from kvproxy.runtime import RUNTIME, Runtime
 from kvproxy.sessions.lifecycle import SessionManager
@@ -94,6 +95,19 @@ async def _admission_ctx(app: web.Application) -> AsyncIterator[None]:
 
 async def _on_shutdown(app: web.Application) -> None:
     app[RUNTIME].shutting_down = True
+
+
+# ------------------------------------------------------------------------ server layer
+def slow_client_guard(app: web.Application) -> SlowClientGuard:
+    """The server layer's bounds on slow clients, read from the running config (a
+    reload applies to the next request) and counted on ``/metrics``."""
+    rt = app[RUNTIME]
+
+    def limits() -> tuple[float, float]:
+        server = rt.config.server
+        return server.header_read_timeout_s, server.body_read_timeout_s
+
+    return SlowClientGuard(limits, on_drop=rt.metrics.slow_client_dropped)
 
 
 # ------------------------------------------------------------------------ factory

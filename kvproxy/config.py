@@ -53,6 +53,11 @@ class ServerConfig:
     # production; a benchmark against simulated engines running faster than real time
     # sets it below 1 so the dynamics stay the same.
     time_scale: float = 1.0
+    # Slow clients: a request head must arrive within header_read_timeout_s (else 408
+    # and the connection is closed), a request body within body_read_timeout_s of the
+    # head's end (else the connection is closed). 0 disables a bound.
+    header_read_timeout_s: float = 15.0
+    body_read_timeout_s: float = 60.0
 
 
 ROUTER_POLICIES_MIRRORED = ("consistent_hashing",)
@@ -370,6 +375,9 @@ def validate(cfg: Config) -> None:
         s.log_level.upper() in {"DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"},
         f"server.log_level: must be one of DEBUG, INFO, WARNING, ERROR, CRITICAL (got {s.log_level!r})",
     )
+    for key in ("header_read_timeout_s", "body_read_timeout_s"):
+        value = getattr(s, key)
+        _check(value >= 0, f"server.{key}: must be >= 0 (0 = no bound) (got {value})")
     _check(bool(_URL_RE.match(r.url)), f"router.url: must be an http(s) URL (got {r.url!r})")
     _check(
         r.metrics_url is None or bool(_URL_RE.match(r.metrics_url)),

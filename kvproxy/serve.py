@@ -106,7 +106,8 @@ def run(args: argparse.Namespace) -> int:
     from aiohttp import web
 
     from kvproxy.admin.reload import reload_config
-    from kvproxy.app import RUNTIME, create_app
+    from kvproxy.app import RUNTIME, create_app, slow_client_guard
+    from kvproxy.proxy.slow_clients import run_guarded_app
 
     overrides = overrides_from_args(args)
     try:
@@ -144,8 +145,8 @@ def run(args: argparse.Namespace) -> int:
 
     app.on_startup.append(_install_sighup)
 
-    def _started(_: str) -> None:
-        # run_app calls its ``print`` once the socket is bound and serving.
+    def _started() -> None:
+        # Called once the socket is bound and serving.
         log.info(
             "kvproxy %s listening on http://%s:%d -> router %s (session_lifecycle=%s, "
             "admission=%s)",
@@ -158,16 +159,16 @@ def run(args: argparse.Namespace) -> int:
         )
 
     try:
-        web.run_app(
+        # web.run_app, with the server layer bounding slow clients (kvproxy.proxy.slow_clients).
+        run_guarded_app(
             app,
+            guard=slow_client_guard(app),
             host=cfg.server.host,
             port=cfg.server.port,
-            handler_cancellation=True,
             shutdown_timeout=cfg.server.shutdown_grace_s,
             backlog=cfg.server.backlog,
-            access_log=None,
-            print=_started,
             loop=uvloop.new_event_loop() if uvloop is not None else None,
+            ready=_started,
         )
     except OSError as exc:
         print(f"kvproxy: {bind_error(cfg.server.host, cfg.server.port, exc)}", file=sys.stderr)

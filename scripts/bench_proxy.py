@@ -19,9 +19,12 @@ Measurements (each reported per target, with the difference to direct):
   fixed load    latency p50/p99 at 1,000 req/s open loop, timed from each request's
                 scheduled send time (queueing counts), plus the proxy's own
                 ``kvproxy_added_latency_seconds`` quantiles over the same window
+  ladder        the same open loop at 100 / 500 / 1,000 / 2,000 req/s (``--ladder``):
+                p50/p99 per rate and target, and what each target adds over direct
   streams       TTFT and inter-chunk gap p50/p99 of concurrent SSE streams; a gap under
                 half the upstream's gap counts as a coalesced chunk
-  big body      latency of a 200 KB ``input_ids`` body, one request at a time
+  big body      latency of 4 KB, 200 KB and 1 MB ``input_ids`` bodies, one request at a
+                time, with the difference to direct and to kvproxy with features off
   open streams  2,000 concurrent slow streams through a freshly started proxy: every
                 stream complete with the right chunk count, the proxy's peak RSS
 
@@ -31,6 +34,8 @@ The script starts every process itself (upstream, proxies, load generators) on
     python scripts/bench_proxy.py                 # full run (docs/benchmarks.md)
     python scripts/bench_proxy.py --quick         # sanity run, about 1.5 minutes
     python scripts/bench_proxy.py --targets direct,off --skip open-streams
+    python scripts/bench_proxy.py --quick --skip saturation,fixed,streams,open-streams
+                                                  # QPS ladder and body sizes only
     python scripts/bench_proxy.py --profile results/profile   # also py-spy each proxy
 
 Internal modes (started by the script itself):
@@ -78,12 +83,15 @@ PROXY_FEATURES: dict[str, tuple[bool, bool]] = {  # name -> (lifecycle, admissio
     "lifecycle": (True, False),
     "admission": (False, True),
 }
-MEASUREMENTS = ("saturation", "fixed", "streams", "bigbody", "open-streams")
+MEASUREMENTS = ("saturation", "fixed", "ladder", "streams", "bigbody", "open-streams")
 
 # Requests cycle through this many session ids (sent as X-Session-ID to every target).
 SESSIONS = 256
 SMALL_BODY_BYTES = 4 * 1024
 BIG_BODY_BYTES = 200 * 1024
+# The body sizes of the big-body measurement (200 KB is the one the targets name first).
+BODY_SIZES: dict[str, int] = {"4KB": SMALL_BODY_BYTES, "200KB": BIG_BODY_BYTES, "1MB": 1024 * 1024}
+LADDER_RATES: tuple[float, ...] = (100.0, 500.0, 1000.0, 2000.0)
 
 # Targets from the issue, checked at the end of a run.
 TARGET_ADDED_P50_MS = 0.3
@@ -91,6 +99,8 @@ TARGET_ADDED_P99_MS = 2.0
 TARGET_SATURATION_RPS = 5000.0
 TARGET_OPEN_STREAMS_RSS_MB = 300.0
 TARGET_BIG_BODY_ADDED_MS = 2.0
+# A feature on over features off, same body, one request at a time (p50).
+TARGET_BODY_OVER_OFF_MS = {"200KB": 0.5, "1MB": 2.0}
 
 
 # --------------------------------------------------------------------------- bodies
@@ -147,16 +157,16 @@ def summarize_ms(values_s: Sequence[float]) -> dict[str, float | int | None]:
 
 
 def paired_delta(
-    rounds: Mapping[str, Sequence[Mapping[str, Any]]], target: str, key: str
+    rounds: Mapping[str, Sequence[Mapping[str, Any]]], target: str, key: str, base: str = "direct"
 ) -> float | None:
-    """Median over rounds of ``target``'s ``key`` minus direct's in the same round.
+    """Median over rounds of ``target``'s ``key`` minus ``base``'s in the same round.
 
     Rounds interleave the targets, so pairing by round cancels slow drifts of the machine;
     the median keeps one disturbed round from moving the result."""
     diffs = [
-        mine[key] - base[key]
-        for mine, base in zip(rounds.get(target, ()), rounds.get("direct", ()), strict=False)
-        if mine.get(key) is not None and base.get(key) is not None
+        mine[key] - ref[key]
+        for mine, ref in zip(rounds.get(target, ()), rounds.get(base, ()), strict=False)
+        if mine.get(key) is not None and ref.get(key) is not None
     ]
     return statistics.median(diffs) if diffs else None
 
@@ -955,6 +965,9 @@ class Params:
     stream_gap_ms: float = 50.0
     big_requests: int = 200
     big_warmup: int = 20
+    ladder_rates: tuple[float, ...] = LADDER_RATES
+    ladder_warmup_s: float = 1.0
+    ladder_duration_s: float = 5.0
     open_streams: int = 2000
     open_chunks: int = 5
     open_gap_ms: float = 1000.0
@@ -972,6 +985,8 @@ class Params:
             stream_chunks=10,
             big_requests=50,
             big_warmup=5,
+            ladder_warmup_s=0.5,
+            ladder_duration_s=1.5,
             open_streams=500,
             open_chunks=3,
             open_gap_ms=500.0,
@@ -1138,6 +1153,24 @@ class Bench:
         self.say(
             f"\n== fixed load: {p.fixed_rate:.0f} req/s open loop, 4 KB bodies, {p.fixed_duration_s:.0f} s x {p.rounds} round(s)"
         )
+        self.results["fixed"] = self._open_loop(p.fixed_rate, p.fixed_warmup_s, p.fixed_duration_s)
+
+    def ladder(self) -> None:
+        """The open loop at each rate of ``ladder_rates`` (targets interleaved per rate)."""
+        p = self.params
+        self.say(
+            f"\n== QPS ladder: {', '.join(f'{r:.0f}' for r in p.ladder_rates)} req/s open loop, "
+            f"4 KB bodies, {p.ladder_duration_s:.1f} s x {p.rounds} round(s) per rate"
+        )
+        ladder: dict[str, Any] = {}
+        for rate in p.ladder_rates:
+            self.say(f"  -- {rate:.0f} req/s")
+            ladder[f"{rate:.0f}"] = self._open_loop(rate, p.ladder_warmup_s, p.ladder_duration_s)
+        self.results["ladder"] = ladder
+
+    def _open_loop(self, rate: float, warmup_s: float, duration_s: float) -> dict[str, Any]:
+        """Each target at ``rate`` req/s open loop for ``rounds`` rounds: pooled summary."""
+        p = self.params
         pooled: dict[str, dict[str, Any]] = {
             t: {
                 "latencies_s": [],
@@ -1156,15 +1189,15 @@ class Bench:
                 spec = {
                     "kind": "fixed",
                     "url": self.url(target),
-                    "rate": p.fixed_rate,
-                    "warmup_s": p.fixed_warmup_s,
-                    "duration_s": p.fixed_duration_s,
+                    "rate": rate,
+                    "warmup_s": warmup_s,
+                    "duration_s": duration_s,
                     "body_bytes": SMALL_BODY_BYTES,
                 }
                 # Warm-up requests are observed by the proxy too: scrape once they are done.
                 server = "upstream" if target == "direct" else target
                 state: dict[str, Any] = {
-                    "at": time.monotonic() + p.fixed_warmup_s + 0.3,
+                    "at": time.monotonic() + warmup_s + 0.3,
                     "done": False,
                     "before": {},
                     "cpu0": None,
@@ -1180,9 +1213,7 @@ class Bench:
                         state["t0"] = time.monotonic()
                         state["done"] = True
 
-                res = run_client_proc(
-                    spec, p.fixed_warmup_s + p.fixed_duration_s + 60, sample=sample
-                )
+                res = run_client_proc(spec, warmup_s + duration_s + 60, sample=sample)
                 cpu1, t1 = self.cpu().get(server), time.monotonic()
                 after = self.scrape(target)
                 acc = pooled[target]
@@ -1212,7 +1243,7 @@ class Bench:
                 "sent": acc["sent"],
                 "ok": acc["ok"],
                 "errors": dict(acc["errors"]),
-                "achieved_rps": acc["ok"] / (p.fixed_duration_s * p.rounds),
+                "achieved_rps": acc["ok"] / (duration_s * p.rounds),
                 "schedule_lag_max_ms": acc["lag"],
                 "cpu_share": sorted(acc["cpu"])[len(acc["cpu"]) // 2] if acc["cpu"] else None,
             }
@@ -1230,7 +1261,7 @@ class Bench:
                     "p99_ms": _ms(histogram_quantile(before_sum, after_sum, 0.99)),
                 }
             summary[target] = entry
-        self.results["fixed"] = summary
+        return summary
 
     # ----------------------------------------------------------------- streams
     def streams(self) -> None:
@@ -1300,8 +1331,18 @@ class Bench:
     def bigbody(self) -> None:
         p = self.params
         self.say(
-            f"\n== big body: 200 KB input_ids, one at a time, {p.big_requests} requests x {p.rounds} round(s)"
+            f"\n== body sizes: {', '.join(BODY_SIZES)} input_ids, one at a time, "
+            f"{p.big_requests} requests x {p.rounds} round(s) each"
         )
+        bodies: dict[str, Any] = {}
+        for label, size in BODY_SIZES.items():
+            self.say(f"  -- {label}")
+            bodies[label] = self._sequential(size)
+        self.results["bodies"] = bodies
+        self.results["bigbody"] = bodies["200KB"]  # the measurement's earlier name
+
+    def _sequential(self, size: int) -> dict[str, Any]:
+        p = self.params
         pooled: dict[str, list[float]] = {t: [] for t in self.targets()}
         errors: dict[str, Tally[str]] = {t: Tally() for t in self.targets()}
         per_round: dict[str, list[dict[str, Any]]] = {t: [] for t in self.targets()}
@@ -1311,11 +1352,11 @@ class Bench:
                 spec = {
                     "kind": "sequential",
                     "url": self.url(target),
-                    "body_bytes": BIG_BODY_BYTES,
+                    "body_bytes": size,
                     "requests": p.big_requests,
                     "warmup": p.big_warmup,
                 }
-                res = run_client_proc(spec, 120)
+                res = run_client_proc(spec, 300)
                 pooled[target].extend(res["latencies_s"])
                 errors[target].update(res["errors"])
                 body_bytes = res["body_bytes"]
@@ -1324,8 +1365,8 @@ class Bench:
                 self.say(
                     f"  {target:10s} p50 {lat['p50_ms'] or 0:.3f} ms  p99 {lat['p99_ms'] or 0:.3f} ms"
                 )
-        big = make_body(BIG_BODY_BYTES)
-        self.results["bigbody"] = {
+        big = make_body(size)
+        return {
             "body_bytes": body_bytes,
             "input_ids": big.count(b",", 0, big.index(b"]")) + 1,
             "targets": {
@@ -1335,6 +1376,7 @@ class Bench:
                     "rounds": per_round[t],
                     "delta_p50_ms": paired_delta(per_round, t, "p50_ms"),
                     "delta_p99_ms": paired_delta(per_round, t, "p99_ms"),
+                    "over_off_p50_ms": paired_delta(per_round, t, "p50_ms", base="off"),
                 }
                 for t, v in pooled.items()
             },
@@ -1552,6 +1594,40 @@ def format_report(results: Mapping[str, Any], params: Params) -> str:
                 rows,
             )
         )
+    if ladder := results.get("ladder"):
+        rows = []
+        for rate, per_target in ladder.items():
+            for name, r in per_target.items():
+                lat = r["latency"]
+                rows.append(
+                    [
+                        rate,
+                        name,
+                        f"{r['achieved_rps']:.0f}",
+                        _f(lat["p50_ms"]),
+                        _f(lat["p99_ms"]),
+                        "-" if name == "direct" else _signed(r.get("delta_p50_ms")),
+                        "-" if name == "direct" else _signed(r.get("delta_p99_ms")),
+                        str(sum(r["errors"].values())),
+                    ]
+                )
+        parts.append(
+            f"**QPS ladder** (open loop, 4 KB bodies, latency from the scheduled send time; "
+            f"{params.rounds} x {params.ladder_duration_s:.1f} s per rate, {DELTA_NOTE})\n\n"
+            + _table(
+                [
+                    "offered req/s",
+                    "target",
+                    "req/s",
+                    "p50 ms",
+                    "p99 ms",
+                    "Δp50 ms",
+                    "Δp99 ms",
+                    "errors",
+                ],
+                rows,
+            )
+        )
     if streams := results.get("streams"):
         rows = []
         for name, r in streams.items():
@@ -1590,7 +1666,7 @@ def format_report(results: Mapping[str, Any], params: Params) -> str:
                 rows,
             )
         )
-    if big := results.get("bigbody"):
+    if (big := results.get("bigbody")) and not results.get("bodies"):
         t = big["targets"]
         rows = [
             [
@@ -1607,6 +1683,38 @@ def format_report(results: Mapping[str, Any], params: Params) -> str:
             f"**200 KB body** ({big['body_bytes']} bytes, {big['input_ids']} `input_ids`, one request at a time, "
             f"X-Session-ID set, {params.rounds} x {params.big_requests} requests, {DELTA_NOTE})\n\n"
             + _table(["target", "p50 ms", "p99 ms", "Δp50 ms", "Δp99 ms", "errors"], rows)
+        )
+    if bodies := results.get("bodies"):
+        rows = [
+            [
+                label,
+                str(b["body_bytes"]),
+                name,
+                _f(r["latency"]["p50_ms"]),
+                _f(r["latency"]["p99_ms"]),
+                "-" if name == "direct" else _signed(r.get("delta_p50_ms")),
+                "-" if name in ("direct", "off") else _signed(r.get("over_off_p50_ms")),
+                str(sum(r["errors"].values())),
+            ]
+            for label, b in bodies.items()
+            for name, r in b["targets"].items()
+        ]
+        parts.append(
+            f"**Body sizes** (`input_ids` bodies, one request at a time, {params.rounds} x "
+            f"{params.big_requests} requests each; Δ: paired per round, median)\n\n"
+            + _table(
+                [
+                    "body",
+                    "bytes",
+                    "target",
+                    "p50 ms",
+                    "p99 ms",
+                    "Δp50 vs direct",
+                    "Δp50 vs off",
+                    "errors",
+                ],
+                rows,
+            )
         )
     if (opened := results.get("open_streams")) and opened["targets"]:
         rows = [
@@ -1758,6 +1866,21 @@ def target_checks(results: Mapping[str, Any], params: Params) -> list[tuple[str,
                 d <= TARGET_BIG_BODY_ADDED_MS and not n_err,
             )
         )
+    for label, limit in TARGET_BODY_OVER_OFF_MS.items():
+        per_size = ((results.get("bodies") or {}).get(label) or {}).get("targets", {})
+        for name, r in per_size.items():
+            if name not in PROXY_FEATURES or name == "off" or r.get("over_off_p50_ms") is None:
+                continue
+            n_err = sum(r["errors"].values())
+            d = r["over_off_p50_ms"]
+            checks.append(
+                (
+                    name,
+                    f"{label} body adds <= {limit} ms over features off (p50)",
+                    f"{d:+.3f} ms{errs(n_err)}",
+                    d <= limit and not n_err,
+                )
+            )
     return checks
 
 
@@ -1840,6 +1963,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--rate", type=float, default=None, help="fixed offered load in req/s (default 1000)"
     )
     parser.add_argument(
+        "--ladder",
+        default=None,
+        metavar="RATES",
+        help="comma list of open-loop rates for the QPS ladder (default 100,500,1000,2000)",
+    )
+    parser.add_argument(
         "--connections", type=int, default=None, help="saturation connections (default 64)"
     )
     parser.add_argument(
@@ -1897,6 +2026,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         params.fixed_rate = args.rate
     if args.connections is not None:
         params.sat_connections = args.connections
+    if args.ladder:
+        try:
+            params.ladder_rates = tuple(float(r) for r in args.ladder.split(",") if r.strip())
+        except ValueError:
+            print(f"bench_proxy: --ladder: not a list of numbers: {args.ladder!r}", file=sys.stderr)
+            return 2
     nofile = raise_nofile()
     if nofile < params.open_streams * 2 + 256 and "open-streams" not in args.skip:
         print(
@@ -1927,6 +2062,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             steps: list[tuple[str, Callable[[], None]]] = [
                 ("saturation", bench.saturation),
                 ("fixed", bench.fixed),
+                ("ladder", bench.ladder),
                 ("streams", bench.streams),
                 ("bigbody", bench.bigbody),
                 ("open-streams", bench.open_streams),

@@ -44,10 +44,23 @@ class ProxyMetrics:
             buckets=LATENCY_BUCKETS,
             registry=registry,
         )
+        self.slow_clients_dropped = Counter(
+            "kvproxy_slow_clients_dropped",
+            "Connections closed because the request head (phase=header) or body "
+            "(phase=body) did not arrive within server.header_read_timeout_s / "
+            "server.body_read_timeout_s.",
+            ["phase"],
+            registry=registry,
+        )
+        for phase in ("header", "body"):
+            self.slow_clients_dropped.labels(phase)  # exported at 0 from the start
         self._children: dict[tuple[str, int], Counter] = {}
         # Plain running totals for the dashboard's rates (no label lookups there).
         self.answered = 0
         self.upstream_failures = 0
+
+    def slow_client_dropped(self, phase: str) -> None:
+        self.slow_clients_dropped.labels(phase).inc()
 
     def upstream_error(self, kind: str) -> None:
         self.upstream_failures += 1

@@ -1,0 +1,429 @@
+"""Read what a decision needs from a request body without materialising its token ids.
+
+Pure: no I/O, no clock. :func:`scan_object` is a drop-in replacement for
+:func:`kvproxy.proxy.body.parse_object` that does not build the big ``input_ids`` list
+(36k Python ints for a 200 KB body, most of the parse's cost) nor re-serialise anything.
+
+How it works
+    1. *Locate*: for each counted key (``input_ids``, and ``prompt`` as token ids on
+       ``/v1/completions``) find ``"key"`` followed by ``:`` and ``[`` with byte searches
+       (``bytes.find`` is memchr-fast), then the array's closing ``]``. The array is
+       *flat* when no ``[``, ``{``, ``}`` or ``"`` occurs inside it.
+    2. *Count*: a flat array made only of digits, commas and JSON whitespace (one
+       ``bytes.translate`` pass) has ``commas + 1`` elements, and its first element is an
+       integer when it has at most 19 digits (orjson parses longer ones as floats).
+       Anything else (negative or fractional numbers, ``true``, strings, nested lists as
+       in a batch) is not excised and is parsed normally.
+    3. *Parse the rest*: the array's bytes are replaced by a sentinel string carrying a
+       per-process random nonce and the remaining (small) document is parsed by orjson,
+       so every other value, the top-level structure, escapes, unicode, numbers and
+       duplicate keys are decided by the same parser as a full parse would use
+       (orjson keeps the *last* of duplicate keys, in the position of the first).
+    4. *Verify*: the parsed document must hold the sentinel at the top-level key. If
+       not (the key was nested somewhere, duplicated, or written with escapes), the body
+       is parsed in full: correct, just not faster.
+
+Agreement with the full parse (property-tested in tests/unit/test_scan.py): for every
+body, ``scan_object(raw)`` is None exactly when ``parse_object(raw)`` is None, and
+otherwise ``dict(scan) == parse_object(raw)``, with one documented exception: the
+interior of an excised digit array is checked for its character set, not element by
+element, so ``[1,,2]``, ``[1 2]`` and ``[1,02]`` (which no JSON encoder produces) are
+counted where orjson would reject the body. Such a body reaches the engine, which
+answers 400 as it would have without kvproxy.
+
+The result, :class:`BodyScan`, is a read-only ``Mapping`` of the top-level members, so
+the existing pure readers (``resolve_identity``, ``injection_plan``,
+``request_priority``, ``completion_tokens``, ``prompt_chars``) accept it unchanged. An
+excised array is materialised (by orjson, on its slice) only when someone indexes it;
+the readers that only need its length use :attr:`BodyScan.prompt_token_count` and
+:attr:`BodyScan.batch_size` instead (or :func:`prompt_token_count` / :func:`batch_size`,
+which take a dict or a scan).
+
+Wiring (for the request handler): ``parse_object(raw)`` becomes
+``scan_object(raw, counted_keys_for(path))``; the scan is passed wherever the dict went
+(``resolve_identity``, ``injection_plan``, ``AdmissionRequest.body``); in the sizer,
+``exact_prompt_tokens`` and ``_batch_size`` become :func:`prompt_token_count` and
+:func:`batch_size`. ``inject_fields`` keeps splicing into the raw bytes.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import orjson
+
+# Top-level keys whose flat token-id arrays are counted instead of parsed.
+COUNTED_KEYS: tuple[str, ...] = ("input_ids", "prompt")
+# The keys worth looking for on each path: each absent key costs one search through
+# the body (about a tenth of a full parse). Chat bodies carry ``messages`` (``input_ids``
+# on chat is SGLang 0.5.23's rarely used extension), so they are parsed directly; a
+# caller that expects ids on chat passes ``("input_ids",)`` itself.
+_KEYS_BY_PATH: dict[str, tuple[str, ...]] = {
+    "/generate": ("input_ids",),
+    "/v1/completions": COUNTED_KEYS,
+    "/v1/chat/completions": (),
+}
+_DEFAULT_KEYS: tuple[str, ...] = ("input_ids",)
+# Arrays shorter than this are parsed normally (excising them saves nothing).
+MIN_EXCISE_BYTES = 256
+# At most this many digits and the first element is an int for orjson (u64 / i64 range).
+_MAX_INT_DIGITS = 19
+
+_WS = b" \t\r\n"
+_DIGITS_AND_WS = b"0123456789 \t\r\n"
+_NONCE = os.urandom(16).hex()
+
+METHOD_SCAN = "scan"  # token arrays counted, the rest parsed
+METHOD_FULL = "full"  # parsed in full (nothing to excise, or the scan could not decide)
+
+
+def _sentinel(key: str) -> str:
+    return f"\x00kvproxy-excised:{_NONCE}:{key}"
+
+
+_SENTINELS = {key: _sentinel(key) for key in COUNTED_KEYS}
+_SENTINEL_BYTES = {key: orjson.dumps(value) for key, value in _SENTINELS.items()}
+_NEEDLES = {key: b'"' + key.encode() + b'"' for key in COUNTED_KEYS}
+
+
+def counted_keys_for(path: str) -> tuple[str, ...]:
+    """The keys worth counting on ``path``: ``prompt`` only on ``/v1/completions``, none
+    on chat (see :data:`_KEYS_BY_PATH`)."""
+    return _KEYS_BY_PATH.get(path, _DEFAULT_KEYS)
+
+
+def _skip_ws(raw: bytes, pos: int, end: int) -> int:
+    while pos < end and raw[pos] in _WS:
+        pos += 1
+    return pos
+
+
+def locate_flat_array(raw: bytes, key: str) -> tuple[int, int, int] | None:
+    """``(start, end, count)`` of the first ``"key": [digits, ...]`` in ``raw``, else None.
+
+    ``raw[start:end]`` is the array including its brackets and ``count`` its number of
+    elements; the first element is an integer. Whether the occurrence is the *top-level*
+    member is not decided here (see :func:`scan_object`).
+    """
+    needle = _NEEDLES.get(key) or b'"' + key.encode() + b'"'
+    i = raw.find(needle)
+    if i < 0:
+        return None
+    n = len(raw)
+    p = _skip_ws(raw, i + len(needle), n)
+    if p >= n or raw[p] != 0x3A:  # ":"
+        return None
+    p = _skip_ws(raw, p + 1, n)
+    if p >= n or raw[p] != 0x5B:  # "["
+        return None
+    start = p
+    close = raw.find(b"]", start + 1)
+    if close < 0:
+        return None
+    for ch in (b"[", b"{", b"}", b'"'):
+        if raw.find(ch, start + 1, close) >= 0:
+            return None  # nested or not an array of numbers: parse it normally
+    inner = raw[start + 1 : close]
+    commas = inner.translate(None, _DIGITS_AND_WS)
+    if commas.translate(None, b","):
+        return None  # signs, fractions, exponents, literals: parse it normally
+    body = inner.strip(_WS)
+    if not body:
+        return (start, close + 1, 0) if not commas else None
+    if body[0] == 0x2C or body[-1] == 0x2C:  # leading or trailing comma
+        return None
+    first_end = body.find(b",")
+    first = body[: first_end if first_end >= 0 else len(body)].rstrip(_WS)
+    if len(first) > _MAX_INT_DIGITS or (len(first) > 1 and first[0] == 0x30):
+        return None  # a float for orjson, or a leading zero: let the parser decide
+    return start, close + 1, len(commas) + 1
+
+
+def _as_int(value: Any) -> int | None:
+    """An integral JSON number (not bool): ints, and floats with no fraction."""
+    if type(value) is int:
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return None
+
+
+def _list_length(value: Any) -> int | None:
+    """Length of a token-id list, or summed lengths of a batch of them; else None.
+
+    The same rule as ``kvproxy.admission.reservation._token_list_length``."""
+    if not isinstance(value, list):
+        return None
+    if not value:
+        return 0
+    first = value[0]
+    if isinstance(first, int) and not isinstance(first, bool):
+        return len(value)
+    if isinstance(first, list):
+        return sum(len(v) for v in value if isinstance(v, list))
+    return None
+
+
+_NONE: dict[Any, Any] = {}  # shared, never written: BodyScan only reads it
+
+
+class BodyScan(Mapping[str, Any]):
+    """The top-level members of a JSON-object request body, token arrays counted lazily.
+
+    A read-only ``Mapping``: ``scan["sampling_params"]``, ``scan.get("rid")``,
+    ``"session_id" in scan`` behave exactly as on the dict a full parse returns. The
+    properties below are what the session and admission decisions read.
+    """
+
+    __slots__ = ("_counts", "_doc", "_materialised", "_raw", "_spans", "method")
+
+    def __init__(
+        self,
+        doc: dict[str, Any],
+        *,
+        raw: bytes = b"",
+        spans: dict[str, tuple[int, int]] | None = None,
+        counts: dict[str, int] | None = None,
+        method: str = METHOD_FULL,
+    ) -> None:
+        self._doc = doc
+        self._raw = raw
+        self._spans: dict[str, tuple[int, int]] = spans if spans is not None else _NONE
+        self._counts: dict[str, int] = counts if counts is not None else _NONE
+        self._materialised: dict[str, Any] = {}
+        self.method = method
+
+    # -- Mapping ---------------------------------------------------------------------
+    def __getitem__(self, key: str) -> Any:
+        if key in self._spans:
+            value = self._materialised.get(key)
+            if value is None:
+                start, end = self._spans[key]
+                value = self._materialised[key] = orjson.loads(self._raw[start:end])
+            return value
+        return self._doc[key]
+
+    def get(self, key: str, default: Any = None) -> Any:
+        if key in self._spans:
+            return self[key]
+        return self._doc.get(key, default)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._doc
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._doc)
+
+    def __len__(self) -> int:
+        return len(self._doc)
+
+    def __repr__(self) -> str:
+        counted = ", ".join(f"{k}=<{n} ids>" for k, n in self._counts.items())
+        return f"BodyScan(method={self.method!r}, keys={list(self._doc)}, {counted})"
+
+    def to_dict(self) -> dict[str, Any]:
+        """The body as a plain dict (materialises excised arrays)."""
+        return {key: self[key] for key in self._doc}
+
+    # -- token ids -------------------------------------------------------------------
+    @property
+    def excised(self) -> tuple[str, ...]:
+        """The keys whose arrays were counted and not parsed."""
+        return tuple(self._spans)
+
+    def token_count(self, key: str) -> int | None:
+        """Length of the token-id list at ``key`` (a batch: summed lengths), else None."""
+        count = self._counts.get(key)
+        if count is not None:
+            return count
+        return _list_length(self._doc.get(key))
+
+    @property
+    def prompt_token_count(self) -> int | None:
+        """Prompt tokens carried as ids: ``input_ids``, else a token-id ``prompt``.
+
+        Equals ``reservation.exact_prompt_tokens`` of the full parse."""
+        n = self.token_count("input_ids")
+        if n is None:
+            n = self.token_count("prompt")
+        return n
+
+    @property
+    def input_ids_count(self) -> int | None:
+        return self.token_count("input_ids")
+
+    @property
+    def batch_size(self) -> int:
+        """Prompts in a native ``/generate`` batch (1 when not batched).
+
+        Equals ``reservation._batch_size`` of the full parse."""
+        if "input_ids" not in self._counts:
+            ids = self._doc.get("input_ids")
+            if type(ids) is list and ids and type(ids[0]) is list:
+                return len(ids)
+        text = self._doc.get("text")
+        if type(text) is list:
+            return max(1, len(text))
+        return 1
+
+    # -- small fields ----------------------------------------------------------------
+    @property
+    def session_id(self) -> Any:
+        return self._doc.get("session_id")
+
+    @property
+    def session_params(self) -> Any:
+        return self._doc.get("session_params")
+
+    @property
+    def rid(self) -> Any:
+        return self._doc.get("rid")
+
+    @property
+    def priority(self) -> Any:
+        return self._doc.get("priority")
+
+    @property
+    def stream(self) -> bool:
+        return self._doc.get("stream") is True
+
+    @property
+    def sampling_params(self) -> Any:
+        """A dict, a list of dicts (a batch), or whatever the client sent."""
+        return self._doc.get("sampling_params")
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        sp = self._doc.get("sampling_params")
+        return _as_int(sp.get("max_new_tokens")) if isinstance(sp, dict) else None
+
+    @property
+    def n(self) -> int | None:
+        """``sampling_params.n`` (/generate), else the top-level ``n`` (OpenAI)."""
+        sp = self._doc.get("sampling_params")
+        value = sp.get("n") if isinstance(sp, dict) else None
+        if value is None:
+            value = self._doc.get("n")
+        return _as_int(value)
+
+    @property
+    def max_tokens(self) -> int | None:
+        return _as_int(self._doc.get("max_tokens"))
+
+    @property
+    def max_completion_tokens(self) -> int | None:
+        return _as_int(self._doc.get("max_completion_tokens"))
+
+    @property
+    def nvext(self) -> dict[str, Any] | None:
+        value = self._doc.get("nvext")
+        return value if isinstance(value, dict) else None
+
+    @property
+    def agent_hints(self) -> dict[str, Any] | None:
+        nvext = self.nvext
+        value = nvext.get("agent_hints") if nvext is not None else None
+        return value if isinstance(value, dict) else None
+
+    @property
+    def session_control(self) -> dict[str, Any] | None:
+        nvext = self.nvext
+        value = nvext.get("session_control") if nvext is not None else None
+        return value if isinstance(value, dict) else None
+
+    @property
+    def has_text(self) -> bool:
+        return self._doc.get("text") is not None
+
+    @property
+    def has_messages(self) -> bool:
+        return self._doc.get("messages") is not None
+
+
+def prompt_token_count(body: Mapping[str, Any]) -> int | None:
+    """``reservation.exact_prompt_tokens`` for a dict or a :class:`BodyScan` (no list
+    built for the latter): the drop-in for the sizer's reads."""
+    if isinstance(body, BodyScan):
+        return body.prompt_token_count
+    n = _list_length(body.get("input_ids"))
+    return n if n is not None else _list_length(body.get("prompt"))
+
+
+def batch_size(body: Mapping[str, Any]) -> int:
+    """``reservation._batch_size`` for a dict or a :class:`BodyScan`."""
+    if isinstance(body, BodyScan):
+        return body.batch_size
+    ids = body.get("input_ids")
+    if type(ids) is list and ids and type(ids[0]) is list:
+        return len(ids)
+    text = body.get("text")
+    return max(1, len(text)) if type(text) is list else 1
+
+
+def _full(raw: bytes) -> BodyScan | None:
+    try:
+        doc = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return None
+    return BodyScan(doc, method=METHOD_FULL) if isinstance(doc, dict) else None
+
+
+def scan_object(raw: bytes, keys: tuple[str, ...] = COUNTED_KEYS) -> BodyScan | None:
+    """The body as a :class:`BodyScan`, or None when it is not a JSON object.
+
+    Same answer as :func:`kvproxy.proxy.body.parse_object` (see the module docstring
+    for the one documented difference), without building flat token-id arrays under
+    ``keys`` (a subset of :data:`COUNTED_KEYS`; :func:`counted_keys_for` gives the
+    path's). Bodies too small to hold an array worth excising are parsed directly.
+    """
+    if len(raw) < MIN_EXCISE_BYTES:
+        return _full(raw) if raw else None
+    found: list[tuple[int, int, str, int]] = []
+    for key in keys:
+        loc = locate_flat_array(raw, key)
+        if loc is not None and loc[1] - loc[0] >= MIN_EXCISE_BYTES:
+            found.append((loc[0], loc[1], key, loc[2]))
+    if not found:
+        return _full(raw)
+    found.sort()
+    parts: list[bytes] = []
+    prev = 0
+    for start, end, key, _ in found:
+        if start < prev:  # overlapping finds cannot both be top-level arrays
+            return _full(raw)
+        parts += (raw[prev:start], _SENTINEL_BYTES[key])
+        prev = end
+    parts.append(raw[prev:])
+    try:
+        doc = orjson.loads(b"".join(parts))
+    except orjson.JSONDecodeError:
+        return _full(raw)
+    if not isinstance(doc, dict):
+        return _full(raw)
+    for _, _, key, _ in found:
+        if doc.get(key) != _SENTINELS[key]:
+            # The occurrence found was nested, overridden by a later duplicate, or the
+            # top-level key was spelled with escapes: the scan cannot decide.
+            return _full(raw)
+    return BodyScan(
+        doc,
+        raw=raw,
+        spans={key: (start, end) for start, end, key, _ in found},
+        counts={key: count for _, _, key, count in found},
+        method=METHOD_SCAN,
+    )
+
+
+__all__ = [
+    "COUNTED_KEYS",
+    "METHOD_FULL",
+    "METHOD_SCAN",
+    "BodyScan",
+    "batch_size",
+    "counted_keys_for",
+    "locate_flat_array",
+    "prompt_token_count",
+    "scan_object",
+]

@@ -1,0 +1,301 @@
+"""Bound slow clients in the server layer: a request head and body must arrive in time.
+
+aiohttp's server has no such bound: a client that sends its request head one byte at a
+time keeps its connection (and a file descriptor) until the keep-alive timeout, which
+aiohttp re-arms only between requests. Here each connection's protocol object
+(:class:`GuardedRequestHandler`, aiohttp's ``RequestHandler`` with two timers) enforces:
+
+* **header**: the request head must be complete within ``header_read_timeout_s``,
+  counted from the connection's start (first request) or from the first byte of a
+  later request on a keep-alive connection. Past it the client gets
+  ``408 Request Timeout`` and the connection is closed.
+* **body**: the request body must have arrived in full within ``body_read_timeout_s``
+  of the head's end. Past it the connection is closed (the handler reading the body
+  sees the disconnect and cancels its upstream call).
+
+Idle keep-alive connections stay governed by aiohttp's keep-alive timeout. A value of 0
+disables a bound. Every drop is counted (``on_drop``) and logged, at most one line per
+``log_interval_s`` with the number of drops since the previous line.
+
+The limits are read when a phase starts (``limits()``), so a config reload applies to
+the next request. :class:`GuardedAppRunner` is ``web.AppRunner`` building connections
+with this handler; :func:`run_guarded_app` is ``web.run_app`` on top of it.
+
+aiohttp internals relied on (pinned by tests/integration/test_slow_clients.py): the
+``RequestHandler._messages`` queue that ``data_received`` appends parsed requests to,
+and ``AppRunner._make_server`` / ``Server._kwargs`` to build the server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from aiohttp import web
+from aiohttp.streams import StreamReader
+from aiohttp.web_protocol import RequestHandler
+
+log = logging.getLogger("kvproxy.server")
+
+PHASE_HEADER = "header"
+PHASE_BODY = "body"
+_TIMEOUT_KEYS = {
+    PHASE_HEADER: "server.header_read_timeout_s",
+    PHASE_BODY: "server.body_read_timeout_s",
+}
+_DESCRIPTIONS = {PHASE_HEADER: "request head", PHASE_BODY: "request body"}
+_RESPONSE_408 = (
+    b"HTTP/1.1 408 Request Timeout\r\nConnection: close\r\nContent-Type: text/plain\r\n"
+    b"Content-Length: 34\r\n\r\nrequest head not received in time\n"
+)
+
+OnDrop = Callable[[str], None]
+Limits = Callable[[], tuple[float, float]]
+
+
+class RateLimitedLog:
+    """At most one log line per ``interval_s``, saying how many events it stands for.
+
+    Pure apart from the logger call; ``now`` is injected for tests."""
+
+    __slots__ = ("_last", "_now", "_suppressed", "interval_s", "logger")
+
+    def __init__(
+        self,
+        interval_s: float = 10.0,
+        *,
+        logger: logging.Logger = log,
+        now: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.interval_s = interval_s
+        self.logger = logger
+        self._now = now
+        self._last: float | None = None
+        self._suppressed = 0
+
+    def event(self, message: str, *args: Any) -> bool:
+        """Log ``message`` unless a line went out less than ``interval_s`` ago."""
+        now = self._now()
+        if self._last is not None and now - self._last < self.interval_s:
+            self._suppressed += 1
+            return False
+        extra = f" ({self._suppressed} more since the last report)" if self._suppressed else ""
+        self.logger.warning(message + extra, *args)
+        self._last = now
+        self._suppressed = 0
+        return True
+
+
+class SlowClientGuard:
+    """What the handlers share: the limits, the drop callback, the rate-limited log."""
+
+    __slots__ = ("_log", "limits", "on_drop")
+
+    def __init__(
+        self,
+        limits: Limits,
+        *,
+        on_drop: OnDrop | None = None,
+        log_interval_s: float = 10.0,
+        now: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.limits = limits
+        self.on_drop = on_drop
+        self._log = RateLimitedLog(log_interval_s, now=now)
+
+    def timeout(self, phase: str) -> float:
+        header, body = self.limits()
+        return header if phase == PHASE_HEADER else body
+
+    def dropped(self, phase: str, peer: Any, timeout: float) -> None:
+        if self.on_drop is not None:
+            self.on_drop(phase)
+        self._log.event(
+            "dropped slow client %s: %s not complete after %.1f s (%s)",
+            _peer(peer),
+            _DESCRIPTIONS[phase],
+            timeout,
+            _TIMEOUT_KEYS[phase],
+        )
+
+
+def _peer(peer: Any) -> str:
+    if isinstance(peer, tuple) and len(peer) >= 2:
+        return f"{peer[0]}:{peer[1]}"
+    return str(peer) if peer else "?"
+
+
+class GuardedRequestHandler(RequestHandler):
+    """aiohttp's per-connection protocol with a header and a body deadline."""
+
+    def __init__(self, manager: web.Server, *, guard: SlowClientGuard, **kwargs: Any) -> None:
+        super().__init__(manager, **kwargs)
+        self._guard = guard
+        self._deadline: asyncio.TimerHandle | None = None
+        self._phase: str | None = None
+        self._body: StreamReader | None = None
+
+    # -- timers ----------------------------------------------------------------------
+    def _arm(self, phase: str) -> None:
+        self._disarm()
+        timeout = self._guard.timeout(phase)
+        if timeout <= 0:
+            return
+        self._phase = phase
+        self._deadline = self._loop.call_later(timeout, self._expired, phase, timeout)
+
+    def _disarm(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+        self._phase = None
+
+    def _body_done(self) -> None:
+        if self._phase == PHASE_BODY:
+            self._disarm()
+        self._body = None
+
+    def _expired(self, phase: str, timeout: float) -> None:
+        self._deadline = None
+        self._phase = None
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            return
+        peer = transport.get_extra_info("peername")
+        self._guard.dropped(phase, peer, timeout)
+        if phase == PHASE_HEADER:
+            with contextlib.suppress(Exception):
+                transport.write(_RESPONSE_408)
+            transport.close()
+        else:
+            transport.abort()
+
+    # -- protocol --------------------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        self._arm(PHASE_HEADER)  # the first request's head is due from the start
+
+    def data_received(self, data: bytes) -> None:
+        in_body = self._phase == PHASE_BODY
+        queued = len(self._messages)
+        super().data_received(data)
+        if self.transport is None:
+            return
+        if len(self._messages) > queued:  # a request head was parsed
+            payload = self._messages[-1][1]
+            if isinstance(payload, StreamReader) and not payload.is_eof():
+                self._arm(PHASE_BODY)
+                self._body = payload
+                payload.on_eof(self._body_done)
+            else:
+                self._disarm()
+        elif self._phase is None and not in_body and self._body is None:
+            self._arm(PHASE_HEADER)  # the first bytes of a keep-alive request's head
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self._disarm()
+        self._body = None
+        super().connection_lost(exc)
+
+
+class GuardedServer(web.Server):
+    """``web.Server`` whose connections are :class:`GuardedRequestHandler`."""
+
+    def __init__(self, *args: Any, guard: SlowClientGuard, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.guard = guard
+
+    def __call__(self) -> RequestHandler:
+        return GuardedRequestHandler(self, loop=self._loop, guard=self.guard, **self._kwargs)
+
+
+class GuardedAppRunner(web.AppRunner):
+    """``web.AppRunner`` serving ``app`` through a :class:`GuardedServer`."""
+
+    def __init__(self, app: web.Application, *, guard: SlowClientGuard, **kwargs: Any) -> None:
+        super().__init__(app, **kwargs)
+        self.guard = guard
+
+    async def _make_server(self) -> web.Server:
+        plain = await super()._make_server()  # app start-up, freeze, handler kwargs
+        return GuardedServer(
+            plain.request_handler,
+            request_factory=plain.request_factory,
+            handler_cancellation=plain.handler_cancellation,
+            loop=plain._loop,
+            guard=self.guard,
+            **plain._kwargs,
+        )
+
+
+async def _serve_forever(
+    runner: GuardedAppRunner, host: str, port: int, backlog: int, ready: Callable[[], None] | None
+) -> None:
+    await runner.setup()
+    site = web.TCPSite(runner, host, port, backlog=backlog)
+    await site.start()
+    if ready is not None:
+        ready()
+    try:
+        await asyncio.Event().wait()  # until SIGINT / SIGTERM (GracefulExit) or cancellation
+    finally:
+        await runner.cleanup()
+
+
+def run_guarded_app(
+    app: web.Application,
+    *,
+    guard: SlowClientGuard,
+    host: str,
+    port: int,
+    backlog: int = 128,
+    shutdown_timeout: float = 60.0,
+    keepalive_timeout: float = 75.0,
+    loop: asyncio.AbstractEventLoop | None = None,
+    ready: Callable[[], None] | None = None,
+) -> None:
+    """``web.run_app`` with :class:`GuardedAppRunner`: serve until SIGINT / SIGTERM."""
+    runner = GuardedAppRunner(
+        app,
+        guard=guard,
+        handle_signals=True,
+        access_log=None,
+        keepalive_timeout=keepalive_timeout,
+        shutdown_timeout=shutdown_timeout,
+        handler_cancellation=True,
+    )
+    loop = loop or asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)
+    main = loop.create_task(_serve_forever(runner, host, port, backlog, ready))
+    try:
+        loop.run_until_complete(main)
+    except (web.GracefulExit, KeyboardInterrupt):
+        pass
+    finally:
+        main.cancel()
+        with contextlib.suppress(asyncio.CancelledError, web.GracefulExit):
+            loop.run_until_complete(main)
+        pending = [t for t in asyncio.all_tasks(loop) if not t.done()]
+        for task in pending:
+            task.cancel()
+        if pending:
+            loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+        loop.run_until_complete(loop.shutdown_asyncgens())
+        loop.close()
+        asyncio.set_event_loop(None)
+
+
+__all__ = [
+    "PHASE_BODY",
+    "PHASE_HEADER",
+    "GuardedAppRunner",
+    "GuardedRequestHandler",
+    "GuardedServer",
+    "RateLimitedLog",
+    "SlowClientGuard",
+    "run_guarded_app",
+]

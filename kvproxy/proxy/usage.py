@@ -1,0 +1,262 @@
+"""What an engine's response tells the ledger: prompt, cached and completion tokens.
+
+Pure: no I/O. Read from the *end* of a response only, never chunk by chunk:
+
+* a buffered body (:func:`usage_from_body`): SGLang ``/generate`` puts them in
+  ``meta_info`` (``prompt_tokens``, ``completion_tokens``, ``cached_tokens``); the OpenAI
+  endpoints in ``usage`` (``prompt_tokens``, ``completion_tokens``,
+  ``prompt_tokens_details.cached_tokens``). A JSON list is an ``n > 1`` answer (one
+  object per sequence; the router rejects batched ``/generate``, sglang-wire.md §9.3):
+  the sequences share one prompt, so prompt and cached tokens are the largest reported
+  and completion tokens their sum.
+* a stream (:func:`usage_from_stream_tail`): the last complete ``data:`` events of the
+  SSE tail kept by a :class:`TailWindow`. SGLang's chunks carry cumulative
+  ``meta_info``, so the last chunk of each sequence (``index``) has its totals; an
+  OpenAI stream has ``usage`` in its final chunk when the client asked for it
+  (``stream_options.include_usage``), ``usage: null`` or none before.
+
+Only the events that can carry the answer are parsed (at most ``max_events`` from the
+end, each at most :data:`MAX_EVENT_BYTES`); a final chunk too big or cut by the window
+is read with a key search over its last bytes (``"prompt_tokens": N`` in valid JSON is
+always a key: a quote inside a string is escaped), taking the last occurrence.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+# Events larger than this are not parsed; their last bytes are searched instead.
+MAX_EVENT_BYTES = 256 * 1024
+# How many bytes of a big event (or body) the key search looks at.
+SEARCH_BYTES = 4096
+# Per stream: at most twice this plus one chunk is held (2,000 open streams: ~32 MB).
+DEFAULT_TAIL_BYTES = 8 * 1024
+
+_KEYS = ("prompt_tokens", "completion_tokens", "cached_tokens")
+_KEY_RES = {key: re.compile(rb'"' + key.encode() + rb'"\s*:\s*(\d+)') for key in _KEYS}
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    cached_tokens: int | None = None
+    # Sequences the numbers cover (n > 1 answers report one object per sequence).
+    sequences: int = 1
+    # meta_info | usage | search
+    source: str = "meta_info"
+
+
+def _int(value: Any) -> int | None:
+    if type(value) is int and value >= 0:
+        return value
+    if isinstance(value, float) and value.is_integer() and value >= 0:
+        return int(value)
+    return None
+
+
+def _from_object(doc: Any) -> Usage | None:
+    """Usage of one response object (or stream chunk), None when it carries none."""
+    if not isinstance(doc, dict):
+        return None
+    usage = doc.get("usage")
+    if isinstance(usage, dict):
+        details = usage.get("prompt_tokens_details")
+        cached = details.get("cached_tokens") if isinstance(details, dict) else None
+        if cached is None:
+            cached = usage.get("cached_tokens")  # some servers put it at the top
+        found = Usage(
+            _int(usage.get("prompt_tokens")),
+            _int(usage.get("completion_tokens")),
+            _int(cached),
+            source="usage",
+        )
+        if found.prompt_tokens is not None or found.completion_tokens is not None:
+            return found
+    meta = doc.get("meta_info")
+    if isinstance(meta, dict):
+        found = Usage(
+            _int(meta.get("prompt_tokens")),
+            _int(meta.get("completion_tokens")),
+            _int(meta.get("cached_tokens")),
+        )
+        if found.prompt_tokens is not None or found.completion_tokens is not None:
+            return found
+    return None
+
+
+def _max(values: list[int | None]) -> int | None:
+    known = [v for v in values if v is not None]
+    return max(known) if known else None
+
+
+def _combine(parts: list[Usage]) -> Usage:
+    """Sequences of one request: shared prompt (largest), summed completions."""
+    if len(parts) == 1:
+        return parts[0]
+    completions = [p.completion_tokens for p in parts if p.completion_tokens is not None]
+    return Usage(
+        _max([p.prompt_tokens for p in parts]),
+        sum(completions) if completions else None,
+        _max([p.cached_tokens for p in parts]),
+        sequences=len(parts),
+        source=parts[0].source,
+    )
+
+
+def search_usage(data: bytes) -> Usage | None:
+    """The last ``"prompt_tokens"`` / ``"completion_tokens"`` / ``"cached_tokens"``
+    numbers in the last :data:`SEARCH_BYTES` of ``data`` (no parse)."""
+    window = data[-SEARCH_BYTES:]
+    values: list[int | None] = []
+    for key in _KEYS:
+        matches = _KEY_RES[key].findall(window)
+        values.append(int(matches[-1]) if matches else None)
+    if values[0] is None and values[1] is None:
+        return None
+    return Usage(values[0], values[1], values[2], source="search")
+
+
+def usage_from_body(data: bytes) -> Usage | None:
+    """Usage reported in a buffered (non-streaming) JSON response body."""
+    if not data:
+        return None
+    if len(data) > MAX_EVENT_BYTES:
+        return search_usage(data)
+    try:
+        doc = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return search_usage(data)
+    if isinstance(doc, list):
+        parts = [u for u in (_from_object(item) for item in doc) if u is not None]
+        return _combine(parts) if parts else None
+    return _from_object(doc)
+
+
+def _events_from_end(tail: bytes, complete_start: bool) -> tuple[list[bytes], bytes]:
+    """The ``data:`` payloads of ``tail``'s complete events, last first, and the first
+    event's bytes when the window may have cut it (unless ``complete_start``).
+
+    Events are separated by a blank line (``\\n\\n``; ``\\r\\n\\r\\n`` is normalised).
+    """
+    if b"\r" in tail:
+        tail = tail.replace(b"\r\n", b"\n")
+    events = tail.split(b"\n\n")
+    cut = b""
+    if not complete_start and events:
+        cut = events[0]
+        events = events[1:]
+    out: list[bytes] = []
+    for event in reversed(events):
+        payload: list[bytes] = []
+        for line in event.split(b"\n"):
+            if line.startswith(b"data:"):
+                payload.append(line[5:].lstrip(b" "))
+        if payload:
+            out.append(b"\n".join(payload))
+    return out, cut
+
+
+def usage_from_stream_tail(
+    tail: bytes, *, complete_start: bool = False, max_events: int = 16
+) -> Usage | None:
+    """Usage from the tail of an SSE stream (SGLang ``/generate`` or OpenAI chunks).
+
+    ``complete_start``: ``tail`` begins at an event boundary (the whole stream fit in
+    the window). Parses at most ``max_events`` events from the end.
+    """
+    per_index: dict[int, Usage] = {}
+    seen = 0
+    events, cut = _events_from_end(tail, complete_start)
+    for payload in events:
+        if payload == b"[DONE]":
+            continue
+        seen += 1
+        if seen > max_events:
+            break
+        if len(payload) > MAX_EVENT_BYTES:
+            found = search_usage(payload)
+            if found is not None and not per_index:
+                return found
+            continue
+        try:
+            doc = orjson.loads(payload)
+        except orjson.JSONDecodeError:
+            if not per_index:
+                found = search_usage(payload)  # cut by the window, or not JSON
+                if found is not None:
+                    return found
+            continue
+        found = _from_object(doc)
+        if found is None:
+            continue
+        if found.source == "usage":
+            return found  # OpenAI usage covers every choice of the request
+        index = doc.get("index") if isinstance(doc, dict) else None
+        key = index if type(index) is int else 0
+        if key in per_index:
+            # An earlier chunk of a sequence already read: cumulative counts are older.
+            if index is None:
+                break  # n == 1: the last chunk was enough
+            continue
+        per_index[key] = found
+        if index is None:
+            break
+    if not per_index:
+        # The one event that carries it may be the one the window cut.
+        return search_usage(cut) if cut else None
+    return _combine([per_index[k] for k in sorted(per_index)])
+
+
+class TailWindow:
+    """The last ``limit`` bytes of a stream, kept without copying on every chunk.
+
+    ``feed`` is O(1) amortised: chunks are kept in a list and trimmed once they hold
+    more than twice the limit.
+    """
+
+    __slots__ = ("_chunks", "_size", "limit", "total")
+
+    def __init__(self, limit: int = DEFAULT_TAIL_BYTES) -> None:
+        if limit <= 0:
+            raise ValueError("limit must be > 0")
+        self.limit = limit
+        self._chunks: list[bytes] = []
+        self._size = 0
+        self.total = 0  # bytes fed in all
+
+    def feed(self, chunk: bytes) -> None:
+        if not chunk:
+            return
+        self._chunks.append(chunk)
+        self._size += len(chunk)
+        self.total += len(chunk)
+        if self._size > 2 * self.limit and len(self._chunks) > 1:
+            joined = b"".join(self._chunks)[-self.limit :]
+            self._chunks = [joined]
+            self._size = len(joined)
+
+    @property
+    def complete(self) -> bool:
+        """Whether the window still holds the stream from its first byte."""
+        return self.total <= self.limit
+
+    def value(self) -> bytes:
+        data = b"".join(self._chunks)
+        return data[-self.limit :]
+
+    def usage(self) -> Usage | None:
+        return usage_from_stream_tail(self.value(), complete_start=self.complete)
+
+
+__all__ = [
+    "TailWindow",
+    "Usage",
+    "search_usage",
+    "usage_from_body",
+    "usage_from_stream_tail",
+]

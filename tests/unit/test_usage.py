@@ -1,0 +1,214 @@
+"""Reading prompt / cached / completion tokens from the end of a response."""
+
+from __future__ import annotations
+
+import orjson
+import pytest
+
+from kvproxy.proxy.usage import (
+    MAX_EVENT_BYTES,
+    TailWindow,
+    Usage,
+    search_usage,
+    usage_from_body,
+    usage_from_stream_tail,
+)
+
+
+def _meta(prompt: int, completion: int, cached: int, **extra: object) -> dict[str, object]:
+    return {
+        "id": "r",
+        "finish_reason": {"type": "stop", "matched": 2},
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "cached_tokens": cached,
+        **extra,
+    }
+
+
+def _sse(*docs: object, done: bool = True) -> bytes:
+    out = b"".join(b"data: " + orjson.dumps(d) + b"\n\n" for d in docs)
+    return out + (b"data: [DONE]\n\n" if done else b"")
+
+
+GENERATE = {"text": " 4.", "output_ids": [576, 4226], "meta_info": _meta(4, 6, 3)}
+CHAT = {
+    "id": "r",
+    "object": "chat.completion",
+    "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}}],
+    "usage": {
+        "prompt_tokens": 100,
+        "completion_tokens": 7,
+        "total_tokens": 107,
+        "prompt_tokens_details": {"cached_tokens": 64},
+    },
+}
+
+
+@pytest.mark.parametrize(
+    ("data", "expected"),
+    [
+        (orjson.dumps(GENERATE), Usage(4, 6, 3)),
+        (orjson.dumps(CHAT), Usage(100, 7, 64, source="usage")),
+        # usage without details (cached unknown)
+        (
+            orjson.dumps({"usage": {"prompt_tokens": 5, "completion_tokens": 1}}),
+            Usage(5, 1, None, source="usage"),
+        ),
+        # n > 1 on /generate: one object per sequence, shared prompt
+        (
+            orjson.dumps([{"meta_info": _meta(10, 3, 0)}, {"meta_info": _meta(10, 5, 10)}]),
+            Usage(10, 8, 10, sequences=2),
+        ),
+        # the usage object wins over meta_info when both are there
+        (orjson.dumps({**CHAT, "meta_info": _meta(1, 1, 1)}), Usage(100, 7, 64, source="usage")),
+        # nothing to read
+        (orjson.dumps({"text": "x"}), None),
+        (orjson.dumps({"usage": None, "meta_info": {"id": "r"}}), None),
+        (orjson.dumps([]), None),
+        (b"", None),
+        # an error body
+        (orjson.dumps({"error": {"message": "bad", "code": 400}}), None),
+        # not JSON (cut off): the key search reads what is there
+        (orjson.dumps(GENERATE)[:-2], Usage(4, 6, 3, source="search")),
+        # negative or non-integral numbers are not token counts
+        (
+            orjson.dumps({"meta_info": {"prompt_tokens": -1, "completion_tokens": 2.5}}),
+            None,
+        ),
+        (orjson.dumps({"meta_info": {"prompt_tokens": 3.0}}), Usage(3, None, None)),
+    ],
+)
+def test_usage_from_body(data: bytes, expected: Usage | None) -> None:
+    assert usage_from_body(data) == expected
+
+
+def test_usage_from_big_body_reads_the_end_only() -> None:
+    doc = {"text": "x" * (MAX_EVENT_BYTES + 10), "meta_info": _meta(9, 8, 7)}
+    assert usage_from_body(orjson.dumps(doc)) == Usage(9, 8, 7, source="search")
+
+
+def _chunk(i: int, *, final: bool = False, index: int | None = None) -> dict[str, object]:
+    meta = _meta(40, i + 1, 32)
+    meta["finish_reason"] = {"type": "length", "length": i + 1} if final else None
+    doc: dict[str, object] = {"text": "t" * (i + 1), "output_ids": list(range(i + 1))}
+    doc["meta_info"] = meta
+    if index is not None:
+        doc["index"] = index
+    return doc
+
+
+@pytest.mark.parametrize(
+    ("tail", "complete", "expected"),
+    [
+        # SGLang /generate: cumulative meta_info, the last chunk has the totals
+        (_sse(*(_chunk(i) for i in range(5)), _chunk(5, final=True)), True, Usage(40, 6, 32)),
+        # without [DONE] (a stream cut after its last chunk)
+        (_sse(_chunk(0), _chunk(1), done=False), True, Usage(40, 2, 32)),
+        # n > 1: chunks carry "index"; the last chunk of each sequence counts
+        (
+            _sse(
+                _chunk(0, index=0),
+                _chunk(0, index=1),
+                _chunk(1, index=0),
+                _chunk(3, index=1, final=True),
+                _chunk(2, index=0, final=True),
+            ),
+            True,
+            Usage(40, 3 + 4, 32, sequences=2),
+        ),
+        # OpenAI stream with include_usage: a final chunk with empty choices
+        (
+            _sse(
+                {"choices": [{"index": 0, "delta": {"content": "a"}}], "usage": None},
+                {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}], "usage": None},
+                {"choices": [], "usage": CHAT["usage"]},
+            ),
+            True,
+            Usage(100, 7, 64, source="usage"),
+        ),
+        # OpenAI stream without usage: nothing to report
+        (
+            _sse({"choices": [{"index": 0, "delta": {"content": "a"}}]}),
+            True,
+            None,
+        ),
+        # an error event then [DONE]: no usage
+        (_sse({"error": {"message": "x", "code": 400}}), True, None),
+        # CRLF framing and "data:" without a space
+        (
+            b"data:" + orjson.dumps(_chunk(2, final=True)) + b"\r\n\r\ndata: [DONE]\r\n\r\n",
+            True,
+            Usage(40, 3, 32),
+        ),
+        (b"", True, None),
+        (b"data: [DONE]\n\n", True, None),
+    ],
+)
+def test_usage_from_stream_tail(tail: bytes, complete: bool, expected: Usage | None) -> None:
+    assert usage_from_stream_tail(tail, complete_start=complete) == expected
+
+
+def test_stream_tail_skips_the_event_the_window_cut() -> None:
+    full = _sse(_chunk(0), _chunk(1, final=True))
+    cut = full[10:]  # starts inside the first event
+    assert usage_from_stream_tail(cut) == Usage(40, 2, 32)
+    # Only a cut first event: searched, not parsed (unless the window holds it whole).
+    only = _sse(_chunk(4, final=True))
+    assert usage_from_stream_tail(only[3:]) == Usage(40, 5, 32, source="search")
+    assert usage_from_stream_tail(only, complete_start=True) == Usage(40, 5, 32)
+
+
+def test_stream_tail_parses_only_the_last_events() -> None:
+    # Junk (not JSON) early in the window is never parsed: only the last events are.
+    tail = b"data: {not json\n\n" + _sse(_chunk(9, final=True))
+    assert usage_from_stream_tail(tail, complete_start=True) == Usage(40, 10, 32)
+    # max_events bounds the walk back over events without usage.
+    events = _sse(_chunk(1), *({"choices": []} for _ in range(20)))
+    assert usage_from_stream_tail(events, complete_start=True, max_events=5) is None
+    assert usage_from_stream_tail(events, complete_start=True, max_events=30) == Usage(40, 2, 32)
+
+
+def test_a_final_event_cut_by_the_window_falls_back_to_the_key_search() -> None:
+    big = {"text": "y" * 5000, "meta_info": _meta(11, 12, 13)}
+    tail = _sse(big)[-3000:]  # the window holds only the end of the one big event
+    assert usage_from_stream_tail(tail) == Usage(11, 12, 13, source="search")
+
+
+def test_search_usage_takes_the_last_number_and_real_keys_only() -> None:
+    text = orjson.dumps(
+        {
+            "text": 'the model wrote "prompt_tokens": 999',
+            "meta_info": _meta(5, 6, 7, cached_tokens_details={"device": 7, "host": 0}),
+        }
+    )
+    assert search_usage(text) == Usage(5, 6, 7, source="search")
+    assert search_usage(b'{"x": 1}') is None
+
+
+def test_tail_window_keeps_the_last_bytes() -> None:
+    w = TailWindow(limit=10)
+    assert w.value() == b"" and w.complete
+    w.feed(b"abc")
+    w.feed(b"")
+    assert w.value() == b"abc" and w.complete
+    for i in range(100):
+        w.feed(bytes([65 + i % 26]) * 3)
+    assert len(w.value()) == 10
+    assert w.value() == b"".join(bytes([65 + i % 26]) * 3 for i in range(96, 100))[-10:]
+    assert not w.complete and w.total == 303
+    assert w._size <= 2 * 10 + 3  # bounded however long the stream
+    with pytest.raises(ValueError, match="limit"):
+        TailWindow(0)
+
+
+def test_tail_window_usage_of_a_relayed_stream() -> None:
+    stream = _sse(*(_chunk(i) for i in range(50)), _chunk(50, final=True))
+    w = TailWindow(limit=4096)
+    for i in range(0, len(stream), 97):  # arbitrary chunk boundaries
+        w.feed(stream[i : i + 97])
+    assert not w.complete
+    assert w.usage() == Usage(40, 51, 32)
+    small = TailWindow(limit=1 << 20)
+    small.feed(_sse(_chunk(0, final=True)))
+    assert small.complete and small.usage() == Usage(40, 1, 32)
