@@ -15,6 +15,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("kvproxy.serve", "run the proxy in front of sgl-router / smg"),
     "sim-engine": ("kvproxy.sim.cli", "run a simulated SGLang engine (no GPU needed)"),
     "demo": ("kvproxy.demo", "run the agentic workload through the stack four ways and compare"),
+    "lab": ("kvproxy.lab.cli", "run engines, router, kvproxy and a workload in virtual time"),
 }
 
 
