@@ -1,0 +1,276 @@
+"""The pure session model: what every session of a workload sends, drawn from a seed.
+
+:func:`session_plans` turns a :class:`~kvproxy.workload.spec.WorkloadSpec` and a seed
+into an endless, deterministic stream of :class:`SessionPlan` (or the trace's sessions,
+once each). A plan fixes every turn's new input ids, output length and the tool latency
+after it, and ends the session where its next request's input plus drawn output would
+pass the context length (calibration.md §4, ``exit_context``), assuming each turn
+returns its full ``max_new_tokens`` (the simulator does; the runner checks again against
+what the engine really returned).
+
+Randomness: one ``random.Random`` per session (seeded by a string, so stable across
+processes and Python versions); drawn token counts use stochastic rounding (the mean
+survives the token scale) and are at least 1.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+from kvproxy.workload.spec import Dist, WorkloadSpec
+
+
+@dataclass(frozen=True, slots=True)
+class TurnPlan:
+    """One request of a session.
+
+    ``new_input_ids``: tokens appended after the previous turn's output (its tool
+    output; the first turn's are the whole first prompt). ``tool_latency_s``: the pause
+    after this turn's response. ``subagents``: spawned after this turn; the session
+    waits for all of them and their summaries are the next turn's new input.
+    """
+
+    new_input_ids: list[int]
+    max_new_tokens: int
+    tool_latency_s: float
+    subagents: tuple[SessionPlan, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class SessionPlan:
+    session_id: str
+    turns: tuple[TurnPlan, ...]
+    group: str | None = None
+    role: str = "main"  # main | subagent
+    parent: str | None = None
+    # True: the plan stopped early because the next turn would pass the context length.
+    exit_context: bool = False
+    # Turns drawn before the context limit cut them.
+    turns_drawn: int = 0
+
+    @property
+    def planned_context(self) -> int:
+        """KV tokens at the end of the session if every turn returns its full output."""
+        return sum(len(t.new_input_ids) + t.max_new_tokens for t in self.turns)
+
+
+# ------------------------------------------------------------------------- drawing
+
+
+def stochastic_round(x: float, rng: random.Random) -> int:
+    """``floor(x)`` or ``floor(x) + 1`` with the probability of the fraction: keeps
+    the mean of a scaled-down value."""
+    f = math.floor(x)
+    return f + (1 if rng.random() < x - f else 0)
+
+
+def draw_real(dist: Dist, rng: random.Random) -> float:
+    if dist.kind == "fixed":
+        return dist.median
+    if dist.kind == "uniform":
+        return rng.uniform(dist.lo, dist.hi)
+    x = dist.median * math.exp(rng.gauss(0.0, dist.sigma)) if dist.sigma > 0 else dist.median
+    return min(dist.hi, max(dist.lo, x))
+
+
+def draw_tokens(dist: Dist, rng: random.Random) -> int:
+    """A token count (already scaled): stochastic rounding, at least 1."""
+    return max(1, stochastic_round(draw_real(dist, rng), rng))
+
+
+def draw_count(dist: Dist, rng: random.Random) -> int:
+    """An unscaled count (turns): uniform draws integers in [lo, hi]; else rounded."""
+    if dist.kind == "uniform":
+        return rng.randint(math.ceil(dist.lo), math.floor(dist.hi))
+    return max(1, math.floor(draw_real(dist, rng) + 0.5))
+
+
+def draw_latency(
+    fast: Dist, slow: Dist, slow_share: float, cap_s: float, rng: random.Random
+) -> float:
+    """Tool latency (s) from the two-part mixture, capped."""
+    part = slow if slow_share > 0 and rng.random() < slow_share else fast
+    return min(cap_s, draw_real(part, rng))
+
+
+def token_ids(rng: random.Random, n: int, spec: WorkloadSpec) -> list[int]:
+    return rng.choices(range(spec.min_token_id, spec.vocab_size), k=n)
+
+
+def _rng(seed: int, *parts: object) -> random.Random:
+    return random.Random(":".join(str(p) for p in (seed, *parts)))
+
+
+# ------------------------------------------------------------------------ sessions
+
+
+@dataclass(frozen=True, slots=True)
+class _Role:
+    """The distributions one kind of session draws from."""
+
+    turns: Dist
+    output: Dist
+    tool_output: Dist
+    lat_fast: Dist
+    lat_slow: Dist
+    lat_share: float
+    lat_cap_s: float
+
+
+def _main_role(spec: WorkloadSpec) -> _Role:
+    return _Role(
+        spec.turns,
+        spec.output,
+        spec.tool_output,
+        spec.tool_latency_fast,
+        spec.tool_latency_slow,
+        spec.tool_latency_slow_share,
+        spec.tool_latency_cap_s,
+    )
+
+
+def _sub_role(spec: WorkloadSpec) -> _Role:
+    return _Role(
+        spec.sub_turns,
+        spec.sub_output,
+        spec.sub_tool_output,
+        spec.sub_tool_latency_fast,
+        spec.sub_tool_latency_slow,
+        spec.sub_tool_latency_slow_share,
+        spec.sub_tool_latency_cap_s,
+    )
+
+
+def _fanout_turns(spec: WorkloadSpec, rng: random.Random) -> set[int]:
+    """0-based indices of the turns after which a lead fans out."""
+    out: set[int] = set()
+    if spec.fanout_turn > 0:
+        out.add(spec.fanout_turn - 1)
+    if spec.fanout_second_turn > 0 and rng.random() < spec.fanout_second_prob:
+        out.add(spec.fanout_second_turn - 1)
+    return out
+
+
+def build_session(
+    spec: WorkloadSpec,
+    seed: int,
+    session_id: str,
+    first_prompt: Sequence[int],
+    role: _Role,
+    *,
+    group: str | None = None,
+    role_name: str = "main",
+    parent: str | None = None,
+    fanout: bool = False,
+) -> SessionPlan:
+    rng = _rng(seed, session_id)
+    n_turns = draw_count(role.turns, rng)
+    fan_at = _fanout_turns(spec, rng) if fanout else set()
+    turns: list[TurnPlan] = []
+    context = 0
+    new_input: list[int] = list(first_prompt)
+    exit_context = False
+    for t in range(n_turns):
+        out = draw_tokens(role.output, rng)
+        if t == 0:
+            # The first turn always runs; its output is cut to fit if it must be.
+            out = max(1, min(out, spec.context_length - len(new_input)))
+        elif context + len(new_input) + out > spec.context_length:
+            exit_context = True
+            break
+        last = t == n_turns - 1
+        latency = draw_latency(role.lat_fast, role.lat_slow, role.lat_share, role.lat_cap_s, rng)
+        subs: tuple[SessionPlan, ...] = ()
+        if t in fan_at and not last:
+            k = rng.randint(spec.fanout_min, spec.fanout_max)
+            subs = tuple(
+                _subagent(spec, seed, f"{session_id}-sub{len(turns)}.{j}", session_id)
+                for j in range(k)
+            )
+            summary: list[int] = []
+            for _ in subs:
+                summary.extend(token_ids(rng, draw_tokens(spec.sub_summary, rng), spec))
+            next_input = summary
+            latency = 0.0
+        else:
+            next_input = [] if last else token_ids(rng, draw_tokens(role.tool_output, rng), spec)
+        turns.append(TurnPlan(new_input, out, 0.0 if last else latency, subs))
+        context += len(new_input) + out
+        new_input = next_input
+    return SessionPlan(
+        session_id=session_id,
+        turns=tuple(turns),
+        group=group,
+        role=role_name,
+        parent=parent,
+        exit_context=exit_context,
+        turns_drawn=n_turns,
+    )
+
+
+def _subagent(spec: WorkloadSpec, seed: int, session_id: str, parent: str) -> SessionPlan:
+    rng = _rng(seed, session_id, "brief")
+    prompt = [
+        *_system_ids(spec, seed, "sub-system"),
+        *token_ids(rng, draw_tokens(spec.sub_brief, rng), spec),
+    ]
+    return build_session(
+        spec, seed, session_id, prompt, _sub_role(spec), role_name="subagent", parent=parent
+    )
+
+
+_SYSTEM_CACHE: dict[tuple[int, str, int, int, int], list[int]] = {}
+
+
+def _system_ids(spec: WorkloadSpec, seed: int, which: str) -> list[int]:
+    n = spec.system_prompt_tokens if which == "system" else spec.sub_system_prompt_tokens
+    key = (seed, which, n, spec.min_token_id, spec.vocab_size)
+    ids = _SYSTEM_CACHE.get(key)
+    if ids is None:
+        if len(_SYSTEM_CACHE) > 64:
+            _SYSTEM_CACHE.clear()
+        ids = token_ids(_rng(seed, which), n, spec)
+        _SYSTEM_CACHE[key] = ids
+    return ids
+
+
+def session_id(spec: WorkloadSpec, seed: int, index: int, member: int | None = None) -> str:
+    base = f"{spec.name}-{seed}-{index:05d}"
+    return base if member is None else f"{base}.{member}"
+
+
+def session_plans(spec: WorkloadSpec, seed: int) -> Iterator[SessionPlan]:
+    """Deterministic plans: endless for a preset, the trace's sessions once for a trace.
+    Members of a GRPO group (``group_size`` > 1) come consecutively with one ``group``."""
+    if spec.trace is not None:
+        from kvproxy.workload.trace import trace_plans
+
+        yield from trace_plans(spec, seed)
+        return
+    system = _system_ids(spec, seed, "system")
+    role = _main_role(spec)
+    fanout = spec.fanout_turn > 0 or spec.fanout_second_turn > 0
+    for index in itertools.count():
+        rng = _rng(seed, spec.name, index, "task")
+        task = token_ids(rng, draw_tokens(spec.task_prompt, rng), spec)
+        prompt = [*system, *task]
+        if spec.group_size == 1:
+            yield build_session(
+                spec, seed, session_id(spec, seed, index), prompt, role, fanout=fanout
+            )
+            continue
+        group = session_id(spec, seed, index)
+        for member in range(spec.group_size):
+            yield build_session(
+                spec,
+                seed,
+                session_id(spec, seed, index, member),
+                prompt,
+                role,
+                group=group,
+                fanout=fanout,
+            )

@@ -1,0 +1,315 @@
+"""Run a workload's sessions against a :class:`Transport`, closed loop, in loop time.
+
+No I/O and no wall clock of its own: the clock is ``asyncio.get_running_loop().time()``
+and every pause is ``asyncio.sleep``, so the same code drives real HTTP (the
+:class:`~kvproxy.workload.driver.HttpTransport`) and a virtual-time loop (the lab).
+
+Closed loop: ``concurrency`` sessions run at once and a new one starts when one ends.
+Grouped workloads (W2, ``group_size`` > 1) run whole groups: ``concurrency //
+group_size`` groups at once, or, with ``step_mode="sync"``, steps of that many groups
+started together, the next step when the last trajectory of the step has ended.
+Subagents (W3) run in addition to the ``concurrency`` leads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from kvproxy.workload.plan import SessionPlan, session_plans
+from kvproxy.workload.spec import WorkloadError, WorkloadSpec
+
+
+@dataclass(slots=True)
+class TurnOutcome:
+    """What one request returned. ``output_ids`` continue the conversation."""
+
+    output_ids: list[int]
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    ttft_s: float
+    latency_s: float
+    ok: bool = True
+    error: str | None = None
+    finish_reason: str | None = None
+    # kvproxy's X-KVProxy-Admission-Wait-Ms response header, where present.
+    admission_wait_ms: float | None = None
+
+
+class Transport(Protocol):
+    async def generate(
+        self, session_id: str, input_ids: list[int], max_new_tokens: int, *, final: bool
+    ) -> TurnOutcome: ...
+
+    async def close(self, session_id: str) -> None: ...
+
+
+def context_after_turn(prompt_tokens: int, completion_tokens: int) -> int:
+    """Tokens whose KV exists after a turn: the prompt plus every generated token but
+    the last (the last sampled token is never fed back, so it has no KV)."""
+    return prompt_tokens + max(0, completion_tokens - 1)
+
+
+def recomputed_tokens(previous_context_len: int, cached_tokens: int) -> int:
+    """Prompt tokens an earlier turn of the session already prefilled but that the
+    engine did not serve from cache this turn."""
+    return max(0, previous_context_len - cached_tokens)
+
+
+@dataclass(slots=True)
+class TurnRecord:
+    session_id: str
+    turn: int
+    role: str = "main"
+    group: str | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    # KV context the session's previous turn left (see context_after_turn); 0 on turn 0.
+    previous_context_len: int = 0
+    ttft_s: float | None = None
+    latency_s: float | None = None
+    start_s: float = 0.0
+    end_s: float = 0.0
+    ok: bool = False
+    error: str | None = None
+    finish_reason: str | None = None
+    admission_wait_ms: float | None = None
+
+    @property
+    def first(self) -> bool:
+        """The session's first request (nothing of it can be cached but shared prefixes)."""
+        return self.turn == 0
+
+    @property
+    def continuing(self) -> bool:
+        return self.turn > 0
+
+    @property
+    def recomputed_tokens(self) -> int:
+        return recomputed_tokens(self.previous_context_len, self.cached_tokens) if self.ok else 0
+
+    @property
+    def prefill_tokens(self) -> int:
+        return max(0, self.prompt_tokens - self.cached_tokens) if self.ok else 0
+
+
+@dataclass(slots=True)
+class SessionRecord:
+    session_id: str
+    role: str
+    group: str | None
+    parent: str | None
+    turns_planned: int
+    start_s: float = 0.0
+    end_s: float | None = None
+    turns_done: int = 0
+    ok: bool = False
+    # done | context (ended on the context length) | error | cancelled
+    exit: str = "running"
+    error: str | None = None
+
+    @property
+    def duration_s(self) -> float | None:
+        return None if self.end_s is None else self.end_s - self.start_s
+
+
+@dataclass(slots=True)
+class WorkloadResult:
+    """Every request and session of one run; times are loop time relative to the start."""
+
+    spec: WorkloadSpec
+    seed: int
+    sessions_requested: int
+    concurrency: int
+    time_scale: float
+    turns: list[TurnRecord] = field(default_factory=list)
+    sessions: list[SessionRecord] = field(default_factory=list)
+    makespan_s: float = 0.0
+
+    @property
+    def main_sessions(self) -> list[SessionRecord]:
+        return [s for s in self.sessions if s.role != "subagent"]
+
+    def to_dict(self) -> dict[str, Any]:
+        from kvproxy.workload.report import summarize
+
+        return {
+            "spec": self.spec.to_dict(),
+            "seed": self.seed,
+            "sessions_requested": self.sessions_requested,
+            "concurrency": self.concurrency,
+            "time_scale": self.time_scale,
+            "summary": summarize(self),
+        }
+
+
+ProgressFn = Callable[[int, int, int], None]  # (completed, failed, total) main sessions
+
+
+class _Run:
+    def __init__(
+        self,
+        spec: WorkloadSpec,
+        transport: Transport,
+        result: WorkloadResult,
+        time_scale: float,
+        progress: ProgressFn | None,
+    ) -> None:
+        self.spec = spec
+        self.transport = transport
+        self.result = result
+        self.time_scale = time_scale
+        self.progress = progress
+        self.loop = asyncio.get_running_loop()
+        self.t0 = self.loop.time()
+        self.completed = 0
+        self.failed = 0
+
+    def now(self) -> float:
+        return self.loop.time() - self.t0
+
+    async def pause(self, seconds: float) -> None:
+        if seconds > 0 and self.time_scale > 0:
+            await asyncio.sleep(seconds * self.time_scale)
+
+    async def session(self, plan: SessionPlan) -> None:
+        rec = SessionRecord(
+            session_id=plan.session_id,
+            role=plan.role,
+            group=plan.group,
+            parent=plan.parent,
+            turns_planned=len(plan.turns),
+            start_s=self.now(),
+        )
+        self.result.sessions.append(rec)
+        try:
+            await self._turns(plan, rec)
+            rec.end_s = self.now()
+        except asyncio.CancelledError:
+            rec.exit, rec.error = "cancelled", rec.error or "cancelled"
+            rec.end_s = self.now()
+            raise
+        finally:
+            if self.spec.close_sessions:
+                await self.transport.close(plan.session_id)
+        if plan.role != "subagent":
+            if rec.ok:
+                self.completed += 1
+            else:
+                self.failed += 1
+            if self.progress is not None:
+                self.progress(self.completed, self.failed, self.result.sessions_requested)
+
+    async def _turns(self, plan: SessionPlan, rec: SessionRecord) -> None:
+        prompt: list[int] = []
+        output: list[int] = []
+        previous_context = 0
+        last = len(plan.turns) - 1
+        rec.exit = "context" if plan.exit_context else "done"
+        for i, turn in enumerate(plan.turns):
+            prompt = [*prompt, *output, *turn.new_input_ids] if i else list(turn.new_input_ids)
+            if i and len(prompt) + turn.max_new_tokens > self.spec.context_length:
+                rec.exit = "context"
+                break
+            t = TurnRecord(
+                session_id=plan.session_id,
+                turn=i,
+                role=plan.role,
+                group=plan.group,
+                previous_context_len=previous_context,
+                start_s=self.now(),
+            )
+            self.result.turns.append(t)
+            out = await self.transport.generate(
+                plan.session_id, prompt, turn.max_new_tokens, final=i == last
+            )
+            t.end_s = self.now()
+            t.prompt_tokens = out.prompt_tokens
+            t.cached_tokens = out.cached_tokens
+            t.completion_tokens = out.completion_tokens
+            t.ttft_s = out.ttft_s
+            t.latency_s = out.latency_s
+            t.finish_reason = out.finish_reason
+            t.admission_wait_ms = out.admission_wait_ms
+            t.ok = out.ok
+            t.error = out.error
+            if not out.ok:
+                rec.exit, rec.error = "error", f"turn {i}: {out.error or 'failed'}"
+                return
+            rec.turns_done += 1
+            output = list(out.output_ids)
+            previous_context = context_after_turn(out.prompt_tokens, out.completion_tokens)
+            if turn.subagents:
+                await asyncio.gather(*(self.session(s) for s in turn.subagents))
+            if i < last:
+                await self.pause(turn.tool_latency_s)
+        rec.ok = True
+
+
+def _programs(spec: WorkloadSpec, seed: int, sessions: int) -> Iterator[list[SessionPlan]]:
+    """Units started together: one session, or one whole GRPO group; ``sessions`` main
+    sessions in all (rounded up to whole groups)."""
+    plans = session_plans(spec, seed)
+    taken = 0
+    for _, members in itertools.groupby(plans, key=lambda p: p.group or p.session_id):
+        if taken >= sessions:
+            return
+        program = list(members)
+        taken += len(program)
+        yield program
+
+
+async def run_workload(
+    spec: WorkloadSpec,
+    transport: Transport,
+    *,
+    sessions: int,
+    concurrency: int,
+    seed: int,
+    time_scale: float = 1.0,
+    progress: ProgressFn | None = None,
+) -> WorkloadResult:
+    """Run ``sessions`` main sessions (leads, trajectories) of ``spec``, ``concurrency``
+    at once, and return every record. Tool latencies sleep ``latency x time_scale``."""
+    if sessions < 0:
+        raise WorkloadError(f"sessions must be >= 0 (got {sessions})")
+    if concurrency < 1:
+        raise WorkloadError(f"concurrency must be >= 1 (got {concurrency})")
+    if time_scale < 0:
+        raise WorkloadError(f"time_scale must be >= 0 (got {time_scale})")
+    spec.validate()
+    result = WorkloadResult(
+        spec=spec,
+        seed=seed,
+        sessions_requested=sessions,
+        concurrency=concurrency,
+        time_scale=time_scale,
+    )
+    run = _Run(spec, transport, result, time_scale, progress)
+    programs = _programs(spec, seed, sessions)
+    slots = max(1, concurrency // spec.group_size)
+
+    async def program(members: list[SessionPlan]) -> None:
+        await asyncio.gather(*(run.session(p) for p in members))
+
+    if spec.step_mode == "sync":
+        # Bounded by the program stream (finite: `sessions` main sessions).
+        while step := list(itertools.islice(programs, slots)):
+            await asyncio.gather(*(program(p) for p in step))
+    else:
+
+        async def worker(slot: int) -> None:
+            await run.pause(slot * spec.start_stagger_s)
+            # Bounded: the shared stream yields at most `sessions` main sessions.
+            for members in programs:
+                await program(members)
+
+        await asyncio.gather(*(worker(i) for i in range(slots)))
+    result.makespan_s = run.now()
+    result.sessions.sort(key=lambda s: s.start_s)
+    return result
