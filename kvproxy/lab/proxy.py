@@ -154,8 +154,9 @@ class LabProxy:
 
     async def generate(
         self, headers: Mapping[str, str], body: dict[str, Any], path: str = "/generate"
-    ) -> SimRequest:
-        """One intercepted request, as ``ProxyHandlers.intercepted`` handles it."""
+    ) -> tuple[SimRequest, float | None]:
+        """One intercepted request, as ``ProxyHandlers.intercepted`` handles it: the
+        finished engine request and the admission wait (None: admission did not act)."""
         sessions, admission = self.sessions, self.admission
         assert sessions is not None and admission is not None
         cfg = self.config
@@ -200,6 +201,7 @@ class LabProxy:
                 except SessionClosed as exc:
                     raise ProxyError(409, "session_closed", str(exc)) from None
             areq: AdmissionRequest | None = None
+            wait_s: float | None = None
             try:
                 if admission_on:
                     areq = AdmissionRequest(
@@ -209,6 +211,8 @@ class LabProxy:
                     decision: Decision = await (
                         tracked.until_forwarded(enter) if tracked else enter
                     )
+                    if decision.action != "pass":
+                        wait_s = decision.wait_s
                     key = decision.action + ":" + decision.reason
                     self.decisions[key] = self.decisions.get(key, 0) + 1
                     if decision.reason == "cancelled":
@@ -228,7 +232,7 @@ class LabProxy:
             if areq is not None:
                 # The engine's own usage report (meta_info of the final chunk).
                 admission.observe_usage(areq, req.prompt_tokens, req.cached_tokens)
-            return req
+            return req, wait_s
         raise AssertionError("unreachable")  # pragma: no cover
 
     async def close_session(self, session_id: str) -> None:

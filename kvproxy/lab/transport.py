@@ -40,14 +40,17 @@ class LabTransport:
             headers["X-Session-Final"] = "1"
         start = loop.time()
         try:
-            req = await self.proxy.generate(headers, body)
+            req, wait_s = await self.proxy.generate(headers, body)
         except ProxyError as exc:
             self.errors[exc.error_type] = self.errors.get(exc.error_type, 0) + 1
             now = loop.time()
-            return TurnOutcome([], 0, 0, 0, now - start, now - start, ok=False)
+            return TurnOutcome(
+                [], 0, 0, 0, now - start, now - start, ok=False, error=f"{exc.error_type}: {exc}"
+            )
         end = loop.time()
         first = req.first_token_time
-        ok = (req.finish_reason or {}).get("type") != "abort"
+        finish = req.finish_reason or {}
+        ok = finish.get("type") != "abort"
         assert req.out is not None
         return TurnOutcome(
             output_ids=req.out.ids(req.generated),
@@ -57,6 +60,9 @@ class LabTransport:
             ttft_s=(first if first is not None else end) - start,
             latency_s=end - start,
             ok=ok,
+            error=None if ok else f"aborted: {finish.get('message')}",
+            finish_reason=finish.get("type"),
+            admission_wait_ms=None if wait_s is None else wait_s * 1000.0,
         )
 
     async def close(self, session_id: str) -> None:
