@@ -12,10 +12,11 @@ from kvproxy.sim.config import (
     METRICS_FAULTS,
     MODES,
     OUTPUT_LEN_DISTS,
-    CostModel,
     FaultConfig,
     SimConfig,
 )
+from kvproxy.sim.cost import CostModel
+from kvproxy.sim.presets import DEFAULT_PRESET, PRESET_NAMES, get_preset, scheduler_config
 
 _D = SimConfig()
 _C = CostModel()
@@ -40,8 +41,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--max-total-tokens",
         type=int,
-        default=_D.max_total_tokens,
-        help="KV pool size in tokens, SGLang's max_total_num_tokens (default: %(default)s)",
+        default=None,
+        help="KV pool size in (simulated) tokens, SGLang's max_total_num_tokens (default: "
+        "the cost model preset's pool divided by --token-scale; legacy: 200000)",
     )
     g.add_argument(
         "--mode",
@@ -51,18 +53,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--enable-streaming-session (default: %(default)s)",
     )
     g.add_argument("--eviction-policy", choices=EVICTION_POLICIES, default=_D.eviction_policy)
-    g.add_argument("--enable-priority-scheduling", action="store_true")
+    g.add_argument(
+        "--enable-priority-scheduling",
+        action="store_true",
+        help="waiting queue by priority (larger first), with preemption of running requests",
+    )
+    g.add_argument(
+        "--priority-scheduling-preemption-threshold",
+        type=int,
+        default=_D.priority_scheduling_preemption_threshold,
+        help="a waiting request preempts running ones whose priority is lower by more than "
+        "this (default: %(default)s)",
+    )
     g.add_argument("--tp-size", type=int, default=_D.tp_size, help="repeats gauges per tp_rank")
     g.add_argument("--dp-size", type=int, default=_D.dp_size, help="independent schedulers")
     g.add_argument("--max-running-requests", type=int, default=_D.max_running_requests)
-    g.add_argument("--max-prefill-tokens", type=int, default=_D.max_prefill_tokens)
+    g.add_argument("--max-prefill-tokens", type=int, default=None, help="default: the preset's / K")
     g.add_argument(
         "--chunked-prefill-size",
         type=int,
-        default=_D.chunked_prefill_size,
-        help="prefill chunk size in tokens; <= 0 disables chunking (default: %(default)s)",
+        default=None,
+        help="prefill chunk size in tokens; <= 0 disables chunking (default: the preset's / K)",
     )
-    g.add_argument("--context-length", type=int, default=_D.context_length)
+    g.add_argument("--context-length", type=int, default=None, help="default: the preset's / K")
     g.add_argument(
         "--output-len-dist",
         choices=OUTPUT_LEN_DISTS,
@@ -79,16 +92,41 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     g = parser.add_argument_group("time and cost model (simulated seconds)")
     g.add_argument(
+        "--cost-model",
+        choices=PRESET_NAMES,
+        default=DEFAULT_PRESET,
+        help="engine preset: step-time constants plus the pool, chunked prefill, max "
+        "prefill and context length SGLang would use (default: %(default)s)",
+    )
+    g.add_argument(
+        "--token-scale",
+        type=int,
+        default=1,
+        metavar="K",
+        help="one simulated token stands for K real ones: the preset's token quantities "
+        "are divided by K and the costs scaled to match (default: %(default)s)",
+    )
+    g.add_argument(
         "--time-scale",
         type=float,
         default=_D.time_scale,
         help="wall seconds per simulated second; 0.01 runs 100x faster, 0 as fast as the "
         "CPU allows (default: %(default)s)",
     )
-    g.add_argument("--prefill-base-s", type=float, default=_C.prefill_base_s)
-    g.add_argument("--prefill-per-token-s", type=float, default=_C.prefill_per_token_s)
-    g.add_argument("--decode-base-s", type=float, default=_C.decode_base_s)
-    g.add_argument("--decode-per-req-s", type=float, default=_C.decode_per_req_s)
+    legacy_help = "legacy cost model only (default: %s)"
+    g.add_argument(
+        "--prefill-base-s", type=float, default=None, help=legacy_help % _C.prefill_base_s
+    )
+    g.add_argument(
+        "--prefill-per-token-s",
+        type=float,
+        default=None,
+        help=legacy_help % _C.prefill_per_token_s,
+    )
+    g.add_argument("--decode-base-s", type=float, default=None, help=legacy_help % _C.decode_base_s)
+    g.add_argument(
+        "--decode-per-req-s", type=float, default=None, help=legacy_help % _C.decode_per_req_s
+    )
 
     g = parser.add_argument_group("fault injection (also POST /sim/faults at run time)")
     g.add_argument("--fault-metrics", choices=METRICS_FAULTS, default="ok")
@@ -111,26 +149,52 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> SimConfig:
+    """Raises ValueError for a bad combination of flags."""
+    preset = get_preset(args.cost_model)
+    legacy_flags = {
+        "prefill_base_s": args.prefill_base_s,
+        "prefill_per_token_s": args.prefill_per_token_s,
+        "decode_base_s": args.decode_base_s,
+        "decode_per_req_s": args.decode_per_req_s,
+    }
+    given = {k: v for k, v in legacy_flags.items() if v is not None}
+    if given and preset.name != "legacy":
+        flags = ", ".join("--" + k.replace("_", "-") for k in given)
+        raise ValueError(f"{flags} apply to --cost-model legacy only")
+    # Explicit flags are in simulated tokens and override the preset's scaled values.
+    overrides = {
+        k: v
+        for k, v in (
+            ("max_total_tokens", args.max_total_tokens),
+            ("max_prefill_tokens", args.max_prefill_tokens),
+            ("chunked_prefill_size", args.chunked_prefill_size),
+            ("context_length", args.context_length),
+        )
+        if v is not None
+    }
+    sc = scheduler_config(preset.name, args.token_scale, **overrides)
+    cost = sc.cost
+    if given:
+        cost = CostModel.legacy(**given, token_scale=args.token_scale)
     return SimConfig(
         host=args.host,
         port=args.port,
-        max_total_tokens=args.max_total_tokens,
+        max_total_tokens=sc.max_total_tokens,
         mode=args.mode,
         eviction_policy=args.eviction_policy,
         enable_priority_scheduling=args.enable_priority_scheduling,
+        priority_scheduling_preemption_threshold=args.priority_scheduling_preemption_threshold,
         tp_size=args.tp_size,
         dp_size=args.dp_size,
         time_scale=args.time_scale,
-        cost=CostModel(
-            prefill_base_s=args.prefill_base_s,
-            prefill_per_token_s=args.prefill_per_token_s,
-            decode_base_s=args.decode_base_s,
-            decode_per_req_s=args.decode_per_req_s,
-        ),
+        cost=cost,
         max_running_requests=args.max_running_requests,
-        max_prefill_tokens=args.max_prefill_tokens,
-        chunked_prefill_size=args.chunked_prefill_size,
-        context_length=args.context_length,
+        max_prefill_tokens=sc.max_prefill_tokens,
+        chunked_prefill_size=sc.chunked_prefill_size,
+        context_length=sc.context_length,
+        new_token_ratio_decay_steps=sc.new_token_ratio_decay_steps,
+        retract_decode_steps=sc.retract_decode_steps,
+        clip_max_new_tokens=sc.clip_max_new_tokens,
         output_len_dist=args.output_len_dist,
         streaming_session_timeout_s=args.streaming_session_timeout,
         model_name=args.model_name,
@@ -157,8 +221,8 @@ def run(args: argparse.Namespace) -> int:
     from kvproxy.sim.config import validate_sim_config
     from kvproxy.sim.server import create_sim_app
 
-    cfg = config_from_args(args)
     try:
+        cfg = config_from_args(args)
         validate_sim_config(cfg)
     except ValueError as e:
         print(f"kvproxy sim-engine: {e}", file=sys.stderr)
@@ -178,7 +242,8 @@ def run(args: argparse.Namespace) -> int:
     app = create_sim_app(cfg)
     print(
         f"kvproxy sim-engine: http://{cfg.host}:{cfg.port} mode={cfg.mode} "
-        f"max_total_tokens={cfg.max_total_tokens} time_scale={cfg.time_scale}",
+        f"max_total_tokens={cfg.max_total_tokens} time_scale={cfg.time_scale} "
+        f"cost_model={cfg.cost.preset} token_scale={cfg.cost.token_scale}",
         flush=True,
     )
     web.run_app(

@@ -1,14 +1,26 @@
 """Configuration of the simulated SGLang engine: one frozen dataclass.
 
 Pure: no I/O. :func:`validate_sim_config` raises :class:`ValueError` naming the
-offending field. The cost-model defaults and the reasoning behind them are in
-docs/simulator.md ("Cost model").
+offending field. The cost model lives in
+``kvproxy.sim.cost`` and the named presets in ``kvproxy.sim.presets``; both are
+described in docs/simulator.md ("Cost model").
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+
+from kvproxy.sim.cost import CostModel, validate_cost_model
+
+__all__ = [
+    "CostModel",
+    "FaultConfig",
+    "SchedulerConfig",
+    "SimConfig",
+    "validate_faults",
+    "validate_sim_config",
+]
 
 MODES = ("plain", "session-radix", "streaming")
 EVICTION_POLICIES = ("lru", "priority")
@@ -34,26 +46,6 @@ class FaultConfig:
 
 
 @dataclass(frozen=True, slots=True)
-class CostModel:
-    """Step durations in simulated seconds.
-
-    prefill step = ``prefill_base_s + prefill_per_token_s * uncached tokens in the batch``
-    decode step  = ``decode_base_s + decode_per_req_s * running batch size``
-    """
-
-    prefill_base_s: float = 0.010
-    prefill_per_token_s: float = 0.00005
-    decode_base_s: float = 0.012
-    decode_per_req_s: float = 0.0002
-
-    def prefill_s(self, tokens: int) -> float:
-        return self.prefill_base_s + self.prefill_per_token_s * tokens
-
-    def decode_s(self, batch_size: int) -> float:
-        return self.decode_base_s + self.decode_per_req_s * batch_size
-
-
-@dataclass(frozen=True, slots=True)
 class SchedulerConfig:
     """What the pure scheduler needs (a subset of :class:`SimConfig`)."""
 
@@ -61,6 +53,9 @@ class SchedulerConfig:
     mode: str = "plain"
     eviction_policy: str = "lru"
     enable_priority_scheduling: bool = False
+    # SGLang's --priority-scheduling-preemption-threshold: a waiting request preempts
+    # running ones whose priority is lower by more than this (priority scheduling only).
+    priority_scheduling_preemption_threshold: int = 10
     max_running_requests: int = 256
     # Token budget of one prefill batch; a longer prompt is split into chunks
     # of this size when chunked prefill is on (chunked_prefill_size > 0).
@@ -92,6 +87,7 @@ class SimConfig:
     mode: str = "plain"
     eviction_policy: str = "lru"
     enable_priority_scheduling: bool = False
+    priority_scheduling_preemption_threshold: int = 10
     tp_size: int = 1
     dp_size: int = 1
     # Wall seconds per simulated second: 1.0 runs in real time, 0.01 runs 100x
@@ -104,6 +100,11 @@ class SimConfig:
     context_length: int = 40_960
     output_len_dist: str = "max"
     streaming_session_timeout_s: float | None = None
+    # Counted in simulated decode steps / tokens (the token scale divides them; see
+    # kvproxy.sim.presets.scheduler_config).
+    new_token_ratio_decay_steps: int = 600
+    retract_decode_steps: int = 20
+    clip_max_new_tokens: int = 4096
     model_name: str = "kvproxy/sim-model"
     # Reported as model_path / tokenizer_path; created if missing. None: a
     # directory under the system temp dir.
@@ -119,6 +120,7 @@ class SimConfig:
             mode=self.mode,
             eviction_policy=self.eviction_policy,
             enable_priority_scheduling=self.enable_priority_scheduling,
+            priority_scheduling_preemption_threshold=self.priority_scheduling_preemption_threshold,
             max_running_requests=self.max_running_requests,
             max_prefill_tokens=self.max_prefill_tokens,
             chunked_prefill_size=self.chunked_prefill_size,
@@ -126,6 +128,9 @@ class SimConfig:
             cost=self.cost,
             output_len_dist=self.output_len_dist,
             streaming_session_timeout_s=self.streaming_session_timeout_s,
+            new_token_ratio_decay_steps=self.new_token_ratio_decay_steps,
+            retract_decode_steps=self.retract_decode_steps,
+            clip_max_new_tokens=self.clip_max_new_tokens,
         )
 
     def replace(self, **changes: object) -> SimConfig:
@@ -173,13 +178,8 @@ def validate_sim_config(cfg: SimConfig) -> None:
         cfg.output_len_dist in OUTPUT_LEN_DISTS,
         f"output_len_dist must be one of {OUTPUT_LEN_DISTS}",
     )
-    c = cfg.cost
-    check(
-        min(c.prefill_base_s, c.prefill_per_token_s, c.decode_base_s, c.decode_per_req_s) >= 0,
-        "cost-model constants must be >= 0",
-    )
-    check(
-        c.prefill_base_s + c.decode_base_s > 0,
-        "prefill_base_s + decode_base_s must be > 0 (a step must take simulated time)",
-    )
+    check(cfg.new_token_ratio_decay_steps >= 1, "new_token_ratio_decay_steps must be >= 1")
+    check(cfg.retract_decode_steps >= 1, "retract_decode_steps must be >= 1")
+    check(cfg.clip_max_new_tokens >= 1, "clip_max_new_tokens must be >= 1")
+    validate_cost_model(cfg.cost)
     validate_faults(cfg.faults)

@@ -203,6 +203,14 @@ class KVCache:
                 break
             k = _common_prefix(ids, pos, child.key)
             self._touch(child, now)
+            # The priority ratchet of SGLang's RadixCache._insert_helper
+            # (python/sglang/srt/mem_cache/radix_cache.py): every node on the inserted
+            # path takes max(node.priority, request priority), a split node inherits the
+            # (ratcheted) priority, a new leaf gets the request's. Matching alone never
+            # changes a priority. PriorityStrategy (mem_cache/evict_policy.py) then evicts
+            # by (priority, last access). Requests' priorities reach it whether or not
+            # priority scheduling is on (cache_finished_req / cache_unfinished_req pass
+            # ``req.priority or 0``).
             if priority > child.priority:
                 child.priority = priority
             if k < len(child.key):

@@ -208,6 +208,23 @@ def render_metrics(
                 s.kv.evicted_total,
             )
 
+    # sglang:realtime_tokens_total{mode}: the scheduler's token counters (scheduler
+    # labels plus ``mode``), so recompute = prefill_compute / (prefill_compute +
+    # prefill_cache) is visible in the engine's own metrics.
+    w.family(
+        "sglang:realtime_tokens_total",
+        "counter",
+        "Total number of tokens processed, updated on each log interval.",
+    )
+    for i, s in enumerate(ranks):
+        for labels in label_sets[i]:
+            for mode, value in (
+                ("prefill_compute", s.stats.realtime_prefill_compute_tokens),
+                ("prefill_cache", s.stats.realtime_prefill_cache_tokens),
+                ("decode", s.stats.realtime_decode_tokens),
+            ):
+                w.sample("sglang:realtime_tokens_total", {**labels, "mode": mode}, value)
+
     # Tokenizer-side counters: one tokenizer for the whole engine.
     st = [s.stats for s in ranks]
 

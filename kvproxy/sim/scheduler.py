@@ -39,6 +39,7 @@ The model follows SGLang's ``Scheduler`` (non-overlap event loop):
 from __future__ import annotations
 
 import heapq
+import sys
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from enum import Enum
@@ -74,7 +75,9 @@ class SimRequest:
     rid: str
     input_ids: list[int]  # the full prompt as the engine sees it
     max_new_tokens: int = 128
-    priority: int = 0
+    # None: not given. SGLang then uses 0 without priority scheduling and the lowest
+    # possible value with it (Scheduler._set_or_validate_priority); see submit().
+    priority: int | None = 0
     session_id: str | None = None  # top-level session id (session radix cache)
     stream: bool = False
     # Runtime, owned by the scheduler.
@@ -141,6 +144,10 @@ class Batch:
     reqs: list[SimRequest] = field(default_factory=list)
     chunks: list[int] = field(default_factory=list)
     hit_tokens: int = 0
+    # Prefill: (new tokens, tokens already in KV) per request, as the cost model saw them.
+    items: list[tuple[int, int]] = field(default_factory=list)
+    # Decode: total context of the running requests (the cost model's S).
+    context_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -166,6 +173,15 @@ class SchedulerStats:
     num_aborted_requests_total: int = 0
     num_retracted_requests_total: int = 0
     num_retracted_reqs: int = 0  # size of the last retraction (SGLang's gauge)
+    # Running requests preempted by a waiting one of higher priority (priority scheduling).
+    num_preempted_requests_total: int = 0
+    # sglang:realtime_tokens_total{mode=...}: tokens computed by prefill, prefix tokens
+    # served from the radix cache at admission, and tokens decoded.
+    realtime_prefill_compute_tokens: int = 0
+    realtime_prefill_cache_tokens: int = 0
+    realtime_decode_tokens: int = 0
+    # sglang:evicted_tokens_total: tokens evicted from the radix tree (KVCache.evicted_total).
+    evicted_tokens_total: int = 0
     cache_hit_rate: float = 0.0  # of the last prefill batch
     gen_throughput: float = 0.0
     prefill_batches: int = 0
@@ -196,6 +212,8 @@ class Scheduler:
         self._finish_heap: list[tuple[int, int, int, SimRequest]] = []
         self._sum_clip = 0  # sum of min(max_new, clip) over running
         self._sum_base = 0  # sum of (gen_base - g0) over running
+        self._sum_prompt = 0  # sum of prompt_tokens over running (decode context S)
+        self._preemption = config.enable_priority_scheduling
         self.init_ratio = min(config.init_new_token_ratio, 1.0)
         self.min_ratio = min(self.init_ratio * config.min_new_token_ratio_factor, 1.0)
         self.ratio_decay = (self.init_ratio - self.min_ratio) / max(
@@ -327,6 +345,11 @@ class Scheduler:
         req.out = OutputStream(req.rid, target if by_stop else None, stop_token)
         if req.session_id is not None and cfg.mode == "session-radix":
             req.generation = self._ensure_generation(req.session_id)
+        if req.priority is None:
+            # Scheduler._set_or_validate_priority (managers/scheduler.py): with priority
+            # scheduling a request without a priority gets the lowest value (larger is
+            # scheduled first); without it the radix insert uses ``priority or 0``.
+            req.priority = -sys.maxsize - 1 if cfg.enable_priority_scheduling else 0
         self._seq += 1
         req.seq = self._seq
         prio_key = -req.priority if cfg.enable_priority_scheduling else 0
@@ -507,6 +530,7 @@ class Scheduler:
         if batch is None and self.running:
             batch = self._form_decode(now)
         self._inflight = batch
+        self.stats.evicted_tokens_total = self.kv.evicted_total
         return batch
 
     def _peek_waiting(self) -> SimRequest | None:
@@ -552,11 +576,17 @@ class Scheduler:
         for r in batch.reqs:
             reserved += min(r.max_new_tokens - r.generated, clip) * ratio
         while budget > 0:
-            if len(self.running) + len(self._prefilling) >= cfg.max_running_requests:
-                break
             req = self._peek_waiting()
             if req is None:
                 break
+            if len(self.running) + len(self._prefilling) >= cfg.max_running_requests:
+                # The batch is full. With priority scheduling SGLang then tries to preempt
+                # running requests for this one (managers/scheduler.py,
+                # _get_new_batch_prefill_raw: batch_is_full -> adder.preempt_to_schedule).
+                freed = self._preempt_for(req, reserved, now) if self._preemption else None
+                if freed is None:
+                    break
+                reserved -= freed
             fill_len = req.prompt_tokens + req.generated
             remaining_new = min(req.max_new_tokens - req.generated, clip)
             nothing_else = not self.running and not self._prefilling and not batch.reqs
@@ -614,10 +644,76 @@ class Scheduler:
             return None
         return self._close_prefill(batch)
 
+    def _preempt_for(self, req: SimRequest, reserved: float, now: float) -> float | None:
+        """Preempt running requests of lower priority so that ``req`` can be admitted.
+
+        Checked against SGLang's ``PrefillAdder.preempt_to_schedule``
+        (``python/sglang/srt/managers/schedule_policy.py``): running requests are taken
+        lowest priority first (latest queued first on a tie) while the priority gap
+        exceeds ``priority_scheduling_preemption_threshold`` (strictly), until their
+        reserved decode tokens cover ``extend + min(max_new_tokens, clip) - rem_total``;
+        the first one within the threshold stops the search. Nothing happens unless both
+        conditions hold. Preempted requests release their KV (their cached prefix stays in
+        the tree) and go back to the waiting queue, like a retraction. Returns the
+        reservation released, or None when nothing was preempted.
+        """
+        cfg = self.cfg
+        kv = self.kv
+        clip = cfg.clip_max_new_tokens
+        ratio = self.new_token_ratio
+        assert req.priority is not None
+        fill_len = req.prompt_tokens + req.generated
+        fill = req.input_ids if req.generated == 0 else self._fill_ids(req)
+        matched = kv.match_prefix(fill[: fill_len - 1], now).length
+        deficit = (
+            fill_len
+            - matched
+            + min(req.max_new_tokens, clip)
+            - (kv.available + kv.evictable - reserved)
+        )
+        order = sorted(self.running.values(), key=lambda r: (r.priority, -r.arrival, -r.seq))
+        chosen: list[SimRequest] = []
+        released = 0.0
+        for r in order:
+            assert r.priority is not None
+            if req.priority - r.priority > cfg.priority_scheduling_preemption_threshold:
+                offset = min(r.max_new_tokens - self.output_len(r), clip) * ratio
+                chosen.append(r)
+                released += offset
+                deficit -= offset
+                if deficit <= 0:
+                    break
+            else:
+                break
+        if not chosen or deficit > 0:
+            return None
+        for r in chosen:
+            self._requeue(r)
+        self.stats.num_preempted_requests_total += len(chosen)
+        return released
+
+    def _requeue(self, req: SimRequest) -> None:
+        """Take a running request off the batch, free its private KV, queue it again."""
+        gen = self.output_len(req)
+        self._leave_running(req)
+        req.generated = gen
+        self._release(req)
+        if req.stream_session is not None:
+            ss = req.stream_session
+            ss.node, ss.tree_len, ss.held = None, 0, 0
+        req.state = State.WAITING
+        req.epoch += 1
+        self._enqueue(req)
+
     def _close_prefill(self, batch: Batch) -> Batch:
         batch.size = len(batch.reqs)
         batch.tokens = sum(batch.chunks)
-        batch.duration = self.cfg.cost.prefill_s(batch.tokens)
+        # p = tokens already in KV: the cached prefix plus the chunks computed before.
+        batch.items = [
+            (chunk, r.fill_len - r.extend_len + r.prefill_done)
+            for r, chunk in zip(batch.reqs, batch.chunks, strict=True)
+        ]
+        batch.duration = self.cfg.cost.prefill_s(batch.items)
         total = batch.tokens + batch.hit_tokens
         if batch.hit_tokens or total:
             self.stats.cache_hit_rate = round(batch.hit_tokens / total, 4) if total else 0.0
@@ -651,7 +747,9 @@ class Scheduler:
                 return None
         kv.available -= n
         self._decode_reserved = n
-        return Batch("decode", self.cfg.cost.decode_s(n), n, tokens=n)
+        # S: every running request's context (prompt + output so far), O(1).
+        ctx = self._sum_prompt + self._sum_base + n * self._decode_ct
+        return Batch("decode", self.cfg.cost.decode_s(n, ctx), n, tokens=n, context_tokens=ctx)
 
     def _retract(self, now: float) -> None:
         # Checked against SGLang's ScheduleBatch.retract_decode (the reference does not
@@ -682,17 +780,8 @@ class Scheduler:
                 break
             first = False
             req = order.pop()
-            gen = self.output_len(req)
-            self._leave_running(req)
-            req.generated = gen
-            self._release(req)
-            if req.stream_session is not None:
-                ss = req.stream_session
-                ss.node, ss.tree_len, ss.held = None, 0, 0
-            req.state = State.WAITING
-            req.epoch += 1
             req.num_retractions += 1
-            self._enqueue(req)
+            self._requeue(req)
             retracted.append(req)
         if retracted:
             self.stats.num_retracted_reqs = len(retracted)
@@ -709,12 +798,17 @@ class Scheduler:
             raise RuntimeError("finish_batch() for a batch that is not in flight")
         self._inflight = None
         self.now = now
-        self.stats.busy_time_s += batch.duration
+        st = self.stats
+        st.busy_time_s += batch.duration
         ev = StepEvents()
         if batch.kind == "decode":
+            st.realtime_decode_tokens += batch.tokens
             self._finish_decode(batch, now, ev)
         else:
+            st.realtime_prefill_compute_tokens += batch.tokens
+            st.realtime_prefill_cache_tokens += batch.hit_tokens
             self._finish_prefill(batch, now, ev)
+        st.evicted_tokens_total = self.kv.evicted_total
         return ev
 
     def _finish_prefill(self, batch: Batch, now: float, ev: StepEvents) -> None:
@@ -800,6 +894,7 @@ class Scheduler:
         self.running[req.rid] = req
         self._sum_clip += min(req.max_new_tokens, self.cfg.clip_max_new_tokens)
         self._sum_base += req.gen_base - req.g0
+        self._sum_prompt += req.prompt_tokens
         finish_at = req.g0 + req.target_len - req.gen_base
         heapq.heappush(self._finish_heap, (finish_at, req.seq, req.epoch, req))
         if self._tp_window_steps == 0 and not self._tp_window_tokens:
@@ -810,6 +905,7 @@ class Scheduler:
         del self.running[req.rid]
         self._sum_clip -= min(req.max_new_tokens, self.cfg.clip_max_new_tokens)
         self._sum_base -= req.gen_base - req.g0
+        self._sum_prompt -= req.prompt_tokens
         req.generated = gen
         req.private = req.prompt_tokens + gen - 1 - req.tree_len
         req.state = State.PREFILL  # transient; the caller sets the final state

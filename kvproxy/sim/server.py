@@ -6,11 +6,15 @@ bodies into core calls, runs one scheduler-loop task per DP rank (started and
 stopped in ``cleanup_ctx``), and wakes request handlers through per-request
 asyncio events. No task is created per request or per token.
 
-Time: each loop step asks the core for the next batch, sleeps until
-``step start + batch.duration`` on the simulated clock (an absolute deadline, so
-bookkeeping overhead and early timers are absorbed), then applies the batch. With
-``time_scale > 0`` the simulated clock is wall time divided by ``time_scale``
-(never behind the end of the last step); with ``time_scale == 0`` steps do not
+Time: each loop step asks the core for the next batch, sleeps until the step's end
+on the simulated clock, then applies the batch. While the engine is busy, simulated
+time advances only by step durations: a step that follows another starts exactly at
+its simulated end, so late wake-ups and the loop's own work never stretch a step.
+The wall-clock deadline of a step is absolute (``anchor + sim * time_scale``), so a
+late wake-up is made up by the following steps; the lag that remains is reported as
+overrun (``/server_info``, ``/sim/state``), never folded into simulated time. When
+the engine is idle the simulated clock follows the wall clock (divided by
+``time_scale``) and is re-anchored there. With ``time_scale == 0`` steps do not
 sleep and the clock is the sum of step durations.
 """
 
@@ -66,20 +70,46 @@ class Rank:
         self.wake = asyncio.Event()
         self.waiters: dict[str, Waiter] = {}
         self.streams: dict[str, Waiter] = {}
-        self._t0 = time.monotonic()
+        # Simulated time ``sim`` maps to wall time ``_anchor_wall + (sim - _anchor_sim) * ts``.
+        self._anchor_wall = time.monotonic()
+        self._anchor_sim = 0.0
         self._virtual = 0.0
         self._last_end = 0.0  # simulated end of the last step: the clock never goes back
-        self.overrun_s = 0.0  # wall time the loop ran behind the cost model
+        # (start, end) of the step being computed, in simulated seconds; None when idle.
+        self._step: tuple[float, float] | None = None
+        # Overrun: how far (wall seconds) the loop ran behind the cost model's deadlines.
+        self.lag_s = 0.0  # after the last step (0 when on time)
+        self.max_lag_s = 0.0
+        self.overrun_s = 0.0  # total lateness introduced (sum of the lag's increases)
+        self.late_steps = 0  # steps that ended after their wall-clock deadline
         self.steps = 0
         self.stopped = False  # the loop crashed or the app is shutting down
 
+    def _wall_sim(self) -> float:
+        return self._anchor_sim + (time.monotonic() - self._anchor_wall) / self.time_scale
+
     def now(self) -> float:
-        if self.time_scale > 0:
-            return max((time.monotonic() - self._t0) / self.time_scale, self._last_end)
-        return self._virtual
+        """Simulated time for an event now (an arrival, a close, a step start)."""
+        if self.time_scale <= 0:
+            return self._virtual
+        t = self._wall_sim()
+        step = self._step
+        if step is not None:
+            # During a step the clock stays inside it, even when the loop is late.
+            return min(max(t, step[0]), step[1])
+        return max(t, self._last_end)
 
     def to_wall(self, sim_seconds: float) -> float:
         return sim_seconds * self.time_scale
+
+    def clock_stats(self) -> dict[str, float | int]:
+        return {
+            "steps": self.steps,
+            "overrun_s": round(self.overrun_s, 6),
+            "lag_s": round(self.lag_s, 6),
+            "max_lag_s": round(self.max_lag_s, 6),
+            "late_steps": self.late_steps,
+        }
 
     def notify(self, reqs: list[SimRequest]) -> None:
         for req in reqs:
@@ -115,14 +145,23 @@ class Rank:
     async def _run(self) -> None:
         sched = self.sched
         ts = self.time_scale
+        chained = False  # the previous iteration ran a step: start at its simulated end
         while True:
-            now = self.now()
+            now = self._last_end if chained and ts > 0 else self.now()
             sched.maybe_reap(now)
             batch = sched.schedule(now)
             if sched.finished_outside:
                 self.notify(sched.finished_outside)
                 sched.finished_outside.clear()
             if batch is None:
+                if chained and ts > 0:
+                    # Going idle: re-anchor the clock at the last step's end, so that a
+                    # lag of the burst is dropped (reported, never folded into simulated
+                    # time) and idle time follows the wall clock from here.
+                    self._anchor_sim = self._last_end
+                    self._anchor_wall = time.monotonic()
+                    self.lag_s = 0.0
+                chained = False
                 self.wake.clear()
                 deadline = sched.next_deadline()
                 timeout = None
@@ -136,14 +175,24 @@ class Rank:
                 continue
             if ts > 0:
                 # Sleep until the step's end on the simulated clock. The deadline is
-                # absolute, so a timer that fires early is made up by the next step.
+                # absolute, so a timer that fires early or late is made up by the
+                # following steps; simulated time advances by the step's duration only.
                 end_sim = now + batch.duration
-                delay = self._t0 + end_sim * ts - time.monotonic()
+                self._step = (now, end_sim)
+                deadline = self._anchor_wall + (end_sim - self._anchor_sim) * ts
+                delay = deadline - time.monotonic()
                 if delay > 0:
                     await asyncio.sleep(delay)
                 else:
-                    self.overrun_s += -delay
                     await asyncio.sleep(0)
+                lag = max(time.monotonic() - deadline, 0.0)
+                if lag > self.lag_s:
+                    self.overrun_s += lag - self.lag_s
+                if lag > 0:
+                    self.late_steps += 1
+                self.lag_s = lag
+                self.max_lag_s = max(self.max_lag_s, lag)
+                self._step = None
                 self._last_end = end_sim
             else:
                 self._virtual += batch.duration
@@ -151,6 +200,7 @@ class Rank:
                 await asyncio.sleep(0)
             ev = sched.finish_batch(batch, end_sim)
             self.steps += 1
+            chained = True
             if ev.finished:
                 self.notify(ev.finished)
             if self.streams:
@@ -296,7 +346,7 @@ class ParsedRequest:
     rid: str
     input_ids: list[int]
     max_new_tokens: int
-    priority: int
+    priority: int | None
     session_id: str | None
     session_params: dict[str, Any] | None
     stream: bool
@@ -327,12 +377,13 @@ def _common_fields(
     output_len = None
     if isinstance(custom, dict) and custom.get("sim_output_len") is not None:
         output_len = _int(custom.get("sim_output_len"), "custom_params.sim_output_len")
-    priority = _int(body.get("priority"), "priority", 0)
+    # None when absent: the scheduler applies SGLang's default (see Scheduler.submit).
+    priority = _int(body.get("priority"), "priority")
     return ParsedRequest(
         rid=rid,
         input_ids=input_ids,
         max_new_tokens=128 if max_new is None else max_new,
-        priority=priority or 0,
+        priority=priority,
         session_id=session_id,
         session_params=session_params,
         stream=bool(body.get("stream", False)),
@@ -869,6 +920,7 @@ def server_info(st: SimState, request: web.Request | None = None) -> dict[str, A
         "enable_streaming_session": cfg.mode == "streaming",
         "radix_eviction_policy": cfg.eviction_policy,
         "enable_priority_scheduling": cfg.enable_priority_scheduling,
+        "priority_scheduling_preemption_threshold": cfg.priority_scheduling_preemption_threshold,
         "disable_radix_cache": False,
         "enable_metrics": True,
         "enable_cache_report": True,
@@ -888,11 +940,25 @@ def server_info(st: SimState, request: web.Request | None = None) -> dict[str, A
         "kvproxy_sim": {
             "mode": cfg.mode,
             "time_scale": cfg.time_scale,
+            # The cost model: preset, kind, token_scale and every constant (unit in the key).
+            "cost_model": c.preset,
+            **c.to_dict(),
+            # The legacy model's constant names (equal to t0/tau_lin/decode_a/decode_b).
             "prefill_base_s": c.prefill_base_s,
             "prefill_per_token_s": c.prefill_per_token_s,
             "decode_base_s": c.decode_base_s,
             "decode_per_req_s": c.decode_per_req_s,
             "output_len_dist": cfg.output_len_dist,
+            "radix_eviction_policy": cfg.eviction_policy,
+            "enable_priority_scheduling": cfg.enable_priority_scheduling,
+            "priority_scheduling_preemption_threshold": (
+                cfg.priority_scheduling_preemption_threshold
+            ),
+            "retract_decode_steps": cfg.retract_decode_steps,
+            "new_token_ratio_decay_steps": cfg.new_token_ratio_decay_steps,
+            "clip_max_new_tokens": cfg.clip_max_new_tokens,
+            # Wall-clock lateness per DP rank (never folded into simulated time).
+            "clock": [{"dp_rank": r.index, **r.clock_stats()} for r in st.ranks],
         },
     }
 
@@ -1046,7 +1112,7 @@ async def handle_state(request: web.Request) -> web.Response:
         snap = r.sched.snapshot()
         snap["dp_rank"] = r.index
         snap["loop_steps"] = r.steps
-        snap["overrun_s"] = round(r.overrun_s, 6)
+        snap.update(r.clock_stats())
         ranks.append(snap)
     return _json({"mode": st.cfg.mode, "faults": faults_json(st.faults), "ranks": ranks})
 

@@ -123,7 +123,7 @@ def test_token_usage_excludes_evictable_cache() -> None:
 
 
 def test_cost_model_durations() -> None:
-    cost = CostModel(
+    cost = CostModel.legacy(
         prefill_base_s=0.01, prefill_per_token_s=0.001, decode_base_s=0.02, decode_per_req_s=0.005
     )
     s, c = make(max_total_tokens=10_000, cost=cost)
