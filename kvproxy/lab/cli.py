@@ -64,6 +64,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--cost-model", default=None, help="engine preset (default: the workload's own)"
     )
     parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a workload parameter (real units, e.g. turns_median=20); repeatable",
+    )
+    parser.add_argument(
         "--pool-tokens",
         type=int,
         default=None,
@@ -75,6 +82,13 @@ def run(args: argparse.Namespace) -> int:
     overrides: dict[str, Any] = {}
     if args.pool_tokens is not None:
         overrides["max_total_tokens"] = args.pool_tokens
+    workload_overrides: dict[str, str] = {}
+    for item in args.set:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            print(f"kvproxy lab: --set needs KEY=VALUE, got {item!r}", file=sys.stderr)
+            return 2
+        workload_overrides[key.strip()] = value.strip()
     cfg = LabConfig(
         workload=args.workload,
         engines=args.engines,
@@ -84,6 +98,7 @@ def run(args: argparse.Namespace) -> int:
         router_policy=args.router_policy,
         cost_model=args.cost_model,
         engine_overrides=overrides,
+        workload_overrides=workload_overrides,
     )
     try:
         results = run_matrix(cfg, args.policy, args.seeds)
