@@ -1,4 +1,4 @@
-"""Command line: ``kvproxy serve | sim-engine | demo``.
+"""Command line: ``kvproxy serve | sim-engine | workload | demo``.
 
 Each subcommand module exposes ``add_arguments(parser)`` and ``run(args) -> int``.
 Only the module of the command being run is imported, so ``kvproxy sim-engine`` never
@@ -14,6 +14,10 @@ import sys
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("kvproxy.serve", "run the proxy in front of sgl-router / smg"),
     "sim-engine": ("kvproxy.sim.cli", "run a simulated SGLang engine (no GPU needed)"),
+    "workload": (
+        "kvproxy.workload.driver",
+        "run an agentic workload (preset or trace) against a URL",
+    ),
     "demo": ("kvproxy.demo", "run the agentic workload through the stack four ways and compare"),
     "lab": ("kvproxy.lab.cli", "run engines, router, kvproxy and a workload in virtual time"),
 }

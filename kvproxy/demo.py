@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from kvproxy.sim.agents import WorkloadConfig
+    from kvproxy.workload.legacy import WorkloadConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,7 +125,7 @@ def rollout_workload(**changes: Any) -> WorkloadConfig:
     """The agentic rollout workload shared by the demo and ``scripts/bench_rollout.py``:
     48 agents at once, 4-8 turns, a 1k-token shared system prompt, 256-512-token tool
     results, 48-token replies, 0.5 s median tool latency."""
-    from kvproxy.sim.agents import WorkloadConfig
+    from kvproxy.workload.legacy import WorkloadConfig
 
     return WorkloadConfig(**{**ROLLOUT_WORKLOAD_DEFAULTS, **changes})
 
@@ -318,7 +318,7 @@ def run_variant(
     import asyncio
 
     from kvproxy import stack as stk
-    from kvproxy.sim.agents import run_workload
+    from kvproxy.workload.legacy import run_legacy
 
     name = tag or variant.name
     log_dir = out_dir / "logs" / name
@@ -387,7 +387,7 @@ def run_variant(
                 progress(f"  [{name}] {done + failed}/{total} sessions{fail}, {now - t0:.0f} s")
 
         run = asyncio.run(
-            run_workload(
+            run_legacy(
                 workload,
                 base_url,
                 engine_urls=engine_urls,

@@ -130,6 +130,8 @@ class WorkloadResult:
     turns: list[TurnRecord] = field(default_factory=list)
     sessions: list[SessionRecord] = field(default_factory=list)
     makespan_s: float = 0.0
+    # True: the run hit its deadline and the sessions still running were cancelled.
+    timed_out: bool = False
 
     @property
     def main_sessions(self) -> list[SessionRecord]:
@@ -273,9 +275,13 @@ async def run_workload(
     seed: int,
     time_scale: float = 1.0,
     progress: ProgressFn | None = None,
+    deadline_s: float | None = None,
 ) -> WorkloadResult:
     """Run ``sessions`` main sessions (leads, trajectories) of ``spec``, ``concurrency``
-    at once, and return every record. Tool latencies sleep ``latency x time_scale``."""
+    at once, and return every record. Tool latencies sleep ``latency x time_scale``.
+
+    ``deadline_s`` (loop seconds): cancel what still runs then (those sessions count as
+    failed, ``result.timed_out``); None waits for every session."""
     if sessions < 0:
         raise WorkloadError(f"sessions must be >= 0 (got {sessions})")
     if concurrency < 1:
@@ -297,19 +303,30 @@ async def run_workload(
     async def program(members: list[SessionPlan]) -> None:
         await asyncio.gather(*(run.session(p) for p in members))
 
-    if spec.step_mode == "sync":
+    async def sync_steps() -> None:
         # Bounded by the program stream (finite: `sessions` main sessions).
         while step := list(itertools.islice(programs, slots)):
             await asyncio.gather(*(program(p) for p in step))
-    else:
 
-        async def worker(slot: int) -> None:
-            await run.pause(slot * spec.start_stagger_s)
-            # Bounded: the shared stream yields at most `sessions` main sessions.
-            for members in programs:
-                await program(members)
+    async def worker(slot: int) -> None:
+        await run.pause(slot * spec.start_stagger_s)
+        # Bounded: the shared stream yields at most `sessions` main sessions.
+        for members in programs:
+            await program(members)
 
+    async def closed_loop() -> None:
         await asyncio.gather(*(worker(i) for i in range(slots)))
+
+    body = sync_steps() if spec.step_mode == "sync" else closed_loop()
+    if deadline_s is None:
+        await body
+    else:
+        if deadline_s <= 0:
+            raise WorkloadError(f"deadline_s must be > 0 (got {deadline_s})")
+        try:
+            await asyncio.wait_for(body, deadline_s)
+        except TimeoutError:
+            result.timed_out = True
     result.makespan_s = run.now()
     result.sessions.sort(key=lambda s: s.start_s)
     return result

@@ -374,6 +374,8 @@ def workload_spec(name_or_trace: str, token_scale: int = 1, **overrides: Any) ->
             trace_path=path,
             trace=trace,
             context_length=trace.context_length or _SWE.context_length,
+            group_size=trace.max_group_size,
+            step_mode="closed",
         )
         if trace.sessions_per_engine is not None:
             base = dataclasses.replace(base, sessions_per_engine=trace.sessions_per_engine)

@@ -1,0 +1,5 @@
+import sys
+
+from kvproxy.workload.driver import main
+
+sys.exit(main())

@@ -1,0 +1,473 @@
+"""The HTTP shell: a :class:`HttpTransport` for the runner and ``kvproxy workload``.
+
+The driver is a plain HTTP client of whatever base URL it is given (an engine, the
+router or kvproxy), so one workload measures every configuration. Every request carries
+the session id in ``X-Session-ID`` and ``X-SMG-Routing-Key`` (what agent frameworks
+send, so every configuration routes the same way); a finished session POSTs
+``{base}/close_session`` (a 404 from a bare router or engine is tolerated).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import orjson
+
+from kvproxy.workload.report import summarize
+from kvproxy.workload.runner import ProgressFn, TurnOutcome, WorkloadResult, run_workload
+from kvproxy.workload.spec import (
+    PRESETS,
+    WorkloadError,
+    WorkloadSpec,
+    override_names,
+    workload_spec,
+)
+from kvproxy.workload.wire import (
+    _RETRACTION_COUNTERS,
+    ADMISSION_WAIT_HEADER,
+    FINAL_HEADER,
+    ROUTING_KEY_HEADER,
+    SESSION_HEADER,
+    StreamState,
+    diff_counters,
+    generate_body,
+    parse_prometheus,
+    parse_sse_line,
+)
+
+# Bounds the per-run table of close statuses.
+MAX_CLOSE_RECORDS = 1_000_000
+
+
+class HttpTransport:
+    """Streams SGLang ``/generate`` through ``http`` (one pooled aiohttp session).
+
+    ``send_final``: also send ``X-Session-Final: 1`` on a session's last request (kvproxy
+    then closes the session after the response, before the explicit close arrives).
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        http: aiohttp.ClientSession,
+        *,
+        request_timeout_s: float = 120.0,
+        close_sessions: bool = True,
+        send_final: bool = False,
+        temperature: float = 0.0,
+    ) -> None:
+        if request_timeout_s <= 0:
+            raise WorkloadError(f"request_timeout_s must be > 0 (got {request_timeout_s})")
+        self.base = base_url.rstrip("/")
+        self.http = http
+        self.timeout = aiohttp.ClientTimeout(total=request_timeout_s)
+        self.close_sessions = close_sessions
+        self.send_final = send_final
+        self.temperature = temperature
+        # session id -> HTTP status of its /close_session (None: no answer).
+        self.close_status: dict[str, int | None] = {}
+
+    def _headers(self, session_id: str) -> dict[str, str]:
+        return {
+            "Content-Type": "application/json",
+            SESSION_HEADER: session_id,
+            ROUTING_KEY_HEADER: session_id,
+        }
+
+    async def generate(
+        self, session_id: str, input_ids: list[int], max_new_tokens: int, *, final: bool
+    ) -> TurnOutcome:
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        headers = self._headers(session_id)
+        if final and self.send_final:
+            headers[FINAL_HEADER] = "1"
+        body = generate_body(input_ids, max_new_tokens, temperature=self.temperature)
+        state = StreamState()
+        ttft: float | None = None
+        wait_ms: float | None = None
+
+        def failed(error: str) -> TurnOutcome:
+            now = loop.time() - start
+            return TurnOutcome(
+                output_ids=[],
+                prompt_tokens=len(input_ids),
+                cached_tokens=0,
+                completion_tokens=0,
+                ttft_s=ttft if ttft is not None else now,
+                latency_s=now,
+                ok=False,
+                error=error,
+                admission_wait_ms=wait_ms,
+            )
+
+        try:
+            async with self.http.post(
+                f"{self.base}/generate",
+                data=orjson.dumps(body),
+                headers=headers,
+                timeout=self.timeout,
+            ) as resp:
+                wait = resp.headers.get(ADMISSION_WAIT_HEADER)
+                if wait is not None:
+                    with contextlib.suppress(ValueError):
+                        wait_ms = float(wait)
+                if resp.status != 200:
+                    text = (await resp.text())[:200]
+                    return failed(f"http_{resp.status}: {text}")
+                # Bounded by the request timeout; each iteration consumes one line.
+                async for line in resp.content:
+                    parsed = parse_sse_line(line)
+                    if parsed is None:
+                        continue
+                    kind, obj = parsed
+                    if ttft is None:
+                        ttft = loop.time() - start
+                    if kind == "done":
+                        state.done = True
+                        break
+                    if kind == "bad":
+                        state.error = f"bad_chunk: {obj}"
+                    elif isinstance(obj, Mapping):
+                        state.feed_generate(obj)
+        except TimeoutError:
+            return failed("timeout")
+        except aiohttp.ClientError as exc:
+            return failed(f"client_error: {type(exc).__name__} {exc}")
+        error = state.error
+        if error is None and not state.done:
+            error = "truncated: stream ended without [DONE]"
+        elif error is None and state.finish_reason == "abort":
+            error = "aborted"
+        if error is not None:
+            return failed(error)
+        latency = loop.time() - start
+        return TurnOutcome(
+            output_ids=state.output_ids,
+            prompt_tokens=state.prompt_tokens
+            if state.prompt_tokens is not None
+            else len(input_ids),
+            cached_tokens=state.cached_tokens or 0,
+            completion_tokens=state.completion_tokens
+            if state.completion_tokens is not None
+            else len(state.output_ids),
+            ttft_s=ttft if ttft is not None else latency,
+            latency_s=latency,
+            finish_reason=state.finish_reason,
+            admission_wait_ms=wait_ms,
+        )
+
+    async def close(self, session_id: str) -> None:
+        if not self.close_sessions:
+            return
+        status: int | None = None
+        try:
+            async with self.http.post(
+                f"{self.base}/close_session",
+                data=orjson.dumps({"session_id": session_id}),
+                headers=self._headers(session_id),
+                timeout=self.timeout,
+            ) as resp:
+                await resp.read()
+                status = resp.status
+        except (aiohttp.ClientError, TimeoutError):
+            status = None
+        if len(self.close_status) < MAX_CLOSE_RECORDS:
+            self.close_status[session_id] = status
+
+
+# ------------------------------------------------------------------ engine counters
+
+
+async def scrape_engine(
+    session: aiohttp.ClientSession, url: str, timeout_s: float = 5.0
+) -> dict[str, float]:
+    """Counters of one engine's ``/metrics``; {} when it cannot be read."""
+    try:
+        async with session.get(
+            f"{url.rstrip('/')}/metrics", timeout=aiohttp.ClientTimeout(total=timeout_s)
+        ) as resp:
+            if resp.status != 200:
+                return {}
+            return parse_prometheus(await resp.text())
+    except (aiohttp.ClientError, TimeoutError):
+        return {}
+
+
+async def scrape_engines(
+    session: aiohttp.ClientSession, urls: Sequence[str]
+) -> dict[str, dict[str, float]]:
+    values = await asyncio.gather(*(scrape_engine(session, u) for u in urls))
+    return dict(zip(urls, values, strict=True))
+
+
+async def read_proxy_stats(
+    session: aiohttp.ClientSession, base_url: str, timeout_s: float = 5.0
+) -> dict[str, Any] | None:
+    """``{base}/kvproxy/stats`` JSON, or None where the base URL is not kvproxy."""
+    try:
+        async with session.get(
+            f"{base_url.rstrip('/')}/kvproxy/stats", timeout=aiohttp.ClientTimeout(total=timeout_s)
+        ) as resp:
+            if resp.status != 200:
+                return None
+            data = await resp.json(content_type=None)
+            return data if isinstance(data, dict) else None
+    except (aiohttp.ClientError, TimeoutError, ValueError):
+        return None
+
+
+@dataclass(slots=True)
+class HttpRun:
+    """One run over HTTP: the runner's records plus what the engines and kvproxy saw."""
+
+    result: WorkloadResult
+    base_url: str
+    wall_s: float = 0.0
+    engines_before: dict[str, dict[str, float]] = field(default_factory=dict)
+    engines_after: dict[str, dict[str, float]] = field(default_factory=dict)
+    proxy_stats: dict[str, Any] | None = None
+    close_status: dict[str, int | None] = field(default_factory=dict)
+
+    @property
+    def engine_delta(self) -> dict[str, float]:
+        return diff_counters(self.engines_before, self.engines_after)
+
+    @property
+    def engine_deltas(self) -> dict[str, dict[str, float]]:
+        """Counter deltas per engine (shows how the router spread the load)."""
+        return {
+            url: diff_counters({url: self.engines_before.get(url, {})}, {url: after})
+            for url, after in self.engines_after.items()
+        }
+
+    def summary(self) -> dict[str, Any]:
+        """:func:`~kvproxy.workload.report.summarize` plus the engines' counter deltas,
+        the wall time and kvproxy's stats (JSON-serialisable)."""
+        out = summarize(self.result)
+        delta = self.engine_delta
+        retractions = next((delta[n] for n in _RETRACTION_COUNTERS if n in delta), None)
+        if retractions is None:
+            retractions = delta.get("num_retracted_reqs")
+        closes = [s for s in self.close_status.values() if s is not None]
+        out.update(
+            {
+                "base_url": self.base_url,
+                "wall_s": round(self.wall_s, 3),
+                "evicted_tokens": delta.get("evicted_tokens_total"),
+                "retractions": retractions,
+                "aborted_requests": delta.get("num_aborted_requests_total"),
+                "engine_prompt_tokens": delta.get("prompt_tokens_total"),
+                "engine_cached_tokens": delta.get("cached_tokens_total"),
+                "engine_generation_tokens": delta.get("generation_tokens_total"),
+                "engine_prefill_compute_tokens": delta.get("realtime_tokens_total:prefill_compute"),
+                "engine_prefill_cache_tokens": delta.get("realtime_tokens_total:prefill_cache"),
+                "closes_ok": sum(1 for s in closes if s == 200),
+                "closes_failed": len(self.close_status) - sum(1 for s in closes if s == 200),
+            }
+        )
+        if self.proxy_stats is not None:
+            out["proxy_stats"] = self.proxy_stats
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "spec": self.result.spec.to_dict(),
+            "seed": self.result.seed,
+            "sessions_requested": self.result.sessions_requested,
+            "concurrency": self.result.concurrency,
+            "time_scale": self.result.time_scale,
+            "summary": self.summary(),
+            "engine_delta": self.engine_delta,
+            "engine_deltas": self.engine_deltas,
+        }
+
+
+async def run_http(
+    spec: WorkloadSpec,
+    base_url: str,
+    *,
+    sessions: int,
+    concurrency: int,
+    seed: int,
+    time_scale: float = 1.0,
+    engine_urls: Sequence[str] = (),
+    progress: ProgressFn | None = None,
+    read_stats: bool = True,
+    request_timeout_s: float = 120.0,
+    run_timeout_s: float | None = None,
+    send_final: bool = False,
+) -> HttpRun:
+    """Run ``spec`` against ``base_url`` over HTTP. ``engine_urls`` are scraped
+    (``/metrics``) before and after; ``read_stats`` reads ``{base}/kvproxy/stats``."""
+    base = base_url.rstrip("/")
+    loop = asyncio.get_running_loop()
+    connector = aiohttp.TCPConnector(limit=max(16, 2 * concurrency + 8))
+    async with aiohttp.ClientSession(connector=connector) as http:
+        run = HttpRun(
+            result=WorkloadResult(spec, seed, sessions, concurrency, time_scale), base_url=base
+        )
+        run.engines_before = await scrape_engines(http, engine_urls)
+        transport = HttpTransport(
+            base,
+            http,
+            request_timeout_s=request_timeout_s,
+            close_sessions=spec.close_sessions,
+            send_final=send_final,
+        )
+        start = loop.time()
+        run.result = await run_workload(
+            spec,
+            transport,
+            sessions=sessions,
+            concurrency=concurrency,
+            seed=seed,
+            time_scale=time_scale,
+            progress=progress,
+            deadline_s=run_timeout_s,
+        )
+        run.wall_s = loop.time() - start
+        run.close_status = transport.close_status
+        run.engines_after = await scrape_engines(http, engine_urls)
+        if read_stats:
+            run.proxy_stats = await read_proxy_stats(http, base)
+    return run
+
+
+# ------------------------------------------------------------------------------- CLI
+
+
+def parse_sets(items: Sequence[str]) -> dict[str, str]:
+    """``["turns_median=20", ...]`` -> ``{"turns_median": "20"}``."""
+    out: dict[str, str] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise WorkloadError(f"--set expects NAME=VALUE (got {item!r})")
+        out[key.strip()] = value.strip()
+    return out
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--base-url", help="kvproxy, router or engine, e.g. http://127.0.0.1:8100")
+    p.add_argument(
+        "--workload",
+        default="swe",
+        help=f"a preset ({', '.join(PRESETS)}) or trace:PATH (trace:sample: the packaged sample)",
+    )
+    p.add_argument(
+        "--token-scale", type=int, default=1, help="tokens per macro-token (match the engines)"
+    )
+    p.add_argument(
+        "--sessions",
+        type=int,
+        default=None,
+        help="main sessions to run (default: 2 x concurrency; a trace: all)",
+    )
+    p.add_argument(
+        "--concurrency",
+        type=int,
+        default=None,
+        help="main sessions at once (default: the preset's sessions per engine)",
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--time-scale",
+        type=float,
+        default=1.0,
+        help="multiply tool latencies (use the simulated engines' --time-scale)",
+    )
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="override a workload parameter in real tokens, e.g. turns_median=20 (repeatable; --list-params)",
+    )
+    p.add_argument(
+        "--engine", action="append", default=[], help="engine URL to scrape /metrics (repeatable)"
+    )
+    p.add_argument("--request-timeout-s", type=float, default=120.0)
+    p.add_argument("--run-timeout-s", type=float, default=None, help="stop the run after this long")
+    p.add_argument(
+        "--final-header", action="store_true", help="send X-Session-Final: 1 on each last turn"
+    )
+    p.add_argument("--json", metavar="PATH", help="write spec, summary and engine deltas here")
+    p.add_argument(
+        "--list-params", action="store_true", help="print the workload's parameters and exit"
+    )
+    p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+
+
+def _spec_from_args(a: argparse.Namespace) -> WorkloadSpec:
+    return workload_spec(a.workload, a.token_scale, **parse_sets(a.set))
+
+
+def run(a: argparse.Namespace) -> int:
+    try:
+        spec = _spec_from_args(a)
+        if a.list_params:
+            print(json.dumps(spec.to_dict(), indent=2))
+            print("override names: " + ", ".join(override_names()), file=sys.stderr)
+            return 0
+        if not a.base_url:
+            raise WorkloadError("--base-url is required")
+        concurrency = a.concurrency if a.concurrency is not None else spec.sessions_per_engine
+        if a.sessions is not None:
+            sessions = a.sessions
+        elif spec.trace is not None:
+            sessions = len(spec.trace.sessions)
+        else:
+            sessions = 2 * concurrency
+        if concurrency < 1 or sessions < 0:
+            raise WorkloadError("need --concurrency >= 1 and --sessions >= 0")
+        if a.time_scale < 0:
+            raise WorkloadError("--time-scale must be >= 0")
+    except WorkloadError as exc:
+        print(f"invalid workload: {exc}", file=sys.stderr)
+        return 2
+
+    def progress(done: int, failed: int, total: int) -> None:
+        if not a.quiet:
+            print(
+                f"{done + failed}/{total} sessions ({failed} failed)", file=sys.stderr, flush=True
+            )
+
+    result = asyncio.run(
+        run_http(
+            spec,
+            a.base_url,
+            sessions=sessions,
+            concurrency=concurrency,
+            seed=a.seed,
+            time_scale=a.time_scale,
+            engine_urls=a.engine,
+            progress=progress,
+            request_timeout_s=a.request_timeout_s,
+            run_timeout_s=a.run_timeout_s,
+            send_final=a.final_header,
+        )
+    )
+    doc = result.to_dict()
+    if a.json:
+        with open(a.json, "w") as fh:
+            fh.write(json.dumps(doc, indent=2) + "\n")
+    print(json.dumps(doc["summary"], indent=2))
+    return 0 if doc["summary"]["sessions_failed"] == 0 else 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m kvproxy.workload",
+        description="Run an agentic workload against a base URL (kvproxy, router or engine).",
+    )
+    add_arguments(p)
+    return run(p.parse_args(argv))

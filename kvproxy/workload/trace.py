@@ -1,0 +1,373 @@
+"""Trace replay: recorded agent sessions in a JSONL file (format in docs/workloads.md).
+
+One JSON object per line (blank lines are skipped):
+
+* optional header, first line only: ``{"kvproxy_trace": 1, "token_scale": 1,
+  "context_length": 40960, "name": ..., "cost_model": ..., "sessions_per_engine": ...}``;
+* a shared prefix: ``{"prefix": "sys", "tokens": 1100}`` or ``{"prefix": "sys",
+  "ids": [...]}``, declared before the sessions that use it;
+* a session: ``{"session": "s1", "prefix": "sys", "group": "g1", "turns": [{"input":
+  500, "output": 150, "tool_latency_s": 0.4}, ...]}``, each turn with ``input`` (a
+  count) or ``input_ids`` (explicit ids), ``output`` (tokens, >= 1) and
+  ``tool_latency_s`` (the pause after the turn's response, seconds, unscaled).
+
+Token counts are in the trace's ``token_scale``; a run at scale K multiplies them by
+``token_scale / K`` (stochastic rounding, outputs at least 1). Explicit ids cannot be
+rescaled: a trace with ids runs only at its own scale. Parsing is pure apart from
+reading the file; every error names the line and the field.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from kvproxy.workload.plan import SessionPlan, TurnPlan, stochastic_round, token_ids
+from kvproxy.workload.spec import WorkloadError, WorkloadSpec
+
+TRACE_VERSION = 1
+MAX_TRACE_SESSIONS = 1_000_000
+MAX_TURNS_PER_SESSION = 100_000
+MAX_PREFIXES = 10_000
+SAMPLE_TRACE = Path(__file__).with_name("traces") / "sample.jsonl"
+
+_HEADER_KEYS = {
+    "kvproxy_trace",
+    "token_scale",
+    "context_length",
+    "name",
+    "cost_model",
+    "sessions_per_engine",
+}
+_PREFIX_KEYS = {"prefix", "tokens", "ids"}
+_SESSION_KEYS = {"session", "prefix", "group", "turns"}
+_TURN_KEYS = {"input", "input_ids", "output", "tool_latency_s"}
+
+
+@dataclass(frozen=True, slots=True)
+class TraceTurn:
+    input_tokens: int  # count in trace units (len(input_ids) where ids are given)
+    input_ids: tuple[int, ...] | None
+    output_tokens: int
+    tool_latency_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class TracePrefix:
+    name: str
+    line: int
+    tokens: int
+    ids: tuple[int, ...] | None
+
+
+@dataclass(frozen=True, slots=True)
+class TraceSession:
+    line: int
+    name: str
+    prefix: str | None
+    group: str | None
+    turns: tuple[TraceTurn, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Trace:
+    path: str
+    token_scale: int
+    # Real (unscaled) tokens; None: not given.
+    context_length: int | None
+    name: str | None
+    cost_model: str | None
+    sessions_per_engine: int | None
+    prefixes: Mapping[str, TracePrefix]
+    sessions: tuple[TraceSession, ...]
+
+    @property
+    def max_group_size(self) -> int:
+        sizes: dict[str, int] = {}
+        for s in self.sessions:
+            if s.group is not None:
+                sizes[s.group] = sizes.get(s.group, 0) + 1
+        return max(sizes.values(), default=1)
+
+    def check_scale(self, token_scale: int) -> None:
+        """Explicit ids cannot be rescaled: refuse a run at another token scale."""
+        if token_scale == self.token_scale:
+            return
+        for p in self.prefixes.values():
+            if p.ids is not None:
+                raise _error(
+                    self.path,
+                    p.line,
+                    "ids",
+                    f"explicit ids cannot be rescaled from the trace's token_scale "
+                    f"{self.token_scale} to {token_scale}; give a count ('tokens') or run "
+                    f"at --token-scale {self.token_scale}",
+                )
+        for s in self.sessions:
+            for i, t in enumerate(s.turns):
+                if t.input_ids is not None:
+                    raise _error(
+                        self.path,
+                        s.line,
+                        f"turns[{i}].input_ids",
+                        f"explicit ids cannot be rescaled from the trace's token_scale "
+                        f"{self.token_scale} to {token_scale}; give a count ('input') or "
+                        f"run at --token-scale {self.token_scale}",
+                    )
+
+
+def _error(path: str, line: int, field: str, message: str) -> WorkloadError:
+    return WorkloadError(f"{path}:{line}: {field}: {message}")
+
+
+def _int(path: str, line: int, field: str, value: Any, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _error(path, line, field, f"expected an integer (got {value!r})")
+    if value < minimum:
+        raise _error(path, line, field, f"must be >= {minimum} (got {value})")
+    return value
+
+
+def _ids(path: str, line: int, field: str, value: Any) -> tuple[int, ...]:
+    if not isinstance(value, list):
+        raise _error(
+            path, line, field, f"expected a list of token ids (got {type(value).__name__})"
+        )
+    for j, t in enumerate(value):
+        if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+            raise _error(path, line, f"{field}[{j}]", f"expected a token id >= 0 (got {t!r})")
+    return tuple(value)
+
+
+def _str(path: str, line: int, field: str, value: Any) -> str:
+    if not isinstance(value, str) or not value:
+        raise _error(path, line, field, f"expected a non-empty string (got {value!r})")
+    return value
+
+
+def _unknown(path: str, line: int, obj: Mapping[str, Any], allowed: set[str], what: str) -> None:
+    extra = sorted(set(obj) - allowed)
+    if extra:
+        raise _error(
+            path, line, extra[0], f"unknown field in a {what} (allowed: {sorted(allowed)})"
+        )
+
+
+def _turn(path: str, line: int, i: int, obj: Any) -> TraceTurn:
+    where = f"turns[{i}]"
+    if not isinstance(obj, dict):
+        raise _error(path, line, where, "expected an object")
+    _unknown(path, line, obj, _TURN_KEYS, "turn")
+    has_count, has_ids = "input" in obj, "input_ids" in obj
+    if has_count == has_ids:
+        raise _error(
+            path, line, f"{where}.input", "give exactly one of 'input' (a count) or 'input_ids'"
+        )
+    ids = _ids(path, line, f"{where}.input_ids", obj["input_ids"]) if has_ids else None
+    count = len(ids) if ids is not None else _int(path, line, f"{where}.input", obj["input"], 0)
+    if "output" not in obj:
+        raise _error(path, line, f"{where}.output", "missing (the turn's output length)")
+    output = _int(path, line, f"{where}.output", obj["output"], 1)
+    latency = obj.get("tool_latency_s", 0.0)
+    if (
+        isinstance(latency, bool)
+        or not isinstance(latency, int | float)
+        or not math.isfinite(latency)
+        or latency < 0
+    ):
+        raise _error(
+            path, line, f"{where}.tool_latency_s", f"expected seconds >= 0 (got {latency!r})"
+        )
+    return TraceTurn(count, ids, output, float(latency))
+
+
+def parse_trace(text: str, path: str = "<trace>") -> Trace:
+    """Parse and validate a trace; raises :class:`WorkloadError` naming line and field."""
+    header: dict[str, Any] = {}
+    prefixes: dict[str, TracePrefix] = {}
+    sessions: list[TraceSession] = []
+    names: set[str] = set()
+    seen_object = False
+    for line_no, raw in enumerate(text.splitlines(), start=1):
+        if not raw.strip():
+            continue
+        try:
+            obj = orjson.loads(raw)
+        except orjson.JSONDecodeError as exc:
+            raise _error(path, line_no, "json", f"not valid JSON ({exc})") from None
+        if not isinstance(obj, dict):
+            raise _error(path, line_no, "json", "expected a JSON object per line")
+        if "kvproxy_trace" in obj:
+            if seen_object:
+                raise _error(path, line_no, "kvproxy_trace", "the header must be the first line")
+            _unknown(path, line_no, obj, _HEADER_KEYS, "header")
+            if obj["kvproxy_trace"] != TRACE_VERSION:
+                raise _error(
+                    path,
+                    line_no,
+                    "kvproxy_trace",
+                    f"unsupported version {obj['kvproxy_trace']!r} (this reader knows {TRACE_VERSION})",
+                )
+            header = obj
+            for key, minimum in (
+                ("token_scale", 1),
+                ("context_length", 2),
+                ("sessions_per_engine", 1),
+            ):
+                if key in obj:
+                    _int(path, line_no, key, obj[key], minimum)
+            for key in ("name", "cost_model"):
+                if key in obj:
+                    _str(path, line_no, key, obj[key])
+            seen_object = True
+            continue
+        seen_object = True
+        if "prefix" in obj and "session" not in obj:
+            _unknown(path, line_no, obj, _PREFIX_KEYS, "prefix")
+            name = _str(path, line_no, "prefix", obj["prefix"])
+            if name in prefixes:
+                raise _error(
+                    path,
+                    line_no,
+                    "prefix",
+                    f"prefix {name!r} is already declared on line {prefixes[name].line}",
+                )
+            if ("tokens" in obj) == ("ids" in obj):
+                raise _error(
+                    path, line_no, "tokens", "give exactly one of 'tokens' (a count) or 'ids'"
+                )
+            ids = _ids(path, line_no, "ids", obj["ids"]) if "ids" in obj else None
+            count = len(ids) if ids is not None else _int(path, line_no, "tokens", obj["tokens"], 1)
+            if len(prefixes) >= MAX_PREFIXES:
+                raise _error(path, line_no, "prefix", f"more than {MAX_PREFIXES} prefixes")
+            prefixes[name] = TracePrefix(name, line_no, count, ids)
+            continue
+        if "session" not in obj:
+            raise _error(
+                path, line_no, "session", "missing (a line is a header, a prefix or a session)"
+            )
+        _unknown(path, line_no, obj, _SESSION_KEYS, "session")
+        name = _str(path, line_no, "session", obj["session"])
+        if name in names:
+            raise _error(path, line_no, "session", f"duplicate session {name!r}")
+        prefix = obj.get("prefix")
+        if prefix is not None:
+            prefix = _str(path, line_no, "prefix", prefix)
+            if prefix not in prefixes:
+                raise _error(
+                    path,
+                    line_no,
+                    "prefix",
+                    f"unknown prefix {prefix!r} (declare it on an earlier line)",
+                )
+        group = obj.get("group")
+        if group is not None:
+            group = _str(path, line_no, "group", group)
+        turns_raw = obj.get("turns")
+        if not isinstance(turns_raw, list) or not turns_raw:
+            raise _error(path, line_no, "turns", "expected a non-empty list of turns")
+        if len(turns_raw) > MAX_TURNS_PER_SESSION:
+            raise _error(path, line_no, "turns", f"more than {MAX_TURNS_PER_SESSION} turns")
+        turns = tuple(_turn(path, line_no, i, t) for i, t in enumerate(turns_raw))
+        if prefix is None and turns[0].input_tokens == 0:
+            raise _error(
+                path, line_no, "turns[0].input", "the first prompt is empty (no prefix, no input)"
+            )
+        if len(sessions) >= MAX_TRACE_SESSIONS:
+            raise _error(path, line_no, "session", f"more than {MAX_TRACE_SESSIONS} sessions")
+        names.add(name)
+        sessions.append(TraceSession(line_no, name, prefix, group, turns))
+    if not sessions:
+        raise WorkloadError(f"{path}: the trace has no sessions")
+    scale = int(header.get("token_scale", 1))
+    ctx = header.get("context_length")
+    return Trace(
+        path=path,
+        token_scale=scale,
+        context_length=None if ctx is None else int(ctx) * scale,
+        name=header.get("name"),
+        cost_model=header.get("cost_model"),
+        sessions_per_engine=header.get("sessions_per_engine"),
+        prefixes=prefixes,
+        sessions=tuple(sessions),
+    )
+
+
+def load_trace(path: str | Path) -> Trace:
+    """Read and parse the trace at ``path`` (``sample`` names the packaged sample)."""
+    p = SAMPLE_TRACE if str(path) == "sample" else Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise WorkloadError(f"cannot read trace {str(path)!r}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise WorkloadError(f"{path}: not UTF-8 text ({exc.reason})") from None
+    return parse_trace(text, str(path))
+
+
+# ------------------------------------------------------------------------ plans
+
+
+def trace_plans(spec: WorkloadSpec, seed: int) -> Iterator[SessionPlan]:
+    """The trace's sessions as plans, once each, members of a group together (in the
+    order of the group's first session), counts rescaled to ``spec.token_scale``."""
+    trace = spec.trace
+    if trace is None:
+        raise WorkloadError("not a trace workload")
+    factor = trace.token_scale / spec.token_scale
+    prefix_ids: dict[str, list[int]] = {}
+    for name, p in trace.prefixes.items():
+        if p.ids is not None:
+            prefix_ids[name] = list(p.ids)
+        else:
+            n = max(1, math.floor(p.tokens * factor + 0.5))
+            prefix_ids[name] = token_ids(random.Random(f"{seed}:trace-prefix:{name}"), n, spec)
+
+    order: list[int] = []
+    by_group: dict[str, list[int]] = {}
+    for i, s in enumerate(trace.sessions):
+        if s.group is None:
+            order.append(i)
+        elif s.group in by_group:
+            by_group[s.group].append(i)
+        else:
+            by_group[s.group] = [i]
+            order.append(i)
+    for first in order:
+        g = trace.sessions[first].group
+        for index in by_group[g] if g is not None else [first]:
+            s = trace.sessions[index]
+            rng = random.Random(f"{seed}:trace:{index}")
+            sid = f"{spec.name}-{seed}-{index:05d}"
+            turns: list[TurnPlan] = []
+            context = 0
+            exit_context = False
+            last = len(s.turns) - 1
+            for i, t in enumerate(s.turns):
+                if t.input_ids is not None:
+                    new = list(t.input_ids)
+                else:
+                    new = token_ids(rng, stochastic_round(t.input_tokens * factor, rng), spec)
+                if i == 0 and s.prefix is not None:
+                    new = [*prefix_ids[s.prefix], *new]
+                if i == 0 and not new:
+                    new = token_ids(rng, 1, spec)
+                out = max(1, stochastic_round(t.output_tokens * factor, rng))
+                if i and context + len(new) + out > spec.context_length:
+                    exit_context = True
+                    break
+                turns.append(TurnPlan(new, out, 0.0 if i == last else t.tool_latency_s))
+                context += len(new) + out
+            yield SessionPlan(
+                session_id=sid,
+                turns=tuple(turns),
+                group=None if g is None else f"{spec.name}-{seed}-{g}",
+                exit_context=exit_context,
+                turns_drawn=len(s.turns),
+            )

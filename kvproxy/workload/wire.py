@@ -1,0 +1,202 @@
+"""Wire formats the HTTP driver speaks (pure): SGLang ``/generate`` request bodies and
+SSE chunks, and the engines' Prometheus counters it diffs around a run."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+SESSION_HEADER = "X-Session-ID"
+ROUTING_KEY_HEADER = "X-SMG-Routing-Key"
+FINAL_HEADER = "X-Session-Final"
+ADMISSION_WAIT_HEADER = "X-KVProxy-Admission-Wait-Ms"
+
+# Engine counters scraped before and after a run. Counters are summed over label
+# sets; gauges take the maximum.
+ENGINE_COUNTERS: tuple[str, ...] = (
+    "prompt_tokens_total",
+    "cached_tokens_total",
+    "evicted_tokens_total",
+    "generation_tokens_total",
+    "num_aborted_requests_total",
+    "num_requests_total",
+    "num_retracted_requests_total",
+    "retracted_requests_total",
+    "num_retractions_total",
+)
+ENGINE_GAUGES: tuple[str, ...] = ("num_retracted_reqs",)
+# Counters kept per value of one label: ``realtime_tokens_total{mode="decode"}`` is
+# reported as ``realtime_tokens_total:decode``.
+ENGINE_LABELLED: dict[str, str] = {"realtime_tokens_total": "mode"}
+# Cumulative retraction counters a simulator may expose, in order of preference.
+_RETRACTION_COUNTERS = (
+    "num_retracted_requests_total",
+    "retracted_requests_total",
+    "num_retractions_total",
+)
+
+
+def parse_prometheus(text: str) -> dict[str, float]:
+    """Engine counters and gauges of interest from Prometheus text.
+
+    Accepts ``sglang:`` and ``sglang_`` prefixes and any label order. Counters are
+    summed over label sets (they are split by labels such as ``cache_source``); gauges
+    take the maximum (replicated rank label sets).
+    """
+    out: dict[str, float] = {}
+    for raw in text.splitlines():
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        name_end = len(line)
+        for i, ch in enumerate(line):
+            if ch in "{ ":
+                name_end = i
+                break
+        name = line[:name_end]
+        if name.startswith(("sglang:", "sglang_")):
+            name = name[len("sglang:") :]
+        else:
+            continue
+        if name.endswith("_created"):
+            continue
+        value_part = line[name_end:]
+        labels = ""
+        if value_part.startswith("{"):
+            close = value_part.rfind("}")
+            if close < 0:
+                continue
+            labels = value_part[1:close]
+            value_part = value_part[close + 1 :]
+        fields_ = value_part.split()
+        if not fields_:
+            continue
+        try:
+            value = float(fields_[0])
+        except ValueError:
+            continue
+        if math.isnan(value):
+            continue
+        # prometheus_client exposes a counter "x_total" under family "x"; accept both.
+        if name in ENGINE_LABELLED:
+            label = _label(labels, ENGINE_LABELLED[name])
+            if label is not None:
+                key = f"{name}:{label}"
+                out[key] = out.get(key, 0.0) + value
+        elif name in ENGINE_COUNTERS:
+            out[name] = out.get(name, 0.0) + value
+        elif name in ENGINE_GAUGES:
+            out[name] = max(out.get(name, value), value)
+    return out
+
+
+def _label(labels: str, wanted: str) -> str | None:
+    """The value of label ``wanted`` in ``a="x",b="y"`` (no escapes in the values we read)."""
+    for part in labels.split(","):
+        key, _, value = part.partition("=")
+        if key.strip() == wanted:
+            return value.strip().strip('"')
+    return None
+
+
+def diff_counters(
+    before: Mapping[str, Mapping[str, float]], after: Mapping[str, Mapping[str, float]]
+) -> dict[str, float]:
+    """Fleet-wide counter deltas (after - before, summed over engines). Gauges are
+    reported as their maximum after the run."""
+    total: dict[str, float] = {}
+    for engine, values in after.items():
+        prev = before.get(engine, {})
+        for name, value in values.items():
+            if name in ENGINE_GAUGES:
+                total[name] = max(total.get(name, 0.0), value)
+            else:
+                total[name] = total.get(name, 0.0) + max(0.0, value - prev.get(name, 0.0))
+    return total
+
+
+def generate_body(
+    input_ids: Sequence[int], max_new_tokens: int, *, temperature: float = 0.0
+) -> dict[str, Any]:
+    """A streamed SGLang ``/generate`` request. ``ignore_eos`` makes the output exactly
+    the drawn length on a real model too (as SGLang's own benchmarks do)."""
+    return {
+        "input_ids": list(input_ids),
+        "sampling_params": {
+            "max_new_tokens": max_new_tokens,
+            "temperature": temperature,
+            "ignore_eos": True,
+        },
+        "stream": True,
+    }
+
+
+def _finish_reason_name(value: Any) -> str | None:
+    if value is None:
+        return None
+    if isinstance(value, Mapping):
+        t = value.get("type")
+        return str(t) if t is not None else None
+    return str(value)
+
+
+@dataclass(slots=True)
+class StreamState:
+    """Accumulates one streamed SGLang ``/generate`` reply."""
+
+    output_ids: list[int] = field(default_factory=list)
+    prompt_tokens: int | None = None
+    cached_tokens: int | None = None
+    completion_tokens: int | None = None
+    finish_reason: str | None = None
+    error: str | None = None
+    done: bool = False
+    chunks: int = 0
+
+    def feed_generate(self, chunk: Mapping[str, Any]) -> None:
+        self.chunks += 1
+        if "error" in chunk:
+            self.error = f"stream_error: {chunk['error']}"
+            return
+        meta = chunk.get("meta_info") or {}
+        ids = chunk.get("output_ids")
+        completion = meta.get("completion_tokens")
+        if isinstance(ids, list):
+            # Cumulative by default; with incremental output each chunk is a delta.
+            if isinstance(completion, int):
+                cumulative = len(ids) == completion
+            else:
+                cumulative = ids[: len(self.output_ids)] == self.output_ids
+            if cumulative:
+                self.output_ids = [int(t) for t in ids]
+            else:
+                self.output_ids.extend(int(t) for t in ids)
+        if isinstance(meta.get("prompt_tokens"), int):
+            self.prompt_tokens = meta["prompt_tokens"]
+        if isinstance(meta.get("cached_tokens"), int):
+            self.cached_tokens = meta["cached_tokens"]
+        if isinstance(completion, int):
+            self.completion_tokens = completion
+        reason = _finish_reason_name(meta.get("finish_reason"))
+        if reason is not None:
+            self.finish_reason = reason
+
+
+def parse_sse_line(line: bytes) -> tuple[str, Any] | None:
+    """``data: {...}`` -> ("json", obj); ``data: [DONE]`` -> ("done", None); else None."""
+    s = line.strip()
+    if not s.startswith(b"data:"):
+        return None
+    payload = s[5:].strip()
+    if payload == b"[DONE]":
+        return ("done", None)
+    if not payload:
+        return None
+    try:
+        return ("json", orjson.loads(payload))
+    except orjson.JSONDecodeError:
+        return ("bad", payload[:200].decode("utf-8", "replace"))
