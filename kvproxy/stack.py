@@ -163,15 +163,21 @@ def _wait_ready(
 def start_sim_engine(
     *,
     port: int | None = None,
-    max_total_tokens: int,
+    max_total_tokens: int | None,
     mode: str = "plain",
     eviction_policy: str = "lru",
     extra_args: Sequence[str] = (),
     log_dir: Path,
     ready_timeout_s: float = 30,
     name: str | None = None,
+    cost_model: str | None = None,
+    token_scale: int = 1,
 ) -> ManagedProcess:
-    """Start ``python -m kvproxy sim-engine`` and wait until ``GET /health`` is 200."""
+    """Start ``python -m kvproxy sim-engine`` and wait until ``GET /health`` is 200.
+
+    ``max_total_tokens=None`` leaves the pool to the cost-model preset (divided by
+    ``token_scale``); ``cost_model=None`` keeps the engine's default (``legacy``).
+    """
     port = port or free_port()
     url = f"http://{HOST}:{port}"
     argv = [
@@ -183,14 +189,18 @@ def start_sim_engine(
         HOST,
         "--port",
         str(port),
-        "--max-total-tokens",
-        str(max_total_tokens),
         "--mode",
         mode,
         "--eviction-policy",
         eviction_policy,
-        *extra_args,
     ]
+    if max_total_tokens is not None:
+        argv += ["--max-total-tokens", str(max_total_tokens)]
+    if cost_model is not None:
+        argv += ["--cost-model", cost_model]
+    if token_scale != 1:
+        argv += ["--token-scale", str(token_scale)]
+    argv += list(extra_args)
     proc = _spawn(name or f"sim-engine-{port}", argv, url, log_dir)
     _wait_ready(proc, lambda: _http_get(f"{url}/health")[0] == 200, ready_timeout_s, "GET /health")
     return proc

@@ -14,6 +14,7 @@ end-to-end ``/generate`` requests per second through a local HTTP client; that
 number is bounded by aiohttp, not by the simulator's bookkeeping.
 
     .venv/bin/python scripts/bench_sim.py
+    .venv/bin/python scripts/bench_sim.py --cost-model qwen3-8b-h100
     .venv/bin/python scripts/bench_sim.py --http --requests 3000
 """
 
@@ -28,13 +29,16 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kvproxy.sim.config import SchedulerConfig, SimConfig
+from kvproxy.sim.config import SimConfig
+from kvproxy.sim.presets import PRESET_NAMES, scheduler_config
 from kvproxy.sim.scheduler import Scheduler, SimRequest
 
 
 def bench_core(args: argparse.Namespace) -> dict[str, float]:
     rng = random.Random(args.seed)
-    cfg = SchedulerConfig(
+    cfg = scheduler_config(
+        args.cost_model,
+        args.token_scale,
         max_total_tokens=args.max_total_tokens,
         mode=args.mode,
         eviction_policy=args.eviction_policy,
@@ -74,6 +78,7 @@ def bench_core(args: argparse.Namespace) -> dict[str, float]:
         submit(i)
     steps = 0
     t0 = time.perf_counter()
+    c0 = time.process_time()
     while s.busy:
         batch = s.schedule(now)
         done = list(s.finished_outside)
@@ -94,11 +99,15 @@ def bench_core(args: argparse.Namespace) -> dict[str, float]:
             elif args.mode == "session-radix":
                 s.close_session(f"s{i}", now)
     wall = time.perf_counter() - t0
+    cpu = time.process_time() - c0
     st = s.stats
     return {
         "requests": finished,
         "wall_s": wall,
         "requests_per_s": finished / wall,
+        # CPU time of this process: the one-core figure when other jobs share the host.
+        "cpu_s": cpu,
+        "requests_per_cpu_s": finished / cpu,
         "steps": steps,
         "steps_per_s": steps / wall,
         "prompt_tokens": prompt_tokens,
@@ -170,6 +179,8 @@ def main() -> int:
     p.add_argument("--mode", choices=("plain", "session-radix"), default="session-radix")
     p.add_argument("--eviction-policy", choices=("lru", "priority"), default="lru")
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--cost-model", choices=PRESET_NAMES, default="legacy")
+    p.add_argument("--token-scale", type=int, default=1, help="divides the preset's chunk etc.")
     p.add_argument("--http", action="store_true", help="measure /generate over HTTP instead")
     p.add_argument("--requests", type=int, default=2_000, help="--http: number of requests")
     p.add_argument("--concurrency", type=int, default=64, help="--http: client concurrency")

@@ -18,7 +18,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from kvproxy.sim.config import SchedulerConfig
+from kvproxy.sim.config import SchedulerConfig, SimConfig
 from kvproxy.sim.cost import CostModel
 
 # SGLang constants that are counted in real tokens or real decode steps.
@@ -201,3 +201,22 @@ def scheduler_config(preset: str, token_scale: int = 1, **overrides: Any) -> Sch
         clip_max_new_tokens=scale_tokens(CLIP_MAX_NEW_TOKENS, k),
     )
     return dataclasses.replace(base, **overrides)
+
+
+def sim_config(preset: str, token_scale: int = 1, **overrides: Any) -> SimConfig:
+    """A :class:`SimConfig` (the HTTP engine) for ``preset`` at ``token_scale``.
+
+    The scheduler fields come from :func:`scheduler_config`; ``overrides`` may name any
+    SimConfig field (scheduler fields are applied as given, in simulated tokens).
+    """
+    sim_fields = {f.name for f in dataclasses.fields(SimConfig)}
+    unknown = set(overrides) - sim_fields
+    if unknown:
+        raise ValueError(f"unknown SimConfig fields: {sorted(unknown)}")
+    sched_fields = {f.name for f in dataclasses.fields(SchedulerConfig)} & sim_fields
+    sc = scheduler_config(
+        preset, token_scale, **{k: v for k, v in overrides.items() if k in sched_fields}
+    )
+    base = {name: getattr(sc, name) for name in sched_fields}
+    base.update(overrides)
+    return SimConfig(**base)

@@ -32,6 +32,12 @@ The model follows SGLang's ``Scheduler`` (non-overlap event loop):
   tie) until ``retract_decode_steps`` steps fit; a retracted request's private
   KV is freed, its cached prefix stays in the tree unlocked, and it re-queues and
   later re-prefills its prompt plus the tokens it had generated.
+* With priority scheduling, a waiting request may preempt running ones when the
+  batch is at max_running_requests (``_preempt_for``, SGLang's
+  ``preempt_to_schedule``).
+* Step durations come from ``cfg.cost`` (``kvproxy.sim.cost``): a prefill batch
+  passes (new tokens, tokens already in KV) per request, a decode step the batch
+  size and the running requests' total context.
 * Decode bookkeeping is O(1) per step: a request's output length is derived
   from a global decode-step counter, and finishing requests come off a heap.
 """
