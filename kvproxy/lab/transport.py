@@ -1,27 +1,38 @@
 """The workload's in-process Transport: what the HTTP driver sends, handed to the proxy.
 
-Each turn becomes the body and headers the workload's HTTP driver posts to
-``/generate`` (``input_ids``, ``max_new_tokens`` with ``ignore_eos`` so the drawn
-output length is the real one, ``X-Session-ID`` and ``X-SMG-Routing-Key`` = the session
-id, ``X-Session-Final`` on a session's last turn). The lab also names every request's
-rid (a fixed-length counter, so aborts by rid prefix stay exact): the proxy would
-otherwise draw a random one, and the lab must be reproducible.
+Each turn becomes the body and headers the workload's HTTP driver
+(:class:`kvproxy.workload.driver.HttpTransport`) posts to ``/generate``: the body of
+``kvproxy.workload.wire.generate_body`` (``input_ids``, ``max_new_tokens`` with
+``ignore_eos``, ``stream``), ``X-Session-ID`` and ``X-SMG-Routing-Key`` = the session
+id, and ``X-Session-Final`` on a session's last turn when ``send_final`` (off by
+default, as in the driver). The lab also names every request's rid (a fixed-length
+counter, so aborts by rid prefix stay exact): the proxy would otherwise draw a random
+one, and a lab run must be reproducible.
+
+The TTFT is the time from the call to the engine's first token (what the driver
+measures at the first streamed chunk); the latency is the time to the last.
 """
 
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 
 from kvproxy.lab.proxy import LabProxy, ProxyError
 from kvproxy.workload.runner import TurnOutcome
+from kvproxy.workload.wire import (
+    FINAL_HEADER,
+    ROUTING_KEY_HEADER,
+    SESSION_HEADER,
+    generate_body,
+)
 
 
 class LabTransport:
     """``kvproxy.workload.runner.Transport`` over a :class:`LabProxy`."""
 
-    def __init__(self, proxy: LabProxy) -> None:
+    def __init__(self, proxy: LabProxy, *, send_final: bool = False) -> None:
         self.proxy = proxy
+        self.send_final = send_final
         self._rid = 0
         self.errors: dict[str, int] = {}
 
@@ -30,27 +41,24 @@ class LabTransport:
     ) -> TurnOutcome:
         loop = asyncio.get_running_loop()
         self._rid += 1
-        body: dict[str, Any] = {
-            "rid": f"{self._rid:032x}",
-            "input_ids": input_ids,
-            "sampling_params": {"max_new_tokens": max_new_tokens, "ignore_eos": True},
-        }
-        headers = {"X-Session-ID": session_id, "X-SMG-Routing-Key": session_id}
-        if final:
-            headers["X-Session-Final"] = "1"
+        body = generate_body(input_ids, max_new_tokens)
+        body["rid"] = f"{self._rid:032x}"
+        headers = {SESSION_HEADER: session_id, ROUTING_KEY_HEADER: session_id}
+        if final and self.send_final:
+            headers[FINAL_HEADER] = "1"
         start = loop.time()
         try:
             req, wait_s = await self.proxy.generate(headers, body)
         except ProxyError as exc:
             self.errors[exc.error_type] = self.errors.get(exc.error_type, 0) + 1
-            now = loop.time()
+            now = loop.time() - start
             return TurnOutcome(
-                [], 0, 0, 0, now - start, now - start, ok=False, error=f"{exc.error_type}: {exc}"
+                [], len(input_ids), 0, 0, now, now, ok=False, error=f"{exc.error_type}: {exc}"
             )
         end = loop.time()
-        first = req.first_token_time
         finish = req.finish_reason or {}
         ok = finish.get("type") != "abort"
+        first = req.first_token_time
         assert req.out is not None
         return TurnOutcome(
             output_ids=req.out.ids(req.generated),
@@ -60,7 +68,7 @@ class LabTransport:
             ttft_s=(first if first is not None else end) - start,
             latency_s=end - start,
             ok=ok,
-            error=None if ok else f"aborted: {finish.get('message')}",
+            error=None if ok else "aborted",
             finish_reason=finish.get("type"),
             admission_wait_ms=None if wait_s is None else wait_s * 1000.0,
         )
