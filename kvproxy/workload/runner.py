@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Coroutine, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -153,6 +153,19 @@ class WorkloadResult:
 ProgressFn = Callable[[int, int, int], None]  # (completed, failed, total) main sessions
 
 
+async def _all(coros: Iterable[Coroutine[Any, Any, None]]) -> None:
+    """Run ``coros`` concurrently; if one raises (or this is cancelled), cancel the rest
+    and wait for them before re-raising, so no task outlives the run."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        await asyncio.gather(*tasks)
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+
+
 class _Run:
     def __init__(
         self,
@@ -247,7 +260,7 @@ class _Run:
             output = list(out.output_ids)
             previous_context = context_after_turn(out.prompt_tokens, out.completion_tokens)
             if turn.subagents:
-                await asyncio.gather(*(self.session(s) for s in turn.subagents))
+                await _all(self.session(s) for s in turn.subagents)
             if i < last:
                 await self.pause(turn.tool_latency_s)
         rec.ok = True
@@ -301,12 +314,12 @@ async def run_workload(
     slots = max(1, concurrency // spec.group_size)
 
     async def program(members: list[SessionPlan]) -> None:
-        await asyncio.gather(*(run.session(p) for p in members))
+        await _all(run.session(p) for p in members)
 
     async def sync_steps() -> None:
         # Bounded by the program stream (finite: `sessions` main sessions).
         while step := list(itertools.islice(programs, slots)):
-            await asyncio.gather(*(program(p) for p in step))
+            await _all(program(p) for p in step)
 
     async def worker(slot: int) -> None:
         await run.pause(slot * spec.start_stagger_s)
@@ -315,7 +328,7 @@ async def run_workload(
             await program(members)
 
     async def closed_loop() -> None:
-        await asyncio.gather(*(worker(i) for i in range(slots)))
+        await _all(worker(i) for i in range(slots))
 
     body = sync_steps() if spec.step_mode == "sync" else closed_loop()
     if deadline_s is None:

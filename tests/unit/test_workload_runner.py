@@ -214,3 +214,33 @@ def test_only_the_first_wave_is_staggered() -> None:
     starts = sorted(s.start_s for s in res.sessions)
     # Slot i waits i x 0.25 x time_scale once; later sessions follow back to back.
     assert starts == pytest.approx([0.0, 0.5, 1.0, 1.0, 1.5, 2.0])
+
+
+async def test_a_transport_error_stops_the_run_and_leaves_no_task_behind() -> None:
+    spec = workload_spec("swe", 16)
+    never = asyncio.Event()
+    cancelled: list[str] = []
+    first: list[str] = []
+
+    class Failing(FakeTransport):
+        async def generate(
+            self, session_id: str, input_ids: list[int], max_new_tokens: int, *, final: bool
+        ) -> TurnOutcome:
+            first.append(session_id)
+            if len(first) == 3:
+                raise RuntimeError("transport bug")
+            try:
+                await never.wait()
+            except asyncio.CancelledError:
+                cancelled.append(session_id)
+                raise
+            raise AssertionError("unreachable")
+
+    fake = Failing()
+    before = asyncio.all_tasks()
+    with pytest.raises(RuntimeError, match="transport bug"):
+        await run_workload(spec, fake, sessions=6, concurrency=3, seed=0, time_scale=0.0)
+    assert sorted(cancelled) == sorted(first[:2])
+    assert asyncio.all_tasks() == before
+    # Every started session was still closed.
+    assert sorted(fake.closed) == sorted(first)
