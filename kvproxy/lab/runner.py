@@ -171,7 +171,7 @@ def build(cfg: LabConfig) -> tuple[Any, Any, int, int]:
 
 async def _run(cfg: LabConfig) -> LabResult:
     from kvproxy.lab.transport import LabTransport
-    from kvproxy.workload.report import summarize
+    from kvproxy.workload.report import percentile, summarize
     from kvproxy.workload.runner import run_workload
 
     spec, sched_cfg, sessions, concurrency = build(cfg)
@@ -206,6 +206,12 @@ async def _run(cfg: LabConfig) -> LabResult:
             await e.stop()
     simulated = loop.time()
     summary = dict(summarize(result))
+    first_waits = [
+        t.admission_wait_ms / 1000.0
+        for t in result.turns
+        if t.turn == 0 and t.admission_wait_ms is not None
+    ]
+    p99 = percentile(first_waits, 99)
     per_engine = [engine_counters(e) for e in engines]
     summary.update(
         policy=cfg.policy,
@@ -221,6 +227,8 @@ async def _run(cfg: LabConfig) -> LabResult:
         proxy_errors=dict(sorted(transport.errors.items())),
         admission_decisions=dict(sorted(proxy.decisions.items())),
         simulated_s=round(simulated, 6),
+        # Admission's wait of sessions' first requests (None: admission off).
+        first_turn_wait_p99_s=None if p99 is None else round(p99, 4),
     )
     return LabResult(cfg, summary, per_engine, result)
 
@@ -300,6 +308,7 @@ TABLE_ROWS: tuple[tuple[str, str, str], ...] = (
     ("evicted tokens", "evicted_tokens", "{:,.0f}"),
     ("TTFT p99 continuing (s)", "ttft_p99_continuing_s", "{:.2f}"),
     ("TTFT p99 first turn (s)", "ttft_p99_first_s", "{:.2f}"),
+    ("first-turn wait p99 (s)", "first_turn_wait_p99_s", "{:.2f}"),
     ("output tokens/s", "output_tokens_per_s", "{:.1f}"),
     ("retractions", "retractions", "{:,.0f}"),
     ("sessions", "sessions", "{:,.0f}"),

@@ -71,8 +71,10 @@ def test_every_policy_finishes_with_sane_numbers(policy: str) -> None:
     assert s["proxy_errors"] == {}
     if policy in ("admission", "both"):
         assert sum(s["admission_decisions"].values()) == s["requests"]
+        assert s["first_turn_wait_p99_s"] is not None and s["first_turn_wait_p99_s"] >= 0
     else:
         assert s["admission_decisions"] == {}
+        assert s["first_turn_wait_p99_s"] is None
 
 
 def test_ceiling_evicts_nothing_and_off_under_a_tiny_pool_evicts() -> None:
