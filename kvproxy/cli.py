@@ -20,6 +20,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     ),
     "demo": ("kvproxy.demo", "run the agentic workload through the stack four ways and compare"),
     "doctor": ("kvproxy.doctor.cli", "check a live deployment: router, engines' flags, config"),
+    "lab": ("kvproxy.lab.cli", "run engines, router, kvproxy and a workload in virtual time"),
 }
 
 # One example per command for ``--help`` (a module's own ``EXAMPLE`` is used when a

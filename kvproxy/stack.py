@@ -247,11 +247,15 @@ def start_router(
     log_dir: Path,
     ready_timeout_s: float = 60,
     disable_circuit_breaker: bool = True,
+    overload_protection: bool = False,
 ) -> ManagedProcess:
     """Start the real router (``smg launch``) and wait until every worker is healthy.
 
     The circuit breaker is disabled by default: it counts client 4xx answers as
     worker failures, so a burst of bad requests would take workers out of routing.
+    Worker overload protection is off by default, as the deployment contract says
+    (docs/operations.md): on, smg skips a worker with 8+ waiting requests or 0.8 KV
+    usage even under consistent hashing, which moves sessions off their ring engine.
     """
     port = port or free_port()
     prom_port = free_port()
@@ -278,6 +282,8 @@ def start_router(
     ]
     if disable_circuit_breaker:
         argv.append("--disable-circuit-breaker")
+    if not overload_protection:
+        argv.append("--disable-worker-overload-protection")
     if worker_urls:
         argv += ["--worker-urls", *worker_urls]
     argv += list(extra_args)

@@ -63,7 +63,6 @@ def ch_router(
     proc = stack.start_router(
         [e.url for e in ch_engines],
         policy="consistent_hashing",
-        extra_args=("--disable-worker-overload-protection",),
         log_dir=Path(tmp_path_factory.mktemp("program-router")),
     )
     try:

@@ -1,0 +1,127 @@
+"""``kvproxy lab``: policies x seeds of a workload in virtual time; a table and JSON."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from kvproxy.lab.router import ROUTER_POLICIES
+from kvproxy.lab.runner import POLICIES, LabConfig, LabError, format_table, run_matrix
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers, got {text!r}"
+        ) from None
+    if not values:
+        raise argparse.ArgumentTypeError("expected at least one seed")
+    return values
+
+
+def _policies(text: str) -> list[str]:
+    names = [x.strip() for x in text.split(",") if x.strip()]
+    if names == ["all"]:
+        return list(POLICIES)
+    bad = [n for n in names if n not in POLICIES]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(
+            f"policies must be 'all' or a comma-separated subset of {', '.join(POLICIES)}"
+        )
+    return names
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--workload", default="swe", help="swe | rl | subagents | trace:PATH")
+    parser.add_argument("--engines", type=int, default=2, help="simulated engines (default 2)")
+    parser.add_argument(
+        "--sessions-per-engine",
+        type=int,
+        default=None,
+        help="live sessions per engine (default: the workload preset's)",
+    )
+    parser.add_argument(
+        "--sessions", type=int, default=None, help="sessions in the run (default 2x live)"
+    )
+    parser.add_argument(
+        "--policy",
+        type=_policies,
+        default=list(POLICIES),
+        help=f"'all' or a comma-separated list of {', '.join(POLICIES)} (default all)",
+    )
+    parser.add_argument("--token-scale", type=int, default=16, help="token scale K (default 16)")
+    parser.add_argument(
+        "--seeds", type=_int_list, default=[0], help="comma-separated seeds (default 0)"
+    )
+    parser.add_argument("--json", type=Path, default=None, help="write the results here")
+    parser.add_argument("--router-policy", choices=ROUTER_POLICIES, default="consistent_hashing")
+    parser.add_argument(
+        "--cost-model", default=None, help="engine preset (default: the workload's own)"
+    )
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a workload parameter (real units, e.g. turns_median=20); repeatable",
+    )
+    parser.add_argument(
+        "--pool-tokens",
+        type=int,
+        default=None,
+        help="KV pool per engine in (scaled) tokens (default: the preset's)",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    overrides: dict[str, Any] = {}
+    if args.pool_tokens is not None:
+        overrides["max_total_tokens"] = args.pool_tokens
+    workload_overrides: dict[str, str] = {}
+    for item in args.set:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            print(f"kvproxy lab: --set needs KEY=VALUE, got {item!r}", file=sys.stderr)
+            return 2
+        workload_overrides[key.strip()] = value.strip()
+    cfg = LabConfig(
+        workload=args.workload,
+        engines=args.engines,
+        sessions_per_engine=args.sessions_per_engine,
+        sessions=args.sessions,
+        token_scale=args.token_scale,
+        router_policy=args.router_policy,
+        cost_model=args.cost_model,
+        engine_overrides=overrides,
+        workload_overrides=workload_overrides,
+    )
+    try:
+        results = run_matrix(cfg, args.policy, args.seeds)
+    except LabError as exc:
+        print(f"kvproxy lab: {exc}", file=sys.stderr)
+        return 2
+    medians = {name: r["median"] for name, r in results.items()}
+    print(format_table(medians))
+    if args.json is not None:
+        doc = {
+            "command": "kvproxy lab " + " ".join(sys.argv[2:]),
+            "workload": args.workload,
+            "engines": args.engines,
+            "token_scale": args.token_scale,
+            "router_policy": args.router_policy,
+            "seeds": args.seeds,
+            "policies": {
+                name: {
+                    "median": r["median"],
+                    "per_seed": {str(k): v for k, v in r["per_seed"].items()},
+                }
+                for name, r in results.items()
+            },
+        }
+        args.json.write_text(json.dumps(doc, indent=2, sort_keys=False) + "\n")
+    return 0

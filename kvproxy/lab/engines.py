@@ -1,0 +1,161 @@
+"""Simulated engines of the lab: the pure scheduler driven on the virtual clock.
+
+One :class:`LabEngine` per engine URL. Its driver coroutine runs the same two-call
+step as the HTTP simulator's scheduler loop (``kvproxy.sim.server.Rank``)::
+
+    batch = sched.schedule(now)
+    await asyncio.sleep(batch.duration)      # virtual seconds: nothing sleeps
+    events = sched.finish_batch(batch, loop.time())
+
+and resolves the futures of the requests that finished. A request body is parsed by
+the simulator's own ``parse_generate``, and ``/metrics`` is rendered by the
+simulator's own ``render_metrics``, so the lab sees exactly what an HTTP client of the
+simulator would see (minus the text and the JSON encoding).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Mapping
+from typing import Any
+
+from kvproxy.sim.config import SchedulerConfig
+from kvproxy.sim.metrics import MetricsContext, render_metrics
+from kvproxy.sim.scheduler import Scheduler, SimError, SimRequest
+from kvproxy.sim.server import BadRequest, parse_generate
+
+MODEL_NAME = "kvproxy/sim-model"
+
+
+class EngineError(Exception):
+    """The engine refused a request (what the HTTP simulator answers with ``status``)."""
+
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class LabEngine:
+    """One simulated engine (one DP rank) at ``url``, on the running loop's clock."""
+
+    def __init__(self, url: str, cfg: SchedulerConfig) -> None:
+        self.url = url
+        self.cfg = cfg
+        self.sched = Scheduler(cfg, now=0.0)
+        self.metrics_ctx = MetricsContext(
+            model_name=MODEL_NAME,
+            enable_priority_scheduling=cfg.enable_priority_scheduling,
+            streaming_sessions=cfg.mode == "streaming",
+        )
+        self._waiters: dict[str, asyncio.Future[SimRequest]] = {}
+        self._wake: asyncio.Event | None = None
+        self._task: asyncio.Task[None] | None = None
+        self.steps = 0
+        self.scrapes = 0
+
+    # -- the driver --------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._wake = asyncio.Event()
+        self._task = asyncio.create_task(self._run(), name=f"lab-engine-{self.url}")
+
+    async def stop(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        for fut in self._waiters.values():
+            if not fut.done():
+                fut.set_exception(EngineError("the engine stopped", 503))
+        self._waiters.clear()
+
+    def _notify(self, reqs: list[SimRequest]) -> None:
+        waiters = self._waiters
+        for req in reqs:
+            fut = waiters.pop(req.rid, None)
+            if fut is not None and not fut.done():
+                fut.set_result(req)
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        sched = self.sched
+        wake = self._wake
+        assert wake is not None
+        sleep = asyncio.sleep
+        while True:
+            batch = sched.schedule(loop.time())
+            if sched.finished_outside:
+                self._notify(sched.finished_outside)
+                sched.finished_outside.clear()
+            if batch is None:
+                wake.clear()
+                await wake.wait()
+                continue
+            await sleep(batch.duration)
+            events = sched.finish_batch(batch, loop.time())
+            self.steps += 1
+            if events.finished:
+                self._notify(events.finished)
+
+    # -- the engine's HTTP surface, in process ----------------------------------------
+
+    async def generate(self, body: Mapping[str, Any]) -> SimRequest:
+        """``POST /generate`` (non-streaming): the finished request, or EngineError."""
+        try:
+            p = parse_generate(body)
+        except BadRequest as exc:
+            raise EngineError(str(exc), 400) from None
+        if p.rid in self._waiters or p.rid in self.sched.requests:
+            raise EngineError(f"Duplicate request ID: {p.rid}")
+        req = SimRequest(
+            rid=p.rid,
+            input_ids=p.input_ids,
+            max_new_tokens=p.max_new_tokens,
+            priority=p.priority,
+            session_id=p.session_id,
+        )
+        loop = asyncio.get_running_loop()
+        try:
+            self.sched.submit(
+                req,
+                loop.time(),
+                session_params=p.session_params,
+                output_len=p.output_len,
+                stop_token_ids=p.stop_token_ids,
+                ignore_eos=p.ignore_eos,
+            )
+        except SimError as exc:
+            raise EngineError(exc.message, exc.status) from None
+        fut: asyncio.Future[SimRequest] = loop.create_future()
+        self._waiters[p.rid] = fut
+        assert self._wake is not None
+        self._wake.set()
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            # The client went away: SGLang aborts the request (the simulator does too).
+            self._waiters.pop(p.rid, None)
+            if not req.finished:
+                self._notify(self.sched.abort(req.rid, loop.time(), exact=True))
+                self._wake.set()
+            raise
+
+    def abort(self, rid: str, *, abort_all: bool = False) -> None:
+        """``POST /abort_request`` (SGLang's rid-prefix match, as the simulator)."""
+        now = asyncio.get_running_loop().time()
+        self._notify(self.sched.abort(rid, now, abort_all=abort_all))
+        if self._wake is not None:
+            self._wake.set()
+
+    def close_session(self, session_id: str) -> None:
+        """``POST /close_session``."""
+        self.sched.close_session(session_id, asyncio.get_running_loop().time())
+        if self._wake is not None:
+            self._wake.set()
+
+    def metrics_text(self) -> str:
+        """``GET /metrics``: the simulator's own Prometheus text."""
+        self.scrapes += 1
+        return render_metrics(self.metrics_ctx, [self.sched], self.cfg.context_length)

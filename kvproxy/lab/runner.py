@@ -1,0 +1,348 @@
+"""``run_lab(LabConfig) -> LabResult``: engines, router, kvproxy and a workload in virtual time.
+
+One run builds N :class:`~kvproxy.lab.engines.LabEngine` (the pure scheduler,
+configured from a cost-model preset and a token scale), the router's placement, the
+proxy's own session and admission objects (:class:`~kvproxy.lab.proxy.LabProxy`) and
+runs the workload branch's ``run_workload`` over an in-process transport, all on a
+:class:`~kvproxy.lab.vloop.VirtualTimeLoop`. Nothing sleeps and nothing reads the wall
+clock except the ``wall_s`` measurement. The same config and seed give the same
+result, exactly.
+
+Policies: ``off`` (both proxy features off), ``lifecycle``, ``admission``, ``both``,
+and ``ceiling`` (features off, pools so large that nothing is ever evicted: the bound
+no policy can beat).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import math
+import statistics
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvproxy.config import AdmissionConfig, Config, SessionLifecycleConfig
+from kvproxy.lab.engines import LabEngine
+from kvproxy.lab.proxy import LabProxy
+from kvproxy.lab.router import ROUTER_POLICIES, Placement
+from kvproxy.lab.vloop import run_virtual
+
+POLICIES = ("off", "lifecycle", "admission", "both", "ceiling")
+# The ceiling's pool per engine: far beyond any run's total KV (a pure counter).
+CEILING_POOL_TOKENS = 1 << 40
+
+
+class LabError(ValueError):
+    """A lab configuration that cannot run."""
+
+
+@dataclass(frozen=True, slots=True)
+class LabTuning:
+    """The proxy's knobs (the YAML keys of the same name), as the demo sets them."""
+
+    on_close: str = "abort"
+    close_timeout_s: float = 2.0
+    headroom: float = 0.90
+    pressure_threshold: float = 0.92
+    max_wait_s: float = 30.0
+    poll_interval_s: float = 0.25
+    scope: str = "all"
+    session_residency: bool = True
+    session_idle_s: float = 600.0
+
+
+@dataclass(frozen=True, slots=True)
+class LabConfig:
+    workload: str = "swe"  # swe | rl | subagents | trace:PATH
+    engines: int = 2
+    # Live sessions per engine (the closed loop's concurrency / engines); None: the
+    # workload preset's default.
+    sessions_per_engine: int | None = None
+    # Sessions in the run; None: twice the concurrency.
+    sessions: int | None = None
+    policy: str = "off"
+    token_scale: int = 16
+    seed: int = 0
+    router_policy: str = "consistent_hashing"
+    # Cost-model preset of the engines; None: the one the workload is calibrated for.
+    cost_model: str | None = None
+    # SchedulerConfig fields to override (e.g. max_total_tokens), after the preset.
+    engine_overrides: Mapping[str, Any] = field(default_factory=dict)
+    # WorkloadSpec fields to override, after the preset.
+    workload_overrides: Mapping[str, Any] = field(default_factory=dict)
+    tuning: LabTuning = field(default_factory=LabTuning)
+    # Engine mode and eviction (the demo's stack: session-radix cache, priority eviction).
+    engine_mode: str = "session-radix"
+    eviction_policy: str = "priority"
+    # Engine URLs as the router lists them (placement hashes these strings);
+    # None: http://127.0.0.1:30001, :30002, ...
+    engine_urls: tuple[str, ...] | None = None
+    # Bound on simulated seconds; a run past it raises LabError.
+    max_simulated_s: float = 7 * 24 * 3600.0
+
+
+@dataclass(slots=True)
+class LabResult:
+    config: LabConfig
+    summary: dict[str, Any]  # the JSON row (see docs/lab.md)
+    engines: list[dict[str, Any]]  # per-engine counters
+    workload: Any = None  # the workload's WorkloadResult
+
+
+def _validate(cfg: LabConfig) -> None:
+    if cfg.policy not in POLICIES:
+        raise LabError(f"policy must be one of {POLICIES}, got {cfg.policy!r}")
+    if cfg.router_policy not in ROUTER_POLICIES:
+        raise LabError(f"router policy must be one of {ROUTER_POLICIES}, got {cfg.router_policy!r}")
+    if cfg.engines < 1:
+        raise LabError(f"engines must be >= 1, got {cfg.engines}")
+    if cfg.sessions_per_engine is not None and cfg.sessions_per_engine < 1:
+        raise LabError(f"sessions per engine must be >= 1, got {cfg.sessions_per_engine}")
+    if cfg.sessions is not None and cfg.sessions < 1:
+        raise LabError(f"sessions must be >= 1, got {cfg.sessions}")
+    if cfg.token_scale < 1:
+        raise LabError(f"token scale must be >= 1, got {cfg.token_scale}")
+    if cfg.engine_urls is not None and len(set(cfg.engine_urls)) != cfg.engines:
+        raise LabError("engine_urls must name exactly `engines` distinct URLs")
+
+
+def engine_urls(cfg: LabConfig) -> tuple[str, ...]:
+    if cfg.engine_urls is not None:
+        return tuple(cfg.engine_urls)
+    return tuple(f"http://127.0.0.1:{30001 + i}" for i in range(cfg.engines))
+
+
+def proxy_config(policy: str, tuning: LabTuning, completion_tokens: int) -> Config:
+    """The proxy's configuration for a policy (both features off for off/ceiling)."""
+    lifecycle = policy in ("lifecycle", "both")
+    admission = policy in ("admission", "both")
+    return Config(
+        session_lifecycle=SessionLifecycleConfig(
+            enabled=lifecycle,
+            on_close=tuning.on_close,
+            close_timeout_s=tuning.close_timeout_s,
+            check_engines=False,
+        ),
+        admission=AdmissionConfig(
+            enabled=admission,
+            headroom=tuning.headroom,
+            pressure_threshold=tuning.pressure_threshold,
+            max_wait_s=tuning.max_wait_s,
+            default_completion_tokens=completion_tokens,
+            poll_interval_s=tuning.poll_interval_s,
+            scope=tuning.scope,
+            session_residency=tuning.session_residency,
+            session_idle_s=tuning.session_idle_s,
+        ),
+    )
+
+
+def build(cfg: LabConfig) -> tuple[Any, Any, int, int]:
+    """(workload spec, scheduler config, sessions, concurrency) for ``cfg``."""
+    from kvproxy.sim.presets import scheduler_config
+    from kvproxy.workload.spec import WorkloadError, workload_spec
+
+    _validate(cfg)
+    try:
+        spec = workload_spec(cfg.workload, cfg.token_scale, **dict(cfg.workload_overrides))
+    except WorkloadError as exc:
+        raise LabError(str(exc)) from None
+    per_engine = cfg.sessions_per_engine or spec.sessions_per_engine
+    concurrency = per_engine * cfg.engines
+    sessions = cfg.sessions if cfg.sessions is not None else 2 * concurrency
+    overrides: dict[str, Any] = {
+        "mode": cfg.engine_mode,
+        "eviction_policy": cfg.eviction_policy,
+        **dict(cfg.engine_overrides),
+    }
+    if cfg.policy == "ceiling":
+        overrides["max_total_tokens"] = CEILING_POOL_TOKENS
+    try:
+        sched_cfg = scheduler_config(
+            cfg.cost_model or spec.cost_model, cfg.token_scale, **overrides
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise LabError(f"engine configuration: {exc}") from None
+    return spec, sched_cfg, sessions, concurrency
+
+
+async def _run(cfg: LabConfig) -> LabResult:
+    from kvproxy.lab.transport import LabTransport
+    from kvproxy.workload.report import percentile, summarize
+    from kvproxy.workload.runner import run_workload
+
+    spec, sched_cfg, sessions, concurrency = build(cfg)
+    loop = asyncio.get_running_loop()
+    urls = engine_urls(cfg)
+    engines = [LabEngine(url, sched_cfg) for url in urls]
+    completion = max(1, round(4096 / cfg.token_scale))  # the admission clip, scaled
+    proxy = LabProxy(
+        proxy_config(cfg.policy, cfg.tuning, completion),
+        engines,
+        Placement(cfg.router_policy, urls),
+    )
+    transport = LabTransport(proxy)
+    for e in engines:
+        e.start()
+    await proxy.start()
+    try:
+        try:
+            result = await asyncio.wait_for(
+                run_workload(
+                    spec, transport, sessions=sessions, concurrency=concurrency, seed=cfg.seed
+                ),
+                cfg.max_simulated_s,
+            )
+        except TimeoutError:
+            raise LabError(
+                f"the run passed max_simulated_s={cfg.max_simulated_s} simulated seconds"
+            ) from None
+    finally:
+        await proxy.stop()
+        for e in engines:
+            await e.stop()
+    simulated = loop.time()
+    summary = dict(summarize(result))
+    first_waits = [
+        t.admission_wait_ms / 1000.0
+        for t in result.turns
+        if t.turn == 0 and t.admission_wait_ms is not None
+    ]
+    p99 = percentile(first_waits, 99)
+    per_engine = [engine_counters(e) for e in engines]
+    summary.update(
+        policy=cfg.policy,
+        seed=cfg.seed,
+        engines=cfg.engines,
+        sessions_per_engine=concurrency // cfg.engines,
+        token_scale=cfg.token_scale,
+        evicted_tokens=sum(e["evicted_tokens"] for e in per_engine),
+        retractions=sum(e["retractions"] for e in per_engine),
+        aborted_requests=sum(e["aborted_requests"] for e in per_engine),
+        engine_steps=sum(e["steps"] for e in per_engine),
+        pool_tokens_per_engine=sched_cfg.max_total_tokens,
+        proxy_errors=dict(sorted(transport.errors.items())),
+        admission_decisions=dict(sorted(proxy.decisions.items())),
+        simulated_s=round(simulated, 6),
+        # Admission's wait of sessions' first requests (None: admission off).
+        first_turn_wait_p99_s=None if p99 is None else round(p99, 4),
+    )
+    return LabResult(cfg, summary, per_engine, result)
+
+
+def engine_counters(engine: LabEngine) -> dict[str, Any]:
+    s = engine.sched
+    st = s.stats
+    out: dict[str, Any] = {
+        "url": engine.url,
+        "requests": st.num_requests_total,
+        "prompt_tokens": st.prompt_tokens_total,
+        "cached_tokens": st.cached_tokens_total,
+        "generation_tokens": st.generation_tokens_total,
+        "evicted_tokens": int(getattr(st, "evicted_tokens_total", s.kv.evicted_total)),
+        "retractions": st.num_retracted_requests_total,
+        "aborted_requests": st.num_aborted_requests_total,
+        "prefill_batches": st.prefill_batches,
+        "decode_steps": st.decode_steps,
+        "busy_s": round(st.busy_time_s, 6),
+        "steps": engine.steps,
+        "metrics_scrapes": engine.scrapes,
+    }
+    for name in (
+        "realtime_prefill_compute_tokens",
+        "realtime_prefill_cache_tokens",
+        "realtime_decode_tokens",
+    ):
+        if hasattr(st, name):
+            out[name] = getattr(st, name)
+    return out
+
+
+def run_lab(cfg: LabConfig) -> LabResult:
+    """Run one policy and seed; ``summary['wall_s']`` is the run's wall time."""
+    t0 = time.perf_counter()
+    result = run_virtual(_run(cfg))
+    wall = time.perf_counter() - t0
+    result.summary["wall_s"] = round(wall, 3)
+    sim = result.summary.get("simulated_s") or 0.0
+    result.summary["speedup"] = round(sim / wall, 1) if wall > 0 else None
+    return result
+
+
+def median_row(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """Per-key median of the numeric fields of ``rows`` (others from the first row)."""
+    out: dict[str, Any] = {}
+    for key, value in rows[0].items():
+        values = [r.get(key) for r in rows]
+        if all(isinstance(v, int | float) and not isinstance(v, bool) for v in values):
+            nums = [float(v) for v in values if v is not None and not math.isnan(float(v))]
+            out[key] = statistics.median(nums) if nums else None
+        else:
+            out[key] = value
+    out["seeds"] = [r.get("seed") for r in rows]
+    return out
+
+
+def run_matrix(
+    cfg: LabConfig, policies: Sequence[str], seeds: Sequence[int]
+) -> dict[str, dict[str, Any]]:
+    """Every policy x seed: ``{policy: {"median": row, "per_seed": {seed: row}}}``."""
+    out: dict[str, dict[str, Any]] = {}
+    for policy in policies:
+        rows = {
+            seed: run_lab(dataclasses.replace(cfg, policy=policy, seed=seed)).summary
+            for seed in seeds
+        }
+        out[policy] = {"median": median_row(list(rows.values())), "per_seed": rows}
+    return out
+
+
+TABLE_ROWS: tuple[tuple[str, str, str], ...] = (
+    ("sessions/min", "sessions_per_min", "{:.2f}"),
+    ("cache hit rate", "cache_hit_rate", "{:.1%}"),
+    ("recompute share", "recompute_share", "{:.1%}"),
+    ("recomputed prefill tokens", "recomputed_prefill_tokens", "{:,.0f}"),
+    ("evicted tokens", "evicted_tokens", "{:,.0f}"),
+    ("TTFT p99 continuing (s)", "ttft_p99_continuing_s", "{:.2f}"),
+    ("TTFT p99 first turn (s)", "ttft_p99_first_s", "{:.2f}"),
+    ("first-turn wait p99 (s)", "first_turn_wait_p99_s", "{:.2f}"),
+    ("output tokens/s", "output_tokens_per_s", "{:.1f}"),
+    ("retractions", "retractions", "{:,.0f}"),
+    ("sessions", "sessions", "{:,.0f}"),
+    ("turns", "turns", "{:,.0f}"),
+    ("makespan (s)", "makespan_s", "{:.1f}"),
+    ("simulated (s)", "simulated_s", "{:.1f}"),
+    ("wall (s)", "wall_s", "{:.2f}"),
+)
+
+
+def format_table(rows: Mapping[str, Mapping[str, Any]]) -> str:
+    """Side-by-side text table, one column per policy (like the demo's)."""
+    names = list(rows)
+    body: list[tuple[str, list[str]]] = []
+    for label, key, fmt in TABLE_ROWS:
+        cells = []
+        for name in names:
+            v = rows[name].get(key)
+            cells.append("-" if v is None else fmt.format(v))
+        body.append((label, cells))
+    widths = [max(len(label) for label, _ in body)]
+    for i, name in enumerate(names):
+        widths.append(max(len(name), *(len(cells[i]) for _, cells in body)))
+    lines = [
+        "  ".join([" " * widths[0], *(n.rjust(w) for n, w in zip(names, widths[1:], strict=True))])
+    ]
+    lines.append("  ".join("-" * w for w in widths))
+    for label, cells in body:
+        lines.append(
+            "  ".join(
+                [
+                    label.ljust(widths[0]),
+                    *(c.rjust(w) for c, w in zip(cells, widths[1:], strict=True)),
+                ]
+            )
+        )
+    return "\n".join(lines)

@@ -1,0 +1,184 @@
+"""Lab runs: determinism, every policy on a small scenario, the CLI."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvproxy.cli import main
+from kvproxy.lab.runner import (
+    POLICIES,
+    LabConfig,
+    LabError,
+    format_table,
+    median_row,
+    run_lab,
+    run_matrix,
+)
+
+# A short W1: 6 live sessions on 2 engines, 12 sessions of 3-8 turns, fast tools.
+SMALL = LabConfig(
+    workload="swe",
+    engines=2,
+    sessions_per_engine=3,
+    sessions=12,
+    token_scale=16,
+    workload_overrides={
+        "turns_median": 5,
+        "turns_lo": 3,
+        "turns_hi": 8,
+        "tool_latency_slow_share": 0.0,
+        "context_length": 12_288,
+    },
+)
+TINY_POOL = {"max_total_tokens": 600}  # scaled tokens: below the live sessions' KV
+
+
+def _turns(result: Any) -> list[tuple[Any, ...]]:
+    return [
+        (t.session_id, t.turn, t.prompt_tokens, t.cached_tokens, t.completion_tokens, t.end_s)
+        for t in result.workload.turns
+    ]
+
+
+@pytest.mark.parametrize("policy", ["off", "both"])
+def test_same_seed_same_result_exactly(policy: str) -> None:
+    cfg = dataclasses.replace(SMALL, policy=policy, engine_overrides=TINY_POOL)
+    a, b = run_lab(cfg), run_lab(cfg)
+    strip = ("wall_s", "speedup")
+    assert {k: v for k, v in a.summary.items() if k not in strip} == {
+        k: v for k, v in b.summary.items() if k not in strip
+    }
+    assert _turns(a) == _turns(b)
+    assert a.engines == b.engines
+    c = run_lab(dataclasses.replace(cfg, seed=1))
+    assert _turns(c) != _turns(a)  # the seed matters
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_every_policy_finishes_with_sane_numbers(policy: str) -> None:
+    s = run_lab(dataclasses.replace(SMALL, policy=policy)).summary
+    assert s["sessions"] == 12 and s["sessions_failed"] == 0
+    assert s["turns"] >= 12 * 3
+    assert 0.0 < s["cache_hit_rate"] < 1.0
+    assert 0.0 <= s["recompute_share"] <= 1.0
+    assert s["sessions_per_min"] > 0 and s["makespan_s"] > 0
+    assert s["simulated_s"] >= s["makespan_s"]
+    assert s["proxy_errors"] == {}
+    if policy in ("admission", "both"):
+        assert sum(s["admission_decisions"].values()) == s["requests"]
+        assert s["first_turn_wait_p99_s"] is not None and s["first_turn_wait_p99_s"] >= 0
+    else:
+        assert s["admission_decisions"] == {}
+        assert s["first_turn_wait_p99_s"] is None
+
+
+def test_ceiling_evicts_nothing_and_off_under_a_tiny_pool_evicts() -> None:
+    ceiling = run_lab(dataclasses.replace(SMALL, policy="ceiling")).summary
+    assert ceiling["evicted_tokens"] == 0
+    assert ceiling["recomputed_prefill_tokens"] == 0
+    off = run_lab(dataclasses.replace(SMALL, policy="off", engine_overrides=TINY_POOL)).summary
+    assert off["evicted_tokens"] > 0
+    assert off["recomputed_prefill_tokens"] > 0
+    assert off["cache_hit_rate"] < ceiling["cache_hit_rate"]
+    assert off["sessions_per_min"] <= ceiling["sessions_per_min"]
+
+
+def test_lifecycle_closes_sessions_on_every_engine() -> None:
+    res = run_lab(dataclasses.replace(SMALL, policy="lifecycle"))
+    # Every engine was told about every session close (fan-out), none is left tagged.
+    for url in (e["url"] for e in res.engines):
+        assert url.startswith("http://127.0.0.1:")
+    assert res.summary["sessions"] == 12
+
+
+def test_round_robin_placement_loses_the_cache_between_turns() -> None:
+    hashed = run_lab(dataclasses.replace(SMALL, policy="ceiling")).summary
+    rr = run_lab(dataclasses.replace(SMALL, policy="ceiling", router_policy="round_robin")).summary
+    # Alternating engines: each turn finds at most the shared prefix and the turn
+    # before last on its engine.
+    assert rr["cache_hit_rate"] < hashed["cache_hit_rate"]
+
+
+def test_bad_configuration_is_a_clear_error() -> None:
+    with pytest.raises(LabError, match="policy"):
+        run_lab(dataclasses.replace(SMALL, policy="nope"))
+    with pytest.raises(LabError, match="unknown workload"):
+        run_lab(dataclasses.replace(SMALL, workload="nope"))
+    with pytest.raises(LabError, match="engines"):
+        run_lab(dataclasses.replace(SMALL, engines=0))
+
+
+def test_median_over_seeds() -> None:
+    rows = [
+        {"seed": 0, "x": 1.0, "n": "a"},
+        {"seed": 1, "x": 5.0, "n": "a"},
+        {"seed": 2, "x": 2.0, "n": "a"},
+    ]
+    m = median_row(rows)
+    assert m["x"] == 2.0 and m["n"] == "a" and m["seeds"] == [0, 1, 2]
+
+
+def test_matrix_and_table() -> None:
+    out = run_matrix(SMALL, ["off", "ceiling"], [0, 1])
+    assert set(out) == {"off", "ceiling"}
+    assert set(out["off"]["per_seed"]) == {0, 1}
+    table = format_table({k: v["median"] for k, v in out.items()})
+    assert "sessions/min" in table and "ceiling" in table
+
+
+def test_cli_writes_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "lab.json"
+    rc = main(
+        [
+            "lab",
+            "--workload",
+            "swe",
+            "--engines",
+            "2",
+            "--sessions-per-engine",
+            "2",
+            "--sessions",
+            "4",
+            "--policy",
+            "off,ceiling",
+            "--seeds",
+            "0,1",
+            "--set",
+            "turns_median=4",
+            "--set",
+            "turns_hi=6",
+            "--json",
+            str(path),
+        ]
+    )
+    assert rc == 0
+    assert "cache hit rate" in capsys.readouterr().out
+    doc = json.loads(path.read_text())
+    for policy in ("off", "ceiling"):
+        row = doc["policies"][policy]["median"]
+        for key in (
+            "sessions_per_min",
+            "cache_hit_rate",
+            "recompute_share",
+            "recomputed_prefill_tokens",
+            "evicted_tokens",
+            "ttft_p99_continuing_s",
+            "makespan_s",
+            "simulated_s",
+            "wall_s",
+            "sessions",
+            "turns",
+        ):
+            assert key in row, key
+        assert set(doc["policies"][policy]["per_seed"]) == {"0", "1"}
+
+
+def test_cli_rejects_a_bad_policy(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["lab", "--policy", "fast"])
+    assert "policies must be" in capsys.readouterr().err
