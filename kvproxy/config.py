@@ -91,8 +91,8 @@ class SessionLifecycleConfig:
     # Ordered sources of a request's session id.
     id_sources: tuple[str, ...] = SESSION_ID_SOURCES
     id_header: str = "X-Session-ID"
-    # A request carrying this header with a true value ("1", "true", "yes") is the
-    # session's last turn: the session closes once it completes.
+    # A request carrying this header with a true value (kvproxy.vocab.TRUTHY: "1",
+    # "true", "yes", "on") is the session's last turn: it closes once that completes.
     final_header: str = "X-Session-Final"
     id_max_length: int = 128
     sticky_routing: bool = False
