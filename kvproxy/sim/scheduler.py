@@ -582,9 +582,10 @@ class Scheduler:
         for r in batch.reqs:
             reserved += min(r.max_new_tokens - r.generated, clip) * ratio
         while budget > 0:
-            req = self._peek_waiting()
-            if req is None:
+            waiting = self._peek_waiting()
+            if waiting is None:
                 break
+            req = waiting
             if len(self.running) + len(self._prefilling) >= cfg.max_running_requests:
                 # The batch is full. With priority scheduling SGLang then tries to preempt
                 # running requests for this one (managers/scheduler.py,
@@ -837,7 +838,7 @@ class Scheduler:
             if req.stream_session is None:
                 # cache_unfinished_req: the prompt's KV goes into the tree, still locked.
                 fill = req.input_ids if req.generated == 0 else self._fill_ids(req)
-                already, node = kv.insert(fill, now, req.priority)
+                already, node = kv.insert(fill, now, req.priority or 0)
                 dup = already - req.tree_len
                 if dup > 0:
                     kv.free(dup)
@@ -948,7 +949,7 @@ class Scheduler:
             assert req.out is not None
             seq = req.input_ids + req.out.ids(req.generated)
             ids = seq[:kv_len]
-            already, node = kv.insert(ids, now=self.now, priority=req.priority)
+            already, node = kv.insert(ids, now=self.now, priority=req.priority or 0)
             dup = already - req.tree_len
             if dup > 0:
                 kv.free(dup)

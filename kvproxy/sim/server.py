@@ -769,7 +769,7 @@ async def _handle_openai(request: web.Request, chat: bool) -> web.StreamResponse
     chunk_obj = "chat.completion.chunk" if chat else "text_completion"
     opts = body.get("stream_options") or {}
     include_usage = bool(opts.get("include_usage"))
-    state = {"sent_text": "", "role_sent": False}
+    state: dict[str, Any] = {"sent_text": "", "role_sent": False}
 
     def chunk(delta_text: str | None, finish: str | None, matched: Any) -> dict[str, Any]:
         c: dict[str, Any] = {"index": 0}
