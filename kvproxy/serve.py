@@ -30,7 +30,9 @@ EXAMPLE = (
 _S, _R, _A = ServerConfig(), RouterConfig(), AdmissionConfig()
 
 
-def _bool_flag(parser: argparse.ArgumentParser | argparse._ArgumentGroup, name: str, help_text: str) -> None:
+def _bool_flag(
+    parser: argparse.ArgumentParser | argparse._ArgumentGroup, name: str, help_text: str
+) -> None:
     parser.add_argument(name, action=argparse.BooleanOptionalAction, default=None, help=help_text)
 
 

@@ -15,8 +15,7 @@ prometheus_client's multiprocess mode writes them:
 
 from __future__ import annotations
 
-import bisect
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -24,39 +23,6 @@ from prometheus_client.utils import floatToGoString
 
 if TYPE_CHECKING:
     from kvproxy.sim.scheduler import Scheduler
-
-TTFT_BUCKETS: tuple[float, ...] = (
-    0.1, 0.2, 0.4, 0.6, 0.8, 1.0, 2.0, 4.0, 6.0, 8.0, 10.0, 20.0, 40.0, 60.0, 80.0, 100.0, 200.0, 400.0,
-)  # fmt: skip
-E2E_BUCKETS: tuple[float, ...] = (
-    0.1, 0.2, 0.4, 0.6, 0.8, 1.0, 2.0, 4.0, 6.0, 8.0, 10.0, 20.0, 40.0, 60.0, 80.0, 100.0, 200.0, 400.0, 800.0,
-)  # fmt: skip
-
-
-class Histogram:
-    """Cumulative-bucket histogram (pure)."""
-
-    __slots__ = ("bounds", "count", "counts", "sum")
-
-    def __init__(self, bounds: Sequence[float]) -> None:
-        self.bounds = tuple(bounds)
-        self.counts = [0] * (len(self.bounds) + 1)
-        self.count = 0
-        self.sum = 0.0
-
-    def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(self.bounds, value)] += 1
-        self.count += 1
-        self.sum += value
-
-    def merged(self, others: Iterable[Histogram]) -> Histogram:
-        out = Histogram(self.bounds)
-        for h in (self, *others):
-            for i, c in enumerate(h.counts):
-                out.counts[i] += c
-            out.count += h.count
-            out.sum += h.sum
-        return out
 
 
 @dataclass(frozen=True, slots=True)

@@ -52,8 +52,8 @@ from enum import Enum
 from typing import Any
 
 from kvproxy.sim.config import SchedulerConfig
+from kvproxy.sim.histogram import E2E_BUCKETS, TTFT_BUCKETS, Histogram
 from kvproxy.sim.kvcache import KVCache, Node
-from kvproxy.sim.metrics import E2E_BUCKETS, TTFT_BUCKETS, Histogram
 from kvproxy.sim.tokenizer import EOS_TOKEN_ID, OutputStream, rid_seed
 
 CLOSED_SESSION_TOMBSTONES = 8192
