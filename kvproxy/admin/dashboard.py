@@ -28,7 +28,8 @@ import orjson
 from aiohttp import web
 
 from kvproxy import __version__
-from kvproxy.admin.auth import COOKIE_NAME, Access, cookie_value, guarded, is_allowed, token_matches
+from kvproxy.admin.auth import COOKIE_NAME, Access, cookie_value, token_matches
+from kvproxy.admin.guard import guarded, is_allowed
 from kvproxy.admin.health import health_doc
 from kvproxy.admin.timeline import Reading, Timeline
 from kvproxy.admin.views import (
