@@ -753,10 +753,6 @@ class AdmissionController:
             if self._waiters:
                 self._drain(self._clock())
 
-    def observe_prompt_tokens(self, req: AdmissionRequest, prompt_tokens: int) -> None:
-        """Calibrate the text-prompt estimate from an engine-reported ``prompt_tokens``."""
-        self.observe_usage(req, prompt_tokens, None)
-
     def observe_usage(
         self,
         req: AdmissionRequest,

@@ -25,14 +25,6 @@ class FanoutResult:
     # url -> error text ("HTTP 500: ...", "timeout after 2.0 s", "ClientConnectorError: ...")
     failed: dict[str, str] = field(default_factory=dict)
 
-    @property
-    def all_ok(self) -> bool:
-        return not self.failed
-
-    @property
-    def attempted(self) -> int:
-        return len(self.ok) + len(self.failed)
-
 
 def _dedupe(urls: Sequence[str]) -> list[str]:
     seen: dict[str, None] = {}
