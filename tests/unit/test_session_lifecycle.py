@@ -108,12 +108,6 @@ async def make_engine(aiohttp_server: Any, log: Log) -> AsyncIterator[Factory]:
 
 
 @pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as session:
-        yield session
-
-
-@pytest.fixture
 def dead_url(unused_tcp_port: int) -> str:
     return f"http://127.0.0.1:{unused_tcp_port}"
 
