@@ -93,7 +93,13 @@ from kvproxy.config import AdmissionConfig
 from kvproxy.fleet.engine_info import EngineSessionMode, parse_server_info, probe
 from kvproxy.fleet.engine_metrics import parse_engine_metrics
 from kvproxy.fleet.placement import Placement
-from kvproxy.observability import WindowedCounters, counter_families, gauge_families
+from kvproxy.observability import (
+    RateLimitedLog,
+    WindowedCounters,
+    counter_families,
+    gauge_families,
+)
+from kvproxy.urls import base_url, join
 
 log = logging.getLogger(__name__)
 
@@ -305,19 +311,6 @@ class _Waiter:
         self.state = _WAITING
 
 
-class _RateLimitedLog:
-    __slots__ = ("_last",)
-
-    def __init__(self) -> None:
-        self._last: dict[str, float] = {}
-
-    def warning(self, key: str, msg: str, *args: object, exc_info: bool = False) -> None:
-        now = time.monotonic()
-        if now - self._last.get(key, -math.inf) >= _LOG_INTERVAL_S:
-            self._last[key] = now
-            log.warning(msg, *args, exc_info=exc_info)
-
-
 class _Admission(AbstractAsyncContextManager[Decision]):
     """The context manager returned by :meth:`AdmissionController.admit`."""
 
@@ -441,7 +434,7 @@ class AdmissionController:
         self._poll_task: asyncio.Task[None] | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._timer_deadline = math.inf
-        self._log = _RateLimitedLog()
+        self._log = RateLimitedLog(log, _LOG_INTERVAL_S)
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -849,7 +842,7 @@ class AdmissionController:
 
     def set_server_info(self, url: str, info: Mapping[str, Any]) -> None:
         """An engine's ``/server_info`` document (lab / tests: no HTTP)."""
-        base = url.rstrip("/")
+        base = base_url(url)
         self._modes[base] = parse_server_info(base, info)
 
     @property
@@ -885,7 +878,7 @@ class AdmissionController:
     async def _probe_engines(self, urls: Sequence[str]) -> None:
         if self._http is None or not self._cfg.priority_steering:
             return
-        missing = [u for u in urls if u.rstrip("/") not in self._modes]
+        missing = [u for u in urls if base_url(u) not in self._modes]
         if not missing:
             return
         results = await asyncio.gather(
@@ -905,7 +898,7 @@ class AdmissionController:
                 continue
             m = parse_engine_metrics(result)
             led.observe_engine(
-                url.rstrip("/"),
+                base_url(url),
                 now,
                 max_total_num_tokens=m.max_total_num_tokens,
                 evicted_total=m.evicted_tokens_total,
@@ -1154,7 +1147,7 @@ class AdmissionController:
     async def _http_fetch(self, url: str) -> str:
         assert self._http is not None
         timeout = aiohttp.ClientTimeout(total=self._cfg.metrics_timeout_s)
-        async with self._http.get(url.rstrip("/") + "/metrics", timeout=timeout) as resp:
+        async with self._http.get(join(url, "/metrics"), timeout=timeout) as resp:
             resp.raise_for_status()
             return await resp.text(errors="replace")
 

@@ -16,6 +16,8 @@ from typing import Any
 import aiohttp
 import orjson
 
+from kvproxy.urls import unique_base_urls
+
 _ERROR_BODY_CHARS = 200
 
 
@@ -26,13 +28,7 @@ class FanoutResult:
     failed: dict[str, str] = field(default_factory=dict)
 
 
-def _dedupe(urls: Sequence[str]) -> list[str]:
-    seen: dict[str, None] = {}
-    for url in urls:
-        base = url.rstrip("/")
-        if base:
-            seen.setdefault(base, None)
-    return list(seen)
+_dedupe = unique_base_urls
 
 
 def _describe(exc: BaseException) -> str:
