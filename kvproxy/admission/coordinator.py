@@ -311,6 +311,10 @@ class _Waiter:
         self.state = _WAITING
 
 
+# Ledger refusals that bypass admission (every other refusal waits), by decision reason.
+_LEDGER_BYPASS: dict[str | None, str] = {DEGRADED: R_DEGRADED, OVERSIZED: R_OVERSIZED}
+
+
 class _Admission(AbstractAsyncContextManager[Decision]):
     """The context manager returned by :meth:`AdmissionController.admit`."""
 
@@ -552,6 +556,11 @@ class AdmissionController:
             return _BYPASS_PROTECTED
         if self.program_active:
             return self._decide_program(req)
+        return self._decide_ledger(req)
+
+    def _decide_ledger(self, req: AdmissionRequest) -> Decision | tuple[_Waiter, bool]:
+        """The ledger mode's decision for an in-scope, unprotected request."""
+        ticket = req.ticket_id
         ledger = self.ledger
         lease = ledger.lease_for_ticket(ticket)
         if lease is not None:
@@ -569,11 +578,7 @@ class AdmissionController:
         sid = req.session_id if self._residency else None
         continuing = ledger.is_resident(sid)
         if req.session_id is not None and not continuing:
-            # A session's first request: what it finds cached is the shared prefix.
-            first_turns = self._first_turns
-            first_turns[ticket] = True
-            if len(first_turns) > _FIRST_TURNS_MAX:
-                del first_turns[next(iter(first_turns))]
+            self._note_first_turn(ticket)
         if continuing:
             assert sid is not None
             ledger.touch(sid, now)  # active: not idle-expired while it waits
@@ -588,13 +593,27 @@ class AdmissionController:
             reason = grant.reason
         else:
             reason = ledger.check(tokens, now, sid, continuing=continuing)
-        if reason == DEGRADED:
-            return self._bypass(R_DEGRADED, tokens)
-        if reason == OVERSIZED:
-            return self._bypass(R_OVERSIZED, tokens)
-        if len(self._waiters) >= cfg.max_queue:
+        refused = _LEDGER_BYPASS.get(reason)
+        if refused is not None:  # degraded or oversized: forwarded without a lease
+            return self._bypass(refused, tokens)
+        if len(self._waiters) >= self._cfg.max_queue:
             return self._bypass(R_QUEUE_FULL, tokens)
-        # Wait in its FIFO (capacity_exhausted / pressure_guard, or an earlier waiter).
+        waiter = self._enqueue(ticket, tokens, now, sid, continuing)
+        if not queued:
+            self._drain(now)  # ages it at once when max_wait_s == 0; arms the timer
+        return waiter, False
+
+    def _note_first_turn(self, ticket: str) -> None:
+        """A session's first request: what it finds cached is the shared prefix."""
+        first_turns = self._first_turns
+        first_turns[ticket] = True
+        if len(first_turns) > _FIRST_TURNS_MAX:
+            del first_turns[next(iter(first_turns))]
+
+    def _enqueue(
+        self, ticket: str, tokens: int, now: float, sid: str | None, continuing: bool
+    ) -> _Waiter:
+        """Wait in its FIFO (capacity_exhausted / pressure_guard, or an earlier waiter)."""
         waiter = _Waiter(
             ticket, tokens, now, asyncio.get_running_loop().create_future(), sid, continuing
         )
@@ -609,9 +628,7 @@ class AdmissionController:
             self._new.append(waiter)
             if sid is not None:
                 c.inc(C_WAIT_NEW_SESSION)
-        if not queued:
-            self._drain(now)  # ages it at once when max_wait_s == 0; arms the timer
-        return waiter, False
+        return waiter
 
     def _resolve(self, w: _Waiter, decision: Decision) -> None:
         w.state = _RESOLVED
