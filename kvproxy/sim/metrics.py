@@ -151,7 +151,12 @@ def _write_scheduler_side(
         for i in range(dp):
             for labels in label_sets[i]:
                 w.sample(full, labels, values[i][name])
+    _write_scheduler_counters(w, ranks, label_sets)
 
+
+def _write_scheduler_counters(
+    w: _Writer, ranks: Sequence[Scheduler], label_sets: list[list[dict[str, str]]]
+) -> None:
     # Scheduler-side counters. num_retracted_requests_total is not in the reference
     # document; its name and labels are from SGLang's SchedulerMetricsCollector.
     w.family(
