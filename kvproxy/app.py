@@ -28,6 +28,7 @@ from kvproxy.proxy.slow_clients import SlowClientGuard
 from kvproxy.proxy.upstream import create_client_session
 from kvproxy.runtime import RUNTIME, Runtime
 from kvproxy.sessions.lifecycle import SessionManager
+from kvproxy.urls import base_url
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +120,7 @@ def create_app(config: Config, *, overrides: Mapping[str, Any] | None = None) ->
         overrides=dict(overrides or {}),
         registry=registry,
         metrics=ProxyMetrics(registry),
-        router_base=config.router.url.rstrip("/"),
+        router_base=base_url(config.router.url),
     )
     app = web.Application(client_max_size=config.server.max_body_bytes)
     app[RUNTIME] = rt

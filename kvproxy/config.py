@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -96,8 +96,8 @@ class SessionLifecycleConfig:
     # Ordered sources of a request's session id.
     id_sources: tuple[str, ...] = SESSION_ID_SOURCES
     id_header: str = "X-Session-ID"
-    # A request carrying this header with a true value ("1", "true", "yes") is the
-    # session's last turn: the session closes once it completes.
+    # A request carrying this header with a true value (kvproxy.vocab.TRUTHY: "1",
+    # "true", "yes", "on") is the session's last turn: it closes once that completes.
     final_header: str = "X-Session-Final"
     id_max_length: int = 128
     sticky_routing: bool = False
@@ -237,37 +237,60 @@ _SECTIONS: dict[str, type] = {
 _SESSION_RESIDENCY = "session_residency"
 
 
+def _as_bool(key: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    raise ConfigError(f"{key}: must be true or false (got {value!r})")
+
+
+def _as_int(key: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{key}: must be an integer (got {value!r})")
+    return value
+
+
+def _as_float(key: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ConfigError(f"{key}: must be a number (got {value!r})")
+    return float(value)
+
+
+def _as_str(key: str, value: Any) -> str:
+    if not isinstance(value, str):
+        raise ConfigError(f"{key}: must be a string (got {value!r})")
+    return value
+
+
+def _as_str_tuple(key: str, value: Any) -> tuple[str, ...]:
+    if isinstance(value, str) or not isinstance(value, list | tuple):
+        raise ConfigError(f"{key}: must be a list (got {value!r})")
+    if not all(isinstance(v, str) for v in value):
+        raise ConfigError(f"{key}: must be a list of strings (got {value!r})")
+    return tuple(value)
+
+
+# Field annotation (without ``| None``) -> the coercion of a YAML value to it.
+_COERCIONS: dict[str, Callable[[str, Any], Any]] = {
+    "bool": _as_bool,
+    "int": _as_int,
+    "float": _as_float,
+    "str": _as_str,
+}
+
+
 def _coerce(key: str, value: Any, annotation: str) -> Any:
     """Coerce a YAML scalar to the field's annotated type, or raise ConfigError."""
-    optional = "None" in annotation
     if value is None:
-        if optional:
+        if "None" in annotation:
             return None
         raise ConfigError(f"{key}: must be set (got null)")
     base = annotation.replace(" | None", "").strip()
-    if base == "bool":
-        if isinstance(value, bool):
-            return value
-        raise ConfigError(f"{key}: must be true or false (got {value!r})")
-    if base == "int":
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{key}: must be an integer (got {value!r})")
-        return value
-    if base == "float":
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise ConfigError(f"{key}: must be a number (got {value!r})")
-        return float(value)
-    if base == "str":
-        if not isinstance(value, str):
-            raise ConfigError(f"{key}: must be a string (got {value!r})")
-        return value
-    if base.startswith("tuple"):
-        if isinstance(value, str) or not isinstance(value, list | tuple):
-            raise ConfigError(f"{key}: must be a list (got {value!r})")
-        if not all(isinstance(v, str) for v in value):
-            raise ConfigError(f"{key}: must be a list of strings (got {value!r})")
-        return tuple(value)
-    raise AssertionError(f"unhandled annotation {annotation} for {key}")
+    coerce = _COERCIONS.get(base)
+    if coerce is None and base.startswith("tuple"):
+        coerce = _as_str_tuple
+    if coerce is None:
+        raise AssertionError(f"unhandled annotation {annotation} for {key}")
+    return coerce(key, value)
 
 
 def _did_you_mean(key: str, valid: Iterable[str], prefix: str = "") -> str:

@@ -570,31 +570,41 @@ def sigterm_as_interrupt() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
+def _workload_from_args(preset: Preset, args: argparse.Namespace) -> WorkloadConfig:
+    """The preset's workload with --seed / --sessions / --concurrency applied, validated."""
+    changes: dict[str, Any] = {}
+    for arg, name in (
+        ("seed", "seed"),
+        ("sessions", "num_sessions"),
+        ("concurrency", "concurrency"),
+    ):
+        if getattr(args, arg) is not None:
+            changes[name] = getattr(args, arg)
+    workload = dataclasses.replace(preset.workload, **changes)
+    workload.validate()
+    return workload
+
+
+def _variants_from_args(only: str | None) -> list[Variant]:
+    """The configurations --only names (all of them without it); ValueError for unknown ones."""
+    if not only:
+        return list(VARIANTS)
+    wanted = [n.strip() for n in only.split(",") if n.strip()]
+    known = {v.name: v for v in VARIANTS}
+    unknown = [n for n in wanted if n not in known]
+    if unknown:
+        raise ValueError(f"unknown configuration(s): {', '.join(unknown)}")
+    return [known[n] for n in wanted]
+
+
 def run(args: argparse.Namespace) -> int:
     preset = presets()["quick" if args.quick else "default"]
-    workload = preset.workload
-    changes: dict[str, Any] = {}
-    if args.seed is not None:
-        changes["seed"] = args.seed
-    if args.sessions is not None:
-        changes["num_sessions"] = args.sessions
-    if args.concurrency is not None:
-        changes["concurrency"] = args.concurrency
-    workload = dataclasses.replace(workload, **changes)
     try:
-        workload.validate()
+        workload = _workload_from_args(preset, args)
+        variants = _variants_from_args(args.only)
     except ValueError as exc:
         print(f"kvproxy demo: {exc}", file=sys.stderr)
         return 2
-    variants = list(VARIANTS)
-    if args.only:
-        wanted = [n.strip() for n in args.only.split(",") if n.strip()]
-        known = {v.name: v for v in VARIANTS}
-        unknown = [n for n in wanted if n not in known]
-        if unknown:
-            print(f"kvproxy demo: unknown configuration(s): {', '.join(unknown)}", file=sys.stderr)
-            return 2
-        variants = [known[n] for n in wanted]
 
     out_dir = Path(args.out or f"results/demo-{time.strftime('%Y%m%d-%H%M%S')}")
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -3,11 +3,17 @@ for ``GET /kvproxy/stats?reset=true`` (a trainer reads and resets it once per st
 
 Pure Python, no I/O. Each feature owns one :class:`WindowedCounters` and exposes it
 through a prometheus-client collector built by :func:`counter_families`.
+
+:class:`RateLimitedLog` is the one rate-limited logger: a failure that repeats on
+every tick or request is logged once per interval and key, not once per occurrence.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+import logging
+import math
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
@@ -15,6 +21,37 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 def prometheus_name(stats_key: str) -> str:
     """``agentic_kv/admission/admit`` -> ``agentic_kv_admission_admit``."""
     return stats_key.replace("/", "_").replace("-", "_")
+
+
+class RateLimitedLog:
+    """``logger.warning`` at most once per ``interval_s`` for each key (keys bounded)."""
+
+    __slots__ = ("_clock", "_interval_s", "_last", "_logger", "_max_keys")
+
+    def __init__(
+        self,
+        logger: logging.Logger,
+        interval_s: float = 30.0,
+        *,
+        max_keys: int = 256,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._logger = logger
+        self._interval_s = interval_s
+        self._max_keys = max_keys
+        self._clock = clock
+        self._last: dict[str, float] = {}
+
+    def warning(self, key: str, msg: str, *args: object, exc_info: bool = False) -> bool:
+        """Log ``msg % args`` unless ``key`` was logged within the interval; True if logged."""
+        now = self._clock()
+        if now - self._last.get(key, -math.inf) < self._interval_s:
+            return False
+        if key not in self._last and len(self._last) >= self._max_keys:
+            self._last.clear()
+        self._last[key] = now
+        self._logger.warning(msg, *args, exc_info=exc_info)
+        return True
 
 
 class WindowedCounters:

@@ -14,7 +14,6 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
-from kvproxy.admin.timeline import Timeline
 from kvproxy.admission.coordinator import AdmissionController
 from kvproxy.config import Config, SessionLifecycleConfig
 from kvproxy.fleet.registry import Fleet
@@ -35,7 +34,6 @@ class Runtime:
     fleet: Fleet = field(init=False)
     sessions: SessionManager = field(init=False)
     admission: AdmissionController = field(init=False)
-    timeline: Timeline = field(init=False)  # the dashboard's recent history
     shutting_down: bool = False
     reloads: int = 0
     # The session-id sources with lifecycle semantics off: admission reads a request's

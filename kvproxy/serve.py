@@ -30,7 +30,9 @@ EXAMPLE = (
 _S, _R, _A = ServerConfig(), RouterConfig(), AdmissionConfig()
 
 
-def _bool_flag(parser: argparse.ArgumentParser, name: str, help_text: str) -> None:
+def _bool_flag(
+    parser: argparse.ArgumentParser | argparse._ArgumentGroup, name: str, help_text: str
+) -> None:
     parser.add_argument(name, action=argparse.BooleanOptionalAction, default=None, help=help_text)
 
 
@@ -119,10 +121,13 @@ def run(args: argparse.Namespace) -> int:
         level=cfg.server.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    loop: asyncio.AbstractEventLoop | None = None
     try:
         import uvloop
+
+        loop = uvloop.new_event_loop()
     except ImportError:  # pragma: no cover - uvloop is a dependency on Linux/macOS
-        uvloop = None
+        pass
 
     app = create_app(cfg, overrides=overrides)
     pending: set[asyncio.Task[Any]] = set()
@@ -167,7 +172,7 @@ def run(args: argparse.Namespace) -> int:
             port=cfg.server.port,
             shutdown_timeout=cfg.server.shutdown_grace_s,
             backlog=cfg.server.backlog,
-            loop=uvloop.new_event_loop() if uvloop is not None else None,
+            loop=loop,
             ready=_started,
         )
     except OSError as exc:

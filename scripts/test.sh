@@ -5,7 +5,9 @@
 #   2. makes sure a Chromium is there for the dashboard's browser tests
 #      (scripts/ensure_chromium.sh: KVPROXY_CHROMIUM, one on PATH, or Debian's package
 #      when it can install it); otherwise it says in one line what to install, goes on;
-#   3. lints (ruff check, ruff format --check) and runs pytest (arguments go to pytest);
+#   3. lints (ruff check with the complexity cap, ruff format --check), type-checks
+#      the package (mypy, configured in pyproject.toml) and runs pytest (arguments go
+#      to pytest);
 #   4. builds the wheel and checks it installs and runs in a fresh virtualenv
 #      (scripts/check_wheel.sh; skipped when pytest gets arguments).
 set -euo pipefail
@@ -24,6 +26,7 @@ if [ -n "$KVPROXY_CHROMIUM" ]; then export KVPROXY_CHROMIUM; else unset KVPROXY_
 
 .venv/bin/ruff check kvproxy tests scripts
 .venv/bin/ruff format --check kvproxy tests scripts
+.venv/bin/mypy
 .venv/bin/python -m pytest -q "$@"
 if [ "$#" -eq 0 ]; then
     bash scripts/check_wheel.sh

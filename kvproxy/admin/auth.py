@@ -1,7 +1,7 @@
 """Who may use the operator surface when ``server.admin_token`` is set.
 
-:func:`allowed` decides from the token and the request's credentials alone (pure);
-:func:`guarded` wraps an aiohttp handler with it. With no token configured
+:func:`allowed` decides from the token and the request's credentials alone (pure, no
+aiohttp); :func:`kvproxy.admin.guard.guarded` wraps an aiohttp handler with it. With no token configured
 everything is open (kvproxy listens on loopback by default). With one:
 
 - ``ADMIN`` (config reload, session close, stats reset): ``Authorization: Bearer``
@@ -20,12 +20,6 @@ from __future__ import annotations
 import enum
 import hashlib
 import hmac
-from collections.abc import Awaitable, Callable
-
-from aiohttp import web
-
-from kvproxy.proxy.errors import ErrorType, error_response
-from kvproxy.runtime import RUNTIME, Runtime
 
 COOKIE_NAME = "kvproxy_dashboard"
 NEEDS_TOKEN = "admin endpoint: send Authorization: Bearer <server.admin_token>"
@@ -68,29 +62,3 @@ def allowed(
     if access is Access.ADMIN:
         return False
     return cookie is not None and hmac.compare_digest(cookie, cookie_value(token))
-
-
-# ----------------------------------------------------------------- aiohttp glue
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
-
-def is_allowed(rt: Runtime, request: web.Request, access: Access) -> bool:
-    server = rt.config.server
-    return allowed(
-        access,
-        token=server.admin_token,
-        public_stats=server.public_stats,
-        authorization=request.headers.get("Authorization"),
-        cookie=request.cookies.get(COOKIE_NAME),
-    )
-
-
-def guarded(access: Access, handler: Handler) -> Handler:
-    """``handler`` behind the admin token for ``access`` (401 unauthorized otherwise)."""
-
-    async def guard(request: web.Request) -> web.StreamResponse:
-        if not is_allowed(request.app[RUNTIME], request, access):
-            return error_response(ErrorType.UNAUTHORIZED, NEEDS_TOKEN)
-        return await handler(request)
-
-    return guard

@@ -28,7 +28,8 @@ import orjson
 from aiohttp import web
 
 from kvproxy import __version__
-from kvproxy.admin.auth import COOKIE_NAME, Access, cookie_value, guarded, is_allowed, token_matches
+from kvproxy.admin.auth import COOKIE_NAME, Access, cookie_value, token_matches
+from kvproxy.admin.guard import guarded, is_allowed
 from kvproxy.admin.health import health_doc
 from kvproxy.admin.timeline import Reading, Timeline
 from kvproxy.admin.views import (
@@ -101,15 +102,19 @@ def new_timeline() -> Timeline:
     return Timeline(HISTORY, rates=RATE_SERIES, ratios=RATIO_SERIES, origin=uuid.uuid4().hex[:12])
 
 
+# The dashboard's recent history: its own resource, owned by :func:`timeline_ctx`.
+TIMELINE = web.AppKey("timeline", Timeline)
+
+
 async def timeline_ctx(app: web.Application) -> AsyncIterator[None]:
-    """cleanup_ctx: sample the runtime into ``rt.timeline`` every :data:`TICK_S`."""
+    """cleanup_ctx: sample the runtime into ``app[TIMELINE]`` every :data:`TICK_S`."""
     rt = app[RUNTIME]
-    rt.timeline = new_timeline()
+    timeline = app[TIMELINE] = new_timeline()
 
     async def sample_forever() -> None:
         while True:
             try:
-                rt.timeline.record(time.monotonic(), time.time(), read_runtime(rt))
+                timeline.record(time.monotonic(), time.time(), read_runtime(rt))
             except Exception:  # a bad reading must not end the sampler
                 log.exception("dashboard sampling failed")
             await asyncio.sleep(TICK_S)
@@ -122,7 +127,7 @@ async def timeline_ctx(app: web.Application) -> AsyncIterator[None]:
 
 
 # -------------------------------------------------------------------- routes
-def data_doc(rt: Runtime, since: int) -> dict[str, Any]:
+def data_doc(rt: Runtime, timeline: Timeline, since: int) -> dict[str, Any]:
     health = health_doc(rt)
     return {
         "version": __version__,
@@ -131,9 +136,9 @@ def data_doc(rt: Runtime, since: int) -> dict[str, Any]:
         "health": health,
         "banners": banners(health),
         "config": config_view(rt.config),
-        "timeline": rt.timeline.origin,
-        "last_seq": rt.timeline.last_seq,
-        "samples": rt.timeline.since(since),
+        "timeline": timeline.origin,
+        "last_seq": timeline.last_seq,
+        "samples": timeline.since(since),
     }
 
 
@@ -144,7 +149,7 @@ async def handle_data(request: web.Request) -> web.Response:
     except ValueError:
         since = 0
     return web.Response(
-        body=orjson.dumps(data_doc(rt, since)),
+        body=orjson.dumps(data_doc(rt, request.app[TIMELINE], since)),
         content_type="application/json",
         headers={"Cache-Control": "no-store"},
     )

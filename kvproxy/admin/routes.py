@@ -15,12 +15,14 @@ from aiohttp import web
 from prometheus_client import generate_latest
 
 from kvproxy.admin import dashboard
-from kvproxy.admin.auth import NEEDS_TOKEN, Access, guarded, is_allowed
+from kvproxy.admin.auth import NEEDS_TOKEN, Access
+from kvproxy.admin.guard import guarded, is_allowed
 from kvproxy.admin.health import health_doc
 from kvproxy.admin.reload import reload_config
 from kvproxy.config import ConfigError
-from kvproxy.proxy.errors import ErrorType, error_response
+from kvproxy.proxy.errors import ErrorType
 from kvproxy.proxy.handlers import ProxyHandlers
+from kvproxy.proxy.responses import error_response
 from kvproxy.runtime import RUNTIME
 
 log = logging.getLogger(__name__)

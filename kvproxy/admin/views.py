@@ -112,7 +112,7 @@ def banners(health: Mapping[str, Any]) -> list[dict[str, str]]:
 
 def config_view(config: Config) -> dict[str, Any]:
     """The effective configuration as plain data, ``server.admin_token`` redacted."""
-    doc = {
+    doc: dict[str, Any] = {
         section: dataclasses.asdict(getattr(config, section))
         for section in ("server", "router", "session_lifecycle", "admission")
     }

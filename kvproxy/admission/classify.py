@@ -19,20 +19,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from multidict import CIMultiDict, CIMultiDictProxy
-
+from kvproxy import vocab
 from kvproxy.config import AdmissionConfig
 
-_CASE_INSENSITIVE = (CIMultiDict, CIMultiDictProxy)
-_TRUE = frozenset({"1", "true", "yes", "on"})
-
-
-def header_value(headers: Mapping[str, str], name: str) -> str | None:
-    """Header lookup that also works for a plain (case-sensitive) dict."""
-    value = headers.get(name)
-    if value is None and type(headers) not in _CASE_INSENSITIVE:
-        value = headers.get(name.lower())
-    return value
+# Header lookup for multidicts and plain dicts alike (kvproxy.vocab).
+header_value = vocab.header
 
 
 def is_eval(cfg: AdmissionConfig, path: str, headers: Mapping[str, str]) -> bool:
@@ -46,14 +37,7 @@ def in_scope(cfg: AdmissionConfig, path: str, headers: Mapping[str, str]) -> boo
     return cfg.scope == "all" or not is_eval(cfg, path, headers)
 
 
-def _as_int(value: Any) -> int | None:
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, int):
-        return value
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    return None
+_as_int = vocab.exact_int
 
 
 def request_priority(body: Mapping[str, Any]) -> int | None:
@@ -61,17 +45,12 @@ def request_priority(body: Mapping[str, Any]) -> int | None:
     prio = _as_int(body.get("priority"))
     if prio is not None:
         return prio
-    nvext = body.get("nvext")
-    if isinstance(nvext, Mapping):
-        hints = nvext.get("agent_hints")
-        if isinstance(hints, Mapping):
-            return _as_int(hints.get("priority"))
-    return None
+    hints = vocab.nvext_section(body, "agent_hints")
+    return _as_int(hints.get("priority")) if hints is not None else None
 
 
 def is_protected(cfg: AdmissionConfig, headers: Mapping[str, str], body: Mapping[str, Any]) -> bool:
-    flag = header_value(headers, cfg.protected_header)
-    if flag is not None and flag.strip().lower() in _TRUE:
+    if vocab.header_flag(headers, cfg.protected_header):
         return True
     if cfg.protected_priority is None:
         return False

@@ -93,7 +93,13 @@ from kvproxy.config import AdmissionConfig
 from kvproxy.fleet.engine_info import EngineSessionMode, parse_server_info, probe
 from kvproxy.fleet.engine_metrics import parse_engine_metrics
 from kvproxy.fleet.placement import Placement
-from kvproxy.observability import WindowedCounters, counter_families, gauge_families
+from kvproxy.observability import (
+    RateLimitedLog,
+    WindowedCounters,
+    counter_families,
+    gauge_families,
+)
+from kvproxy.urls import base_url, join
 
 log = logging.getLogger(__name__)
 
@@ -305,17 +311,8 @@ class _Waiter:
         self.state = _WAITING
 
 
-class _RateLimitedLog:
-    __slots__ = ("_last",)
-
-    def __init__(self) -> None:
-        self._last: dict[str, float] = {}
-
-    def warning(self, key: str, msg: str, *args: object, exc_info: bool = False) -> None:
-        now = time.monotonic()
-        if now - self._last.get(key, -math.inf) >= _LOG_INTERVAL_S:
-            self._last[key] = now
-            log.warning(msg, *args, exc_info=exc_info)
+# Ledger refusals that bypass admission (every other refusal waits), by decision reason.
+_LEDGER_BYPASS: dict[str | None, str] = {DEGRADED: R_DEGRADED, OVERSIZED: R_OVERSIZED}
 
 
 class _Admission(AbstractAsyncContextManager[Decision]):
@@ -441,7 +438,7 @@ class AdmissionController:
         self._poll_task: asyncio.Task[None] | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._timer_deadline = math.inf
-        self._log = _RateLimitedLog()
+        self._log = RateLimitedLog(log, _LOG_INTERVAL_S)
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -559,6 +556,11 @@ class AdmissionController:
             return _BYPASS_PROTECTED
         if self.program_active:
             return self._decide_program(req)
+        return self._decide_ledger(req)
+
+    def _decide_ledger(self, req: AdmissionRequest) -> Decision | tuple[_Waiter, bool]:
+        """The ledger mode's decision for an in-scope, unprotected request."""
+        ticket = req.ticket_id
         ledger = self.ledger
         lease = ledger.lease_for_ticket(ticket)
         if lease is not None:
@@ -576,11 +578,7 @@ class AdmissionController:
         sid = req.session_id if self._residency else None
         continuing = ledger.is_resident(sid)
         if req.session_id is not None and not continuing:
-            # A session's first request: what it finds cached is the shared prefix.
-            first_turns = self._first_turns
-            first_turns[ticket] = True
-            if len(first_turns) > _FIRST_TURNS_MAX:
-                del first_turns[next(iter(first_turns))]
+            self._note_first_turn(ticket)
         if continuing:
             assert sid is not None
             ledger.touch(sid, now)  # active: not idle-expired while it waits
@@ -595,13 +593,27 @@ class AdmissionController:
             reason = grant.reason
         else:
             reason = ledger.check(tokens, now, sid, continuing=continuing)
-        if reason == DEGRADED:
-            return self._bypass(R_DEGRADED, tokens)
-        if reason == OVERSIZED:
-            return self._bypass(R_OVERSIZED, tokens)
-        if len(self._waiters) >= cfg.max_queue:
+        refused = _LEDGER_BYPASS.get(reason)
+        if refused is not None:  # degraded or oversized: forwarded without a lease
+            return self._bypass(refused, tokens)
+        if len(self._waiters) >= self._cfg.max_queue:
             return self._bypass(R_QUEUE_FULL, tokens)
-        # Wait in its FIFO (capacity_exhausted / pressure_guard, or an earlier waiter).
+        waiter = self._enqueue(ticket, tokens, now, sid, continuing)
+        if not queued:
+            self._drain(now)  # ages it at once when max_wait_s == 0; arms the timer
+        return waiter, False
+
+    def _note_first_turn(self, ticket: str) -> None:
+        """A session's first request: what it finds cached is the shared prefix."""
+        first_turns = self._first_turns
+        first_turns[ticket] = True
+        if len(first_turns) > _FIRST_TURNS_MAX:
+            del first_turns[next(iter(first_turns))]
+
+    def _enqueue(
+        self, ticket: str, tokens: int, now: float, sid: str | None, continuing: bool
+    ) -> _Waiter:
+        """Wait in its FIFO (capacity_exhausted / pressure_guard, or an earlier waiter)."""
         waiter = _Waiter(
             ticket, tokens, now, asyncio.get_running_loop().create_future(), sid, continuing
         )
@@ -616,9 +628,7 @@ class AdmissionController:
             self._new.append(waiter)
             if sid is not None:
                 c.inc(C_WAIT_NEW_SESSION)
-        if not queued:
-            self._drain(now)  # ages it at once when max_wait_s == 0; arms the timer
-        return waiter, False
+        return waiter
 
     def _resolve(self, w: _Waiter, decision: Decision) -> None:
         w.state = _RESOLVED
@@ -753,10 +763,6 @@ class AdmissionController:
             if self._waiters:
                 self._drain(self._clock())
 
-    def observe_prompt_tokens(self, req: AdmissionRequest, prompt_tokens: int) -> None:
-        """Calibrate the text-prompt estimate from an engine-reported ``prompt_tokens``."""
-        self.observe_usage(req, prompt_tokens, None)
-
     def observe_usage(
         self,
         req: AdmissionRequest,
@@ -853,7 +859,7 @@ class AdmissionController:
 
     def set_server_info(self, url: str, info: Mapping[str, Any]) -> None:
         """An engine's ``/server_info`` document (lab / tests: no HTTP)."""
-        base = url.rstrip("/")
+        base = base_url(url)
         self._modes[base] = parse_server_info(base, info)
 
     @property
@@ -889,7 +895,7 @@ class AdmissionController:
     async def _probe_engines(self, urls: Sequence[str]) -> None:
         if self._http is None or not self._cfg.priority_steering:
             return
-        missing = [u for u in urls if u.rstrip("/") not in self._modes]
+        missing = [u for u in urls if base_url(u) not in self._modes]
         if not missing:
             return
         results = await asyncio.gather(
@@ -909,7 +915,7 @@ class AdmissionController:
                 continue
             m = parse_engine_metrics(result)
             led.observe_engine(
-                url.rstrip("/"),
+                base_url(url),
                 now,
                 max_total_num_tokens=m.max_total_num_tokens,
                 evicted_total=m.evicted_tokens_total,
@@ -1158,7 +1164,7 @@ class AdmissionController:
     async def _http_fetch(self, url: str) -> str:
         assert self._http is not None
         timeout = aiohttp.ClientTimeout(total=self._cfg.metrics_timeout_s)
-        async with self._http.get(url.rstrip("/") + "/metrics", timeout=timeout) as resp:
+        async with self._http.get(join(url, "/metrics"), timeout=timeout) as resp:
             resp.raise_for_status()
             return await resp.text(errors="replace")
 

@@ -255,22 +255,11 @@ class ProgramCore:
     def _drain_engine(self, url: str, now: float) -> list[Release]:
         out: list[Release] = []
         q = self.queues.engine(url)
-        led = self.ledger
-        fresh = led.fresh(url, now)
+        fresh = self.ledger.fresh(url, now)
         for _ in range(len(q.paused) + 1):
             e = q.head("paused")
-            if e is None:
-                break
-            s = led.get(e.sid)
-            if s is None or s.state is not SessionState.PAUSED:
-                outcome = Outcome.RESUMED_WAITED  # closed or resumed meanwhile: let it go
-            elif not fresh:
-                outcome = Outcome.BYPASS_NO_METRICS
-            elif led.fits(url, max(s.footprint(self.p.session_buffer_tokens), e.tokens), now):
-                outcome = Outcome.RESUMED_WAITED
-            elif now >= e.deadline:
-                outcome = Outcome.PAUSED_AGED
-            else:
+            outcome = None if e is None else self._paused_outcome(url, e, fresh, now)
+            if outcome is None:
                 break
             out.append(self._release(url, "paused", outcome, now))
         if q.live_paused:
@@ -279,24 +268,42 @@ class ProgramCore:
             return out
         for _ in range(len(q.new) + 1):
             e = q.head("new")
-            if e is None:
-                break
-            s = led.get(e.sid)
-            continuing = s is not None and s.state is SessionState.ACTIVE
-            if s is None:
-                outcome = Outcome.NEW_WAITED
-            elif not fresh:
-                outcome = Outcome.BYPASS_NO_METRICS
-            elif e.tokens > led.capacity(url):
-                outcome = Outcome.BYPASS_OVERSIZED
-            elif led.fits(url, e.tokens, now):
-                outcome = Outcome.CONTINUING_WAITED if continuing else Outcome.NEW_WAITED
-            elif now >= e.deadline:
-                outcome = Outcome.NEW_AGED
-            else:
+            outcome = None if e is None else self._new_outcome(url, e, fresh, now)
+            if outcome is None:
                 break
             out.append(self._release(url, "new", outcome, now))
         return out
+
+    def _paused_outcome(self, url: str, e: Entry, fresh: bool, now: float) -> Outcome | None:
+        """How the head of a paused queue leaves now, or None while it must wait."""
+        led = self.ledger
+        s = led.get(e.sid)
+        if s is None or s.state is not SessionState.PAUSED:
+            return Outcome.RESUMED_WAITED  # closed or resumed meanwhile: let it go
+        if not fresh:
+            return Outcome.BYPASS_NO_METRICS
+        if led.fits(url, max(s.footprint(self.p.session_buffer_tokens), e.tokens), now):
+            return Outcome.RESUMED_WAITED
+        if now >= e.deadline:
+            return Outcome.PAUSED_AGED
+        return None
+
+    def _new_outcome(self, url: str, e: Entry, fresh: bool, now: float) -> Outcome | None:
+        """How the head of a new-session queue leaves now, or None while it must wait."""
+        led = self.ledger
+        s = led.get(e.sid)
+        if s is None:
+            return Outcome.NEW_WAITED
+        if not fresh:
+            return Outcome.BYPASS_NO_METRICS
+        if e.tokens > led.capacity(url):
+            return Outcome.BYPASS_OVERSIZED
+        if led.fits(url, e.tokens, now):
+            continuing = s.state is SessionState.ACTIVE
+            return Outcome.CONTINUING_WAITED if continuing else Outcome.NEW_WAITED
+        if now >= e.deadline:
+            return Outcome.NEW_AGED
+        return None
 
     def _age_new(self, url: str, now: float) -> list[Release]:
         out: list[Release] = []

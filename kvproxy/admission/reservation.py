@@ -42,6 +42,7 @@ from typing import Any
 
 import orjson
 
+from kvproxy import vocab
 from kvproxy.config import AdmissionConfig
 
 # Characters allowed per chat message for the template's role markers and separators.
@@ -229,12 +230,8 @@ def _count(value: Any) -> int:
 
 
 def _osl(body: Mapping[str, Any]) -> int | None:
-    nvext = body.get("nvext")
-    if isinstance(nvext, Mapping):
-        hints = nvext.get("agent_hints")
-        if isinstance(hints, Mapping):
-            return _non_negative_int(hints.get("osl"))
-    return None
+    hints = vocab.nvext_section(body, "agent_hints")
+    return _non_negative_int(hints.get("osl")) if hints is not None else None
 
 
 def _batch_size(body: Mapping[str, Any]) -> int:

@@ -24,6 +24,7 @@ import orjson
 from kvproxy.fleet.discovery import EngineList, RouterFlavor
 from kvproxy.fleet.engine_info import SESSION_ID_MIN_VERSION, parse_server_info, parse_version
 from kvproxy.fleet.engine_metrics import parse_engine_metrics
+from kvproxy.urls import base_url
 
 ATTRIBUTING_POLICY = "consistent_hashing"
 SMG_FIX = "install smg >= 1.5 (pip install 'smg>=1.5') and start it with `smg launch`"
@@ -124,7 +125,7 @@ def config_lines(
     if (
         config_router_url is not None
         and router_url is not None
-        and config_router_url.rstrip("/") != router_url.rstrip("/")
+        and base_url(config_router_url) != base_url(router_url)
     ):
         lines.append(
             Line(

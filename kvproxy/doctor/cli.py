@@ -106,8 +106,8 @@ async def diagnose(
             lines += engine_lines(facts, intent)
         lines += fleet_lines(engines)
         if probe and router.error is None:
-            facts = await gather.probe(http, url, engine_urls, timeout_s)
-            lines += probe_lines(facts)
+            probed = await gather.probe(http, url, engine_urls, timeout_s)
+            lines += probe_lines(probed)
     return lines
 
 

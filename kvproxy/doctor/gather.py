@@ -23,6 +23,7 @@ from kvproxy.fleet.discovery import (
     static_engines,
 )
 from kvproxy.fleet.engine_info import SERVER_INFO_PATHS
+from kvproxy.urls import base_url, join
 
 # Longest /metrics or /sim/requests body read (a 0.5.23 /metrics is ~40 KB).
 MAX_BODY_BYTES = 8 * 1024 * 1024
@@ -67,7 +68,7 @@ async def read_router(
     timeout_s: float,
     static: Sequence[str] = (),
 ) -> RouterFacts:
-    base = url.rstrip("/")
+    base = base_url(url)
     try:
         status, body, _ = await _get(http, base + "/workers", timeout_s)
     except (aiohttp.ClientError, TimeoutError) as exc:
@@ -105,7 +106,7 @@ async def read_router(
 
 
 async def read_engine(http: aiohttp.ClientSession, url: str, timeout_s: float) -> EngineFacts:
-    base = url.rstrip("/")
+    base = base_url(url)
     info: Mapping[str, Any] | None = None
     info_errors: list[str] = []
     for path in SERVER_INFO_PATHS:
@@ -144,7 +145,7 @@ async def read_engines(
 async def _recorded(http: aiohttp.ClientSession, url: str, timeout_s: float) -> list[str] | None:
     """The simulator's recorded request bodies; None on an engine without the record."""
     try:
-        status, body, _ = await _get(http, url.rstrip("/") + "/sim/requests", timeout_s)
+        status, body, _ = await _get(http, join(url, "/sim/requests"), timeout_s)
     except (aiohttp.ClientError, TimeoutError):
         return None
     doc = _json(body) if status == 200 else None
@@ -174,7 +175,7 @@ async def probe(
     error: str | None = None
     try:
         async with http.post(
-            router_url.rstrip("/") + "/generate",
+            join(router_url, "/generate"),
             json=body,
             timeout=aiohttp.ClientTimeout(total=timeout_s),
         ) as resp:
@@ -187,7 +188,7 @@ async def probe(
     async def close(url: str) -> None:
         try:
             async with http.post(
-                url.rstrip("/") + "/close_session",
+                join(url, "/close_session"),
                 json={"session_id": session_id},
                 timeout=aiohttp.ClientTimeout(total=timeout_s),
             ) as resp:

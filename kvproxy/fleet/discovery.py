@@ -14,12 +14,13 @@ as healthy.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
-_DP_SUFFIX = re.compile(r"@\d+$")
+from kvproxy.urls import base_url
+
+__all__ = ["DiscoveryError", "RouterFlavor", "base_url"]
 
 
 class RouterFlavor(StrEnum):
@@ -52,11 +53,6 @@ class EngineList:
 
 class DiscoveryError(ValueError):
     """The listing is not in any known shape."""
-
-
-def base_url(url: str) -> str:
-    """``http://h:1@2`` -> ``http://h:1``; trailing slashes removed."""
-    return _DP_SUFFIX.sub("", url.strip()).rstrip("/")
 
 
 def _dedupe(urls: list[str]) -> tuple[str, ...]:

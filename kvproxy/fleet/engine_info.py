@@ -24,6 +24,8 @@ from typing import Any
 import aiohttp
 import orjson
 
+from kvproxy.urls import base_url
+
 SERVER_INFO_PATHS = ("/server_info", "/get_server_info")
 SESSION_ID_MIN_VERSION = (0, 5, 16)
 
@@ -187,7 +189,7 @@ async def probe(http: aiohttp.ClientSession, url: str, timeout_s: float) -> Engi
     Raises :class:`EngineProbeError` when neither answers with a JSON object within
     ``timeout_s`` (one deadline for both attempts).
     """
-    base = url.rstrip("/")
+    base = base_url(url)
     timeout = aiohttp.ClientTimeout(total=timeout_s)
     errors: list[str] = []
     try:

@@ -16,6 +16,8 @@ from typing import Any
 import aiohttp
 import orjson
 
+from kvproxy.urls import unique_base_urls
+
 _ERROR_BODY_CHARS = 200
 
 
@@ -25,22 +27,8 @@ class FanoutResult:
     # url -> error text ("HTTP 500: ...", "timeout after 2.0 s", "ClientConnectorError: ...")
     failed: dict[str, str] = field(default_factory=dict)
 
-    @property
-    def all_ok(self) -> bool:
-        return not self.failed
 
-    @property
-    def attempted(self) -> int:
-        return len(self.ok) + len(self.failed)
-
-
-def _dedupe(urls: Sequence[str]) -> list[str]:
-    seen: dict[str, None] = {}
-    for url in urls:
-        base = url.rstrip("/")
-        if base:
-            seen.setdefault(base, None)
-    return list(seen)
+_dedupe = unique_base_urls
 
 
 def _describe(exc: BaseException) -> str:

@@ -15,8 +15,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from kvproxy.config import ROUTER_POLICIES_MIRRORED
-from kvproxy.fleet.discovery import base_url
 from kvproxy.fleet.ring import HashRing
+from kvproxy.urls import base_url
 
 
 class Placement:

@@ -25,6 +25,7 @@ from kvproxy.fleet.discovery import (
     parse_workers,
     static_engines,
 )
+from kvproxy.urls import join
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +129,7 @@ class Fleet:
 
     async def _get_json(self, path: str) -> tuple[int, Any]:
         timeout = aiohttp.ClientTimeout(total=self._cfg.connect_timeout_s)
-        async with self._http.get(self._cfg.url.rstrip("/") + path, timeout=timeout) as resp:
+        async with self._http.get(join(self._cfg.url, path), timeout=timeout) as resp:
             if resp.status != 200:
                 return resp.status, None
             return resp.status, orjson.loads(await resp.read())
@@ -145,7 +146,7 @@ class Fleet:
     async def _probe_router(self) -> bool:
         try:
             timeout = aiohttp.ClientTimeout(total=self._cfg.connect_timeout_s)
-            async with self._http.get(self._cfg.url.rstrip("/") + "/health", timeout=timeout):
+            async with self._http.get(join(self._cfg.url, "/health"), timeout=timeout):
                 return True
         except (aiohttp.ClientError, TimeoutError):
             return False

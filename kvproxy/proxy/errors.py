@@ -2,14 +2,20 @@
 
 ``{"error": {"type": "<stable_type>", "message": "<human readable>"}}``. Clients and
 dashboards match on ``type``; the message may change.
+
+Pure (no aiohttp): the aiohttp response is built by
+:func:`kvproxy.proxy.responses.error_response`.
 """
 
 from __future__ import annotations
 
 from enum import StrEnum
+from typing import Any
 
 import orjson
-from aiohttp import web
+
+# The response header naming the error type (also on the JSON body).
+ERROR_HEADER = "X-KVProxy-Error"
 
 
 class ErrorType(StrEnum):
@@ -43,10 +49,12 @@ def error_body(kind: ErrorType, message: str) -> bytes:
     return orjson.dumps({"error": {"type": kind.value, "message": message}})
 
 
-def error_response(kind: ErrorType, message: str) -> web.Response:
-    return web.Response(
-        status=STATUS[kind],
-        body=error_body(kind, message),
-        content_type="application/json",
-        headers={"X-KVProxy-Error": kind.value},
-    )
+def __getattr__(name: str) -> Any:
+    # ``error_response`` moved to the shell (kvproxy.proxy.responses); this keeps the old
+    # import working without importing aiohttp here. proxy/handlers.py still uses it:
+    # the request pipeline round (issue #14) imports it from responses and drops this.
+    if name == "error_response":
+        from kvproxy.proxy.responses import error_response
+
+        return error_response
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import unquote
 
+from kvproxy import vocab
 from kvproxy.config import SessionLifecycleConfig
 
 ROUTING_KEY_HEADER = "X-SMG-Routing-Key"
@@ -25,7 +26,6 @@ SESSION_PATH_PREFIX = "/sessions/"
 RID_LENGTH = 32  # 16 random bytes in hex
 
 _ID_RE = re.compile(r"[A-Za-z0-9._:@-]+")
-_TRUE_VALUES = frozenset({"1", "true", "yes"})
 
 # Why an injection was skipped (InjectionPlan.skip_reason).
 SKIP_DISABLED = "disabled"
@@ -117,26 +117,12 @@ class SessionIdentity:
 NO_IDENTITY = SessionIdentity(None, None, False)
 
 
-def _header(headers: Mapping[str, str], name: str) -> str | None:
-    """Case-insensitive header lookup (works for plain dicts and multidicts)."""
-    value = headers.get(name)
-    if value is not None:
-        return value
-    lname = name.lower()
-    for key, val in headers.items():
-        if key.lower() == lname:
-            return val
-    return None
+# Requests are read through the shared vocabulary (kvproxy.vocab).
+_header = vocab.header
 
 
 def _session_control(body: Mapping[str, Any] | None) -> Mapping[str, Any] | None:
-    if not isinstance(body, Mapping):
-        return None
-    nvext = body.get("nvext")
-    if not isinstance(nvext, Mapping):
-        return None
-    control = nvext.get("session_control")
-    return control if isinstance(control, Mapping) else None
+    return vocab.nvext_section(body, "session_control")
 
 
 def resolve_identity(
@@ -179,8 +165,8 @@ def resolve_identity(
         return NO_IDENTITY
     close_after = bool(control is not None and control.get("action") == "close")
     if not close_after and cfg.final_header:
-        final = _header(headers, cfg.final_header)
-        close_after = final is not None and final.strip().lower() in _TRUE_VALUES
+        # The same truthy values as every other boolean header (vocab.TRUTHY).
+        close_after = vocab.header_flag(headers, cfg.final_header)
     return SessionIdentity(session_id, source, close_after)
 
 
@@ -229,17 +215,14 @@ class InjectionPlan:
 EMPTY_PLAN = InjectionPlan(skip_reason=SKIP_DISABLED)
 
 
+# Abort-rid expansion is bounded: a larger n is not expanded (only the rid is named).
+MAX_EXPANDED_N = 1024
+
+
 def _sample_count(body: Mapping[str, Any]) -> int:
-    """n of the request: ``sampling_params.n`` (/generate) or top-level ``n`` (OpenAI)."""
-    n: Any = None
-    sp = body.get("sampling_params")
-    if isinstance(sp, Mapping):
-        n = sp.get("n")
-    if n is None:
-        n = body.get("n")
-    if isinstance(n, int) and not isinstance(n, bool) and 1 < n <= 1024:
-        return n
-    return 1
+    """n of the request (vocab.sample_count), 1 when above MAX_EXPANDED_N."""
+    n = vocab.sample_count(body)
+    return n if n <= MAX_EXPANDED_N else 1
 
 
 def _abort_rids(rid: Any, n: int) -> tuple[str, ...]:
@@ -294,7 +277,7 @@ def injection_plan(
             if "session_id" in body:
                 overwrites.append("session_id")
 
-    rid: Any = body.get("rid")
+    rid: Any = vocab.body_rid(body)
     generated = False
     if rid is None:
         rid = new_rid()

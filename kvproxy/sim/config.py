@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvproxy.sim.cost import CostModel, validate_cost_model
 
@@ -79,62 +80,141 @@ class SchedulerConfig:
     streaming_session_timeout_s: float | None = None
 
 
-@dataclass(frozen=True, slots=True)
+# The scheduler fields SimConfig accepts as keywords (and reads as attributes).
+_SCHEDULER_FIELDS = frozenset(f.name for f in dataclasses.fields(SchedulerConfig))
+
+
+@dataclass(frozen=True, slots=True, init=False)
 class SimConfig:
-    host: str = "127.0.0.1"
-    port: int = 30000
-    max_total_tokens: int = 200_000
-    mode: str = "plain"
-    eviction_policy: str = "lru"
-    enable_priority_scheduling: bool = False
-    priority_scheduling_preemption_threshold: int = 10
-    tp_size: int = 1
-    dp_size: int = 1
+    """The simulated engine: its :class:`SchedulerConfig` plus what the HTTP server adds.
+
+    ``SimConfig(max_total_tokens=..., mode=..., time_scale=...)`` takes any scheduler
+    field as a keyword (applied on top of ``scheduler``, or of the defaults), and reads
+    them back as attributes (``cfg.mode``), so the scheduler's fields are declared once.
+    """
+
+    scheduler: SchedulerConfig
+    host: str
+    port: int
+    tp_size: int
+    dp_size: int
     # Wall seconds per simulated second: 1.0 runs in real time, 0.01 runs 100x
     # faster with the same dynamics, 0 runs as fast as the CPU allows.
-    time_scale: float = 1.0
-    cost: CostModel = field(default_factory=CostModel)
-    max_running_requests: int = 256
-    max_prefill_tokens: int = 16_384
-    chunked_prefill_size: int = 8_192
-    context_length: int = 40_960
-    output_len_dist: str = "max"
-    streaming_session_timeout_s: float | None = None
-    # Counted in simulated decode steps / tokens (the token scale divides them; see
-    # kvproxy.sim.presets.scheduler_config).
-    new_token_ratio_decay_steps: int = 600
-    retract_decode_steps: int = 20
-    clip_max_new_tokens: int = 4096
-    model_name: str = "kvproxy/sim-model"
+    time_scale: float
+    model_name: str
     # Reported as model_path / tokenizer_path; created if missing. None: a
     # directory under the system temp dir.
-    model_path: str | None = None
-    faults: FaultConfig = field(default_factory=FaultConfig)
+    model_path: str | None
+    faults: FaultConfig
     # Keep the last N data-plane requests (path, headers, raw body) for GET /sim/requests.
-    record_requests: int = 0
-    log_level: str = "WARNING"
+    record_requests: int
+    log_level: str
+
+    def __init__(
+        self,
+        *,
+        scheduler: SchedulerConfig | None = None,
+        host: str = "127.0.0.1",
+        port: int = 30000,
+        tp_size: int = 1,
+        dp_size: int = 1,
+        time_scale: float = 1.0,
+        model_name: str = "kvproxy/sim-model",
+        model_path: str | None = None,
+        faults: FaultConfig | None = None,
+        record_requests: int = 0,
+        log_level: str = "WARNING",
+        **scheduler_fields: Any,
+    ) -> None:
+        unknown = set(scheduler_fields) - _SCHEDULER_FIELDS
+        if unknown:
+            raise TypeError(f"SimConfig got unexpected keyword arguments: {sorted(unknown)}")
+        sched = scheduler if scheduler is not None else SchedulerConfig()
+        if scheduler_fields:
+            sched = dataclasses.replace(sched, **scheduler_fields)
+        own = {
+            "scheduler": sched,
+            "host": host,
+            "port": port,
+            "tp_size": tp_size,
+            "dp_size": dp_size,
+            "time_scale": time_scale,
+            "model_name": model_name,
+            "model_path": model_path,
+            "faults": faults if faults is not None else FaultConfig(),
+            "record_requests": record_requests,
+            "log_level": log_level,
+        }
+        for name, value in own.items():
+            object.__setattr__(self, name, value)
+
+    # -- the scheduler's fields, read through (declared once, in SchedulerConfig) --------
+    @property
+    def max_total_tokens(self) -> int:
+        return self.scheduler.max_total_tokens
+
+    @property
+    def mode(self) -> str:
+        return self.scheduler.mode
+
+    @property
+    def eviction_policy(self) -> str:
+        return self.scheduler.eviction_policy
+
+    @property
+    def enable_priority_scheduling(self) -> bool:
+        return self.scheduler.enable_priority_scheduling
+
+    @property
+    def priority_scheduling_preemption_threshold(self) -> int:
+        return self.scheduler.priority_scheduling_preemption_threshold
+
+    @property
+    def max_running_requests(self) -> int:
+        return self.scheduler.max_running_requests
+
+    @property
+    def max_prefill_tokens(self) -> int:
+        return self.scheduler.max_prefill_tokens
+
+    @property
+    def chunked_prefill_size(self) -> int:
+        return self.scheduler.chunked_prefill_size
+
+    @property
+    def context_length(self) -> int:
+        return self.scheduler.context_length
+
+    @property
+    def cost(self) -> CostModel:
+        return self.scheduler.cost
+
+    @property
+    def output_len_dist(self) -> str:
+        return self.scheduler.output_len_dist
+
+    @property
+    def streaming_session_timeout_s(self) -> float | None:
+        return self.scheduler.streaming_session_timeout_s
+
+    @property
+    def new_token_ratio_decay_steps(self) -> int:
+        return self.scheduler.new_token_ratio_decay_steps
+
+    @property
+    def retract_decode_steps(self) -> int:
+        return self.scheduler.retract_decode_steps
+
+    @property
+    def clip_max_new_tokens(self) -> int:
+        return self.scheduler.clip_max_new_tokens
 
     def scheduler_config(self) -> SchedulerConfig:
-        return SchedulerConfig(
-            max_total_tokens=self.max_total_tokens,
-            mode=self.mode,
-            eviction_policy=self.eviction_policy,
-            enable_priority_scheduling=self.enable_priority_scheduling,
-            priority_scheduling_preemption_threshold=self.priority_scheduling_preemption_threshold,
-            max_running_requests=self.max_running_requests,
-            max_prefill_tokens=self.max_prefill_tokens,
-            chunked_prefill_size=self.chunked_prefill_size,
-            context_length=self.context_length,
-            cost=self.cost,
-            output_len_dist=self.output_len_dist,
-            streaming_session_timeout_s=self.streaming_session_timeout_s,
-            new_token_ratio_decay_steps=self.new_token_ratio_decay_steps,
-            retract_decode_steps=self.retract_decode_steps,
-            clip_max_new_tokens=self.clip_max_new_tokens,
-        )
+        return self.scheduler
 
-    def replace(self, **changes: object) -> SimConfig:
-        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+    def replace(self, **changes: Any) -> SimConfig:
+        """A copy with ``changes`` (own or scheduler fields) applied."""
+        return dataclasses.replace(self, **changes)
 
 
 def validate_faults(f: FaultConfig) -> None:

@@ -15,8 +15,7 @@ prometheus_client's multiprocess mode writes them:
 
 from __future__ import annotations
 
-import bisect
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -24,39 +23,6 @@ from prometheus_client.utils import floatToGoString
 
 if TYPE_CHECKING:
     from kvproxy.sim.scheduler import Scheduler
-
-TTFT_BUCKETS: tuple[float, ...] = (
-    0.1, 0.2, 0.4, 0.6, 0.8, 1.0, 2.0, 4.0, 6.0, 8.0, 10.0, 20.0, 40.0, 60.0, 80.0, 100.0, 200.0, 400.0,
-)  # fmt: skip
-E2E_BUCKETS: tuple[float, ...] = (
-    0.1, 0.2, 0.4, 0.6, 0.8, 1.0, 2.0, 4.0, 6.0, 8.0, 10.0, 20.0, 40.0, 60.0, 80.0, 100.0, 200.0, 400.0, 800.0,
-)  # fmt: skip
-
-
-class Histogram:
-    """Cumulative-bucket histogram (pure)."""
-
-    __slots__ = ("bounds", "count", "counts", "sum")
-
-    def __init__(self, bounds: Sequence[float]) -> None:
-        self.bounds = tuple(bounds)
-        self.counts = [0] * (len(self.bounds) + 1)
-        self.count = 0
-        self.sum = 0.0
-
-    def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(self.bounds, value)] += 1
-        self.count += 1
-        self.sum += value
-
-    def merged(self, others: Iterable[Histogram]) -> Histogram:
-        out = Histogram(self.bounds)
-        for h in (self, *others):
-            for i, c in enumerate(h.counts):
-                out.counts[i] += c
-            out.count += h.count
-            out.sum += h.sum
-        return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,29 +115,30 @@ def scheduler_gauges(s: Scheduler, context_len: int) -> dict[str, float]:
     }
 
 
-def render_metrics(
+def _scheduler_label_sets(ctx: MetricsContext, dp: int, dp_rank: int) -> list[dict[str, str]]:
+    """One label set per TP rank of DP rank ``dp_rank`` (series repeat per TP rank)."""
+    base = {"engine_type": "unified", "model_name": ctx.model_name}
+    out = []
+    for tp in range(ctx.tp_size):
+        labels = {**base, "moe_ep_rank": "0", "pp_rank": "0", "tp_rank": str(tp)}
+        if dp > 1:
+            labels["dp_rank"] = str(dp_rank)
+        if ctx.enable_priority_scheduling:
+            labels["priority"] = ""
+        out.append(labels)
+    return out
+
+
+def _write_scheduler_side(
+    w: _Writer,
     ctx: MetricsContext,
     ranks: Sequence[Scheduler],
     context_len: int,
-    token_usage_override: float | None = None,
-) -> str:
-    """The engine's ``/metrics`` text for all DP ranks."""
-    w = _Writer()
+    token_usage_override: float | None,
+) -> None:
+    """Scheduler gauges and counters, per DP rank and TP rank."""
     dp = len(ranks)
-    base = {"engine_type": "unified", "model_name": ctx.model_name}
-
-    def sched_label_sets(dp_rank: int) -> list[dict[str, str]]:
-        out = []
-        for tp in range(ctx.tp_size):
-            labels = {**base, "moe_ep_rank": "0", "pp_rank": "0", "tp_rank": str(tp)}
-            if dp > 1:
-                labels["dp_rank"] = str(dp_rank)
-            if ctx.enable_priority_scheduling:
-                labels["priority"] = ""
-            out.append(labels)
-        return out
-
-    label_sets = [sched_label_sets(i) for i in range(dp)]
+    label_sets = [_scheduler_label_sets(ctx, dp, i) for i in range(dp)]
     values = [scheduler_gauges(s, context_len) for s in ranks]
     if token_usage_override is not None:  # fault knob: see FaultConfig.token_usage
         for v in values:
@@ -184,7 +151,12 @@ def render_metrics(
         for i in range(dp):
             for labels in label_sets[i]:
                 w.sample(full, labels, values[i][name])
+    _write_scheduler_counters(w, ranks, label_sets)
 
+
+def _write_scheduler_counters(
+    w: _Writer, ranks: Sequence[Scheduler], label_sets: list[list[dict[str, str]]]
+) -> None:
     # Scheduler-side counters. num_retracted_requests_total is not in the reference
     # document; its name and labels are from SGLang's SchedulerMetricsCollector.
     w.family(
@@ -225,32 +197,48 @@ def render_metrics(
             ):
                 w.sample("sglang:realtime_tokens_total", {**labels, "mode": mode}, value)
 
-    # Tokenizer-side counters: one tokenizer for the whole engine.
+
+# (name, help, total attribute, streamed attribute) of the tokenizer-side counters.
+_TOKENIZER_COUNTERS: tuple[tuple[str, str, str, str], ...] = (
+    (
+        "prompt_tokens_total",
+        "Number of prefill tokens processed.",
+        "prompt_tokens_total",
+        "stream_prompt_tokens_total",
+    ),
+    (
+        "generation_tokens_total",
+        "Number of generation tokens processed.",
+        "generation_tokens_total",
+        "stream_generation_tokens_total",
+    ),
+    (
+        "num_requests_total",
+        "Number of requests processed.",
+        "num_requests_total",
+        "stream_requests_total",
+    ),
+)
+# (name, help, attribute) of the tokenizer-side histograms.
+_HISTOGRAMS: tuple[tuple[str, str, str], ...] = (
+    ("time_to_first_token_seconds", "Histogram of time to first token in seconds.", "ttft"),
+    (
+        "e2e_request_latency_seconds",
+        "Histogram of End-to-end request latency in seconds",
+        "e2e_latency",
+    ),
+    ("queue_time_seconds", "Histogram of queueing time in seconds.", "queue_time"),
+)
+
+
+def _write_tokenizer_side(w: _Writer, base: dict[str, str], ranks: Sequence[Scheduler]) -> None:
+    """Tokenizer-side counters and histograms: one tokenizer for the whole engine."""
     st = [s.stats for s in ranks]
 
     def total(attr: str) -> int:
         return sum(getattr(x, attr) for x in st)
 
-    for name, help_text, all_attr, stream_attr in (
-        (
-            "prompt_tokens_total",
-            "Number of prefill tokens processed.",
-            "prompt_tokens_total",
-            "stream_prompt_tokens_total",
-        ),
-        (
-            "generation_tokens_total",
-            "Number of generation tokens processed.",
-            "generation_tokens_total",
-            "stream_generation_tokens_total",
-        ),
-        (
-            "num_requests_total",
-            "Number of requests processed.",
-            "num_requests_total",
-            "stream_requests_total",
-        ),
-    ):
+    for name, help_text, all_attr, stream_attr in _TOKENIZER_COUNTERS:
         full = f"sglang:{name}"
         w.family(full, "counter", help_text)
         streamed = total(stream_attr)
@@ -269,15 +257,7 @@ def render_metrics(
     w.family("sglang:num_aborted_requests_total", "counter", "Number of requests aborted.")
     w.sample("sglang:num_aborted_requests_total", base, total("num_aborted_requests_total"))
 
-    for name, help_text, attr in (
-        ("time_to_first_token_seconds", "Histogram of time to first token in seconds.", "ttft"),
-        (
-            "e2e_request_latency_seconds",
-            "Histogram of End-to-end request latency in seconds",
-            "e2e_latency",
-        ),
-        ("queue_time_seconds", "Histogram of queueing time in seconds.", "queue_time"),
-    ):
+    for name, help_text, attr in _HISTOGRAMS:
         hists = [getattr(x, attr) for x in st]
         h = hists[0].merged(hists[1:])
         full = f"sglang:{name}"
@@ -289,6 +269,18 @@ def render_metrics(
         w.sample(f"{full}_bucket", {**base, "le": "+Inf"}, h.count)
         w.sample(f"{full}_count", base, h.count)
         w.sample(f"{full}_sum", base, h.sum)
+
+
+def render_metrics(
+    ctx: MetricsContext,
+    ranks: Sequence[Scheduler],
+    context_len: int,
+    token_usage_override: float | None = None,
+) -> str:
+    """The engine's ``/metrics`` text for all DP ranks."""
+    w = _Writer()
+    _write_scheduler_side(w, ctx, ranks, context_len, token_usage_override)
+    _write_tokenizer_side(w, {"engine_type": "unified", "model_name": ctx.model_name}, ranks)
     return w.text()
 
 

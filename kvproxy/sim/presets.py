@@ -209,14 +209,12 @@ def sim_config(preset: str, token_scale: int = 1, **overrides: Any) -> SimConfig
     The scheduler fields come from :func:`scheduler_config`; ``overrides`` may name any
     SimConfig field (scheduler fields are applied as given, in simulated tokens).
     """
-    sim_fields = {f.name for f in dataclasses.fields(SimConfig)}
-    unknown = set(overrides) - sim_fields
+    sched_fields = {f.name for f in dataclasses.fields(SchedulerConfig)}
+    sim_fields = {f.name for f in dataclasses.fields(SimConfig)} - {"scheduler"}
+    unknown = set(overrides) - sim_fields - sched_fields
     if unknown:
         raise ValueError(f"unknown SimConfig fields: {sorted(unknown)}")
-    sched_fields = {f.name for f in dataclasses.fields(SchedulerConfig)} & sim_fields
     sc = scheduler_config(
         preset, token_scale, **{k: v for k, v in overrides.items() if k in sched_fields}
     )
-    base = {name: getattr(sc, name) for name in sched_fields}
-    base.update(overrides)
-    return SimConfig(**base)
+    return SimConfig(scheduler=sc, **{k: v for k, v in overrides.items() if k in sim_fields})

@@ -52,8 +52,8 @@ from enum import Enum
 from typing import Any
 
 from kvproxy.sim.config import SchedulerConfig
+from kvproxy.sim.histogram import E2E_BUCKETS, TTFT_BUCKETS, Histogram
 from kvproxy.sim.kvcache import KVCache, Node
-from kvproxy.sim.metrics import E2E_BUCKETS, TTFT_BUCKETS, Histogram
 from kvproxy.sim.tokenizer import EOS_TOKEN_ID, OutputStream, rid_seed
 
 CLOSED_SESSION_TOMBSTONES = 8192
@@ -322,33 +322,10 @@ class Scheduler:
         if session_params is not None:
             self._apply_session_params(req, session_params)
         n_in = len(req.input_ids)
-        if n_in == 0:
-            raise SimError("The input is empty.")
-        if n_in >= cfg.context_length:
-            raise SimError(
-                f"The input ({n_in} tokens) is longer than the model's context length "
-                f"({cfg.context_length} tokens)."
-            )
-        if n_in + 1 > cfg.max_total_tokens:
-            raise SimError(
-                f"The input ({n_in} tokens) does not fit in the KV cache "
-                f"(max_total_num_tokens={cfg.max_total_tokens})."
-            )
-        if req.max_new_tokens < 0:
-            raise SimError("max_new_tokens must be at least 0")
+        self._check_input(req, n_in)
         req.max_new_tokens = min(req.max_new_tokens, cfg.context_length - n_in)
         req.prompt_tokens = n_in
-        # Output length: max_new_tokens unless the workload asks for another one.
-        stop_token = stop_token_ids[0] if stop_token_ids else EOS_TOKEN_ID
-        target = req.max_new_tokens
-        if output_len is not None:
-            target = max(0, min(int(output_len), req.max_new_tokens))
-        elif cfg.output_len_dist == "uniform" and not ignore_eos and req.max_new_tokens > 0:
-            target = 1 + rid_seed(req.rid) % req.max_new_tokens
-        by_stop = 0 < target < req.max_new_tokens
-        req.target_len = target
-        req.stop_token = stop_token if by_stop else None
-        req.out = OutputStream(req.rid, target if by_stop else None, stop_token)
+        self._plan_output(req, output_len, stop_token_ids, ignore_eos)
         if req.session_id is not None and cfg.mode == "session-radix":
             req.generation = self._ensure_generation(req.session_id)
         if req.priority is None:
@@ -370,6 +347,43 @@ class Scheduler:
             req.legacy_session.active += 1
         self._enqueue(req)
         return req
+
+    def _check_input(self, req: SimRequest, n_in: int) -> None:
+        """What SGLang rejects about a request's size (raises :class:`SimError`)."""
+        cfg = self.cfg
+        if n_in == 0:
+            raise SimError("The input is empty.")
+        if n_in >= cfg.context_length:
+            raise SimError(
+                f"The input ({n_in} tokens) is longer than the model's context length "
+                f"({cfg.context_length} tokens)."
+            )
+        if n_in + 1 > cfg.max_total_tokens:
+            raise SimError(
+                f"The input ({n_in} tokens) does not fit in the KV cache "
+                f"(max_total_num_tokens={cfg.max_total_tokens})."
+            )
+        if req.max_new_tokens < 0:
+            raise SimError("max_new_tokens must be at least 0")
+
+    def _plan_output(
+        self,
+        req: SimRequest,
+        output_len: int | None,
+        stop_token_ids: tuple[int, ...],
+        ignore_eos: bool,
+    ) -> None:
+        """Output length: max_new_tokens unless the workload asks for another one."""
+        stop_token = stop_token_ids[0] if stop_token_ids else EOS_TOKEN_ID
+        target = req.max_new_tokens
+        if output_len is not None:
+            target = max(0, min(int(output_len), req.max_new_tokens))
+        elif self.cfg.output_len_dist == "uniform" and not ignore_eos and req.max_new_tokens > 0:
+            target = 1 + rid_seed(req.rid) % req.max_new_tokens
+        by_stop = 0 < target < req.max_new_tokens
+        req.target_len = target
+        req.stop_token = stop_token if by_stop else None
+        req.out = OutputStream(req.rid, target if by_stop else None, stop_token)
 
     def _apply_session_params(self, req: SimRequest, params: dict[str, Any]) -> None:
         sid = params.get("id")
@@ -567,76 +581,34 @@ class Scheduler:
         clip = cfg.clip_max_new_tokens
 
         if self.chunked is not None:
-            req = self.chunked
-            chunk = min(req.extend_len - req.prefill_done, budget)
-            batch.reqs.append(req)
-            batch.chunks.append(chunk)
-            budget -= chunk
-            if req.prefill_done + chunk >= req.extend_len:
-                self.chunked = None
-            else:
+            budget -= self._continue_chunked(batch, budget)
+            if self.chunked is not None:  # its next chunk fills the batch
                 return self._close_prefill(batch)
 
-        reserved = self._reserved_for_running()
         # Requests admitted earlier in this batch reserve their decode tokens too.
-        for r in batch.reqs:
-            reserved += min(r.max_new_tokens - r.generated, clip) * ratio
+        reserved = self._reserved_for_running() + self._decode_reservation(batch.reqs)
         while budget > 0:
-            req = self._peek_waiting()
-            if req is None:
+            waiting = self._peek_waiting()
+            if waiting is None:
                 break
-            if len(self.running) + len(self._prefilling) >= cfg.max_running_requests:
-                # The batch is full. With priority scheduling SGLang then tries to preempt
-                # running requests for this one (managers/scheduler.py,
-                # _get_new_batch_prefill_raw: batch_is_full -> adder.preempt_to_schedule).
-                freed = self._preempt_for(req, reserved, now) if self._preemption else None
-                if freed is None:
-                    break
-                reserved -= freed
+            req = waiting
+            freed = self._running_slot_for(req, reserved, now)
+            if freed is None:
+                break
+            reserved -= freed
             fill_len = req.prompt_tokens + req.generated
             remaining_new = min(req.max_new_tokens - req.generated, clip)
             nothing_else = not self.running and not self._prefilling and not batch.reqs
             if not nothing_else and 1 + remaining_new > kv.available + kv.evictable - reserved:
                 break  # even a full cache hit would not fit
-            ss = req.stream_session
-            if ss is not None and ss.node is not None and ss.tree_len + ss.held >= 1:
-                # O(1) restore of the session's held KV.
-                node, matched = ss.node, min(ss.tree_len + ss.held, fill_len - 1)
-                own_lock = False
-            else:
-                fill = req.input_ids if req.generated == 0 else self._fill_ids(req)
-                m = kv.match_prefix(fill[: fill_len - 1], now)
-                node, matched = m.node, m.length
-                kv.inc_lock(node)
-                own_lock = True
+            node, matched, own_lock = self._prefix_for(req, fill_len, now)
             extend = fill_len - matched
-            rem_total = kv.available + kv.evictable - reserved
-            fits = extend + remaining_new <= rem_total or (
-                nothing_else and extend <= kv.available + kv.evictable
-            )
             too_big = bool(batch.reqs) and not chunking and extend > budget
-            if not fits or too_big or not kv.alloc(extend):
+            if too_big or not self._alloc_prefill(extend, remaining_new, reserved, nothing_else):
                 if own_lock:
                     kv.dec_lock(node)
                 break
-            heapq.heappop(self._waiting)
-            self.num_waiting -= 1
-            if req.first_token_time is None and req.num_retractions == 0:
-                self.stats.queue_time.observe(now - req.arrival)
-            req.state = State.PREFILL
-            self._prefilling.add(req)
-            if ss is not None and not own_lock:
-                # Take over the session's lock and held KV for this turn.
-                req.node, req.tree_len = ss.node, ss.tree_len
-                req.private += ss.held + extend
-                ss.node, ss.tree_len, ss.held = None, 0, 0
-            else:
-                req.node, req.tree_len = node, matched
-                req.private += extend
-            req.cached_tokens += matched
-            req.fill_len = fill_len
-            req.extend_len = extend
-            req.prefill_done = 0
+            self._start_prefill(req, node, matched, own_lock, fill_len, extend, now)
             chunk = min(extend, budget) if chunking else extend
             batch.reqs.append(req)
             batch.chunks.append(chunk)
@@ -649,6 +621,91 @@ class Scheduler:
         if not batch.reqs:
             return None
         return self._close_prefill(batch)
+
+    def _decode_reservation(self, reqs: list[SimRequest]) -> float:
+        """The decode tokens ``reqs`` reserve (clipped, times the new-token ratio)."""
+        reserved = 0.0
+        for r in reqs:
+            reserved += min(r.max_new_tokens - r.generated, self.cfg.clip_max_new_tokens) * (
+                self.new_token_ratio
+            )
+        return reserved
+
+    def _continue_chunked(self, batch: Batch, budget: int) -> int:
+        """Add the chunked request's next chunk to ``batch``; return the chunk's size.
+        ``self.chunked`` is cleared when that chunk completes its prefill."""
+        req = self.chunked
+        assert req is not None
+        chunk = min(req.extend_len - req.prefill_done, budget)
+        batch.reqs.append(req)
+        batch.chunks.append(chunk)
+        if req.prefill_done + chunk >= req.extend_len:
+            self.chunked = None
+        return chunk
+
+    def _running_slot_for(self, req: SimRequest, reserved: float, now: float) -> float | None:
+        """0.0 when the running batch has room; when it is full, the reservation that
+        preempting for ``req`` released, or None (no room)."""
+        if len(self.running) + len(self._prefilling) < self.cfg.max_running_requests:
+            return 0.0
+        # The batch is full. With priority scheduling SGLang then tries to preempt
+        # running requests for this one (managers/scheduler.py,
+        # _get_new_batch_prefill_raw: batch_is_full -> adder.preempt_to_schedule).
+        return self._preempt_for(req, reserved, now) if self._preemption else None
+
+    def _alloc_prefill(
+        self, extend: int, remaining_new: int, reserved: float, nothing_else: bool
+    ) -> bool:
+        """Allocate ``extend`` tokens if they and the decode reservation fit (alone: just them)."""
+        kv = self.kv
+        rem_total = kv.available + kv.evictable - reserved
+        fits = extend + remaining_new <= rem_total or (
+            nothing_else and extend <= kv.available + kv.evictable
+        )
+        return fits and kv.alloc(extend)
+
+    def _prefix_for(self, req: SimRequest, fill_len: int, now: float) -> tuple[Node, int, bool]:
+        """(node, matched tokens, whether the lock on node is the request's own)."""
+        ss = req.stream_session
+        if ss is not None and ss.node is not None and ss.tree_len + ss.held >= 1:
+            # O(1) restore of the session's held KV.
+            return ss.node, min(ss.tree_len + ss.held, fill_len - 1), False
+        kv = self.kv
+        fill = req.input_ids if req.generated == 0 else self._fill_ids(req)
+        m = kv.match_prefix(fill[: fill_len - 1], now)
+        kv.inc_lock(m.node)
+        return m.node, m.length, True
+
+    def _start_prefill(
+        self,
+        req: SimRequest,
+        node: Node,
+        matched: int,
+        own_lock: bool,
+        fill_len: int,
+        extend: int,
+        now: float,
+    ) -> None:
+        """Move the head of the waiting queue into prefill with ``extend`` new KV tokens."""
+        heapq.heappop(self._waiting)
+        self.num_waiting -= 1
+        if req.first_token_time is None and req.num_retractions == 0:
+            self.stats.queue_time.observe(now - req.arrival)
+        req.state = State.PREFILL
+        self._prefilling.add(req)
+        ss = req.stream_session
+        if ss is not None and not own_lock:
+            # Take over the session's lock and held KV for this turn.
+            req.node, req.tree_len = ss.node, ss.tree_len
+            req.private += ss.held + extend
+            ss.node, ss.tree_len, ss.held = None, 0, 0
+        else:
+            req.node, req.tree_len = node, matched
+            req.private += extend
+        req.cached_tokens += matched
+        req.fill_len = fill_len
+        req.extend_len = extend
+        req.prefill_done = 0
 
     def _preempt_for(self, req: SimRequest, reserved: float, now: float) -> float | None:
         """Preempt running requests of lower priority so that ``req`` can be admitted.
@@ -837,7 +894,7 @@ class Scheduler:
             if req.stream_session is None:
                 # cache_unfinished_req: the prompt's KV goes into the tree, still locked.
                 fill = req.input_ids if req.generated == 0 else self._fill_ids(req)
-                already, node = kv.insert(fill, now, req.priority)
+                already, node = kv.insert(fill, now, req.priority or 0)
                 dup = already - req.tree_len
                 if dup > 0:
                     kv.free(dup)
@@ -934,6 +991,22 @@ class Scheduler:
             req.node = None
         req.tree_len = 0
 
+    def _count_finished(self, req: SimRequest, *, aborted: bool) -> None:
+        """The tokenizer-side counters of a finished request."""
+        st = self.stats
+        st.num_requests_total += 1
+        st.prompt_tokens_total += req.prompt_tokens
+        st.generation_tokens_total += req.generated
+        st.cached_tokens_total += req.cached_tokens
+        if req.stream:
+            st.stream_requests_total += 1
+            st.stream_prompt_tokens_total += req.prompt_tokens
+            st.stream_generation_tokens_total += req.generated
+        if aborted:
+            st.num_aborted_requests_total += 1
+        else:
+            st.e2e_latency.observe(self.now - req.arrival)
+
     def _finish(self, req: SimRequest, reason: dict[str, Any], *, insert: bool) -> None:
         kv = self.kv
         ss = req.stream_session
@@ -948,7 +1021,7 @@ class Scheduler:
             assert req.out is not None
             seq = req.input_ids + req.out.ids(req.generated)
             ids = seq[:kv_len]
-            already, node = kv.insert(ids, now=self.now, priority=req.priority)
+            already, node = kv.insert(ids, now=self.now, priority=req.priority or 0)
             dup = already - req.tree_len
             if dup > 0:
                 kv.free(dup)
@@ -968,19 +1041,7 @@ class Scheduler:
         req.finish_reason = reason
         req.finish_time = self.now
         self.requests.pop(req.rid, None)
-        st = self.stats
-        st.num_requests_total += 1
-        st.prompt_tokens_total += req.prompt_tokens
-        st.generation_tokens_total += req.generated
-        st.cached_tokens_total += req.cached_tokens
-        if req.stream:
-            st.stream_requests_total += 1
-            st.stream_prompt_tokens_total += req.prompt_tokens
-            st.stream_generation_tokens_total += req.generated
-        if reason.get("type") == "abort":
-            st.num_aborted_requests_total += 1
-        else:
-            st.e2e_latency.observe(self.now - req.arrival)
+        self._count_finished(req, aborted=reason.get("type") == "abort")
         if ss is not None:
             if ss.node is not None and req.out is not None:
                 ss.context = req.input_ids + req.out.ids(req.generated)

@@ -41,7 +41,7 @@ from aiohttp import web
 from kvproxy.sim import tokenizer
 from kvproxy.sim.config import FaultConfig, SimConfig, validate_faults, validate_sim_config
 from kvproxy.sim.metrics import GARBAGE_METRICS, MetricsContext, render_metrics
-from kvproxy.sim.scheduler import Scheduler, SimError, SimRequest, State
+from kvproxy.sim.scheduler import Scheduler, SimError, SimRequest, State, StepEvents
 
 log = logging.getLogger("kvproxy.sim")
 
@@ -154,61 +154,72 @@ class Rank:
                 self.notify(sched.finished_outside)
                 sched.finished_outside.clear()
             if batch is None:
-                if chained and ts > 0:
-                    # Going idle: re-anchor the clock at the last step's end, so that a
-                    # lag of the burst is dropped (reported, never folded into simulated
-                    # time) and idle time follows the wall clock from here.
-                    self._anchor_sim = self._last_end
-                    self._anchor_wall = time.monotonic()
-                    self.lag_s = 0.0
+                await self._idle(now, chained)
                 chained = False
-                self.wake.clear()
-                deadline = sched.next_deadline()
-                timeout = None
-                if deadline is not None:
-                    timeout = max(self.to_wall(deadline - now), 0.001) if ts > 0 else 0.05
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self.wake.wait(), timeout)
-                if ts == 0 and timeout is not None and not self.wake.is_set():
-                    # Virtual time: an idle engine lets session timeouts elapse.
-                    self._virtual = max(self._virtual, deadline or 0.0)
                 continue
-            if ts > 0:
-                # Sleep until the step's end on the simulated clock. The deadline is
-                # absolute, so a timer that fires early or late is made up by the
-                # following steps; simulated time advances by the step's duration only.
-                end_sim = now + batch.duration
-                self._step = (now, end_sim)
-                deadline = self._anchor_wall + (end_sim - self._anchor_sim) * ts
-                delay = deadline - time.monotonic()
-                if delay > 0:
-                    await asyncio.sleep(delay)
-                else:
-                    await asyncio.sleep(0)
-                lag = max(time.monotonic() - deadline, 0.0)
-                if lag > self.lag_s:
-                    self.overrun_s += lag - self.lag_s
-                if lag > 0:
-                    self.late_steps += 1
-                self.lag_s = lag
-                self.max_lag_s = max(self.max_lag_s, lag)
-                self._step = None
-                self._last_end = end_sim
-            else:
-                self._virtual += batch.duration
-                end_sim = self._virtual
-                await asyncio.sleep(0)
+            end_sim = await self._sleep_step(now, batch.duration)
             ev = sched.finish_batch(batch, end_sim)
             self.steps += 1
             chained = True
-            if ev.finished:
-                self.notify(ev.finished)
-            if self.streams:
-                for req in ev.first_tokens:
-                    w = self.streams.get(req.rid)
-                    if w is not None and w.progress is not None:
-                        w.progress.set()
-                self.notify_streams()
+            self._deliver(ev)
+
+    async def _idle(self, now: float, chained: bool) -> None:
+        """Wait (bounded by the scheduler's next deadline) for new work."""
+        sched = self.sched
+        ts = self.time_scale
+        if chained and ts > 0:
+            # Going idle: re-anchor the clock at the last step's end, so that a
+            # lag of the burst is dropped (reported, never folded into simulated
+            # time) and idle time follows the wall clock from here.
+            self._anchor_sim = self._last_end
+            self._anchor_wall = time.monotonic()
+            self.lag_s = 0.0
+        self.wake.clear()
+        deadline = sched.next_deadline()
+        timeout = None
+        if deadline is not None:
+            timeout = max(self.to_wall(deadline - now), 0.001) if ts > 0 else 0.05
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.wake.wait(), timeout)
+        if ts == 0 and timeout is not None and not self.wake.is_set():
+            # Virtual time: an idle engine lets session timeouts elapse.
+            self._virtual = max(self._virtual, deadline or 0.0)
+
+    async def _sleep_step(self, now: float, duration: float) -> float:
+        """Let a step of ``duration`` simulated seconds pass; return its simulated end."""
+        if self.time_scale <= 0:
+            self._virtual += duration
+            await asyncio.sleep(0)
+            return self._virtual
+        # Sleep until the step's end on the simulated clock. The deadline is
+        # absolute, so a timer that fires early or late is made up by the
+        # following steps; simulated time advances by the step's duration only.
+        end_sim = now + duration
+        self._step = (now, end_sim)
+        deadline = self._anchor_wall + (end_sim - self._anchor_sim) * self.time_scale
+        delay = deadline - time.monotonic()
+        await asyncio.sleep(delay if delay > 0 else 0)
+        lag = max(time.monotonic() - deadline, 0.0)
+        if lag > self.lag_s:
+            self.overrun_s += lag - self.lag_s
+        if lag > 0:
+            self.late_steps += 1
+        self.lag_s = lag
+        self.max_lag_s = max(self.max_lag_s, lag)
+        self._step = None
+        self._last_end = end_sim
+        return end_sim
+
+    def _deliver(self, ev: StepEvents) -> None:
+        """Wake the handlers of requests that finished or got their first token."""
+        if ev.finished:
+            self.notify(ev.finished)
+        if self.streams:
+            for req in ev.first_tokens:
+                w = self.streams.get(req.rid)
+                if w is not None and w.progress is not None:
+                    w.progress.set()
+            self.notify_streams()
 
 
 class SimState:
@@ -720,6 +731,39 @@ def _usage(req: SimRequest, n_out: int) -> dict[str, Any]:
     }
 
 
+def _openai_whole(
+    rank: Rank, req: SimRequest, *, chat: bool, obj: str, created: int, model: Any
+) -> web.Response:
+    """The non-streamed OpenAI response of a request that is done."""
+    if not req.finished:
+        return _error("The engine stopped before the request finished.", 500)
+    ids = rank.sched.output_ids(req)
+    text = tokenizer.decode(ids)
+    finish, matched = _openai_finish(req.finish_reason)
+    choice: dict[str, Any] = {"index": 0}
+    if chat:
+        choice["message"] = {
+            "role": "assistant",
+            "content": text,
+            "reasoning_content": None,
+            "tool_calls": None,
+        }
+    else:
+        choice["text"] = text
+    choice.update({"logprobs": None, "finish_reason": finish, "matched_stop": matched})
+    return _json(
+        {
+            "id": req.rid,
+            "object": obj,
+            "created": created,
+            "model": model,
+            "choices": [choice],
+            "usage": _usage(req, len(ids)),
+            "metadata": {"weight_version": "default"},
+        }
+    )
+
+
 async def _handle_openai(request: web.Request, chat: bool) -> web.StreamResponse:
     st = request.app[SIM_STATE]
     body = await _read_json(request)
@@ -731,45 +775,18 @@ async def _handle_openai(request: web.Request, chat: bool) -> web.StreamResponse
         if p.stream:
             return await _stream_error(request, e.message)
         return _error(e.message, e.status)
-    sched = rank.sched
     req = w.req
     created = int(time.time())
     obj = "chat.completion" if chat else "text_completion"
 
     if not p.stream:
         await _wait_done(rank, w)
-        if not req.finished:
-            return _error("The engine stopped before the request finished.", 500)
-        ids = sched.output_ids(req)
-        text = tokenizer.decode(ids)
-        finish, matched = _openai_finish(req.finish_reason)
-        choice: dict[str, Any] = {"index": 0}
-        if chat:
-            choice["message"] = {
-                "role": "assistant",
-                "content": text,
-                "reasoning_content": None,
-                "tool_calls": None,
-            }
-        else:
-            choice["text"] = text
-        choice.update({"logprobs": None, "finish_reason": finish, "matched_stop": matched})
-        return _json(
-            {
-                "id": req.rid,
-                "object": obj,
-                "created": created,
-                "model": model,
-                "choices": [choice],
-                "usage": _usage(req, len(ids)),
-                "metadata": {"weight_version": "default"},
-            }
-        )
+        return _openai_whole(rank, req, chat=chat, obj=obj, created=created, model=model)
 
     chunk_obj = "chat.completion.chunk" if chat else "text_completion"
     opts = body.get("stream_options") or {}
     include_usage = bool(opts.get("include_usage"))
-    state = {"sent_text": "", "role_sent": False}
+    state: dict[str, Any] = {"sent_text": "", "role_sent": False}
 
     def chunk(delta_text: str | None, finish: str | None, matched: Any) -> dict[str, Any]:
         c: dict[str, Any] = {"index": 0}

@@ -11,8 +11,6 @@ only the recorded requests that carry them.
 
 from __future__ import annotations
 
-import asyncio
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +26,17 @@ from kvproxy import stack
 from kvproxy.app import create_app
 from kvproxy.config import from_mapping
 from kvproxy.runtime import RUNTIME, Runtime
+from tests.helpers import wait_until
+
+__all__ = [
+    "ENGINE_ARGS",
+    "ENGINE_TOKENS",
+    "MakeProxy",
+    "Proxy",
+    "recorded",
+    "set_faults",
+    "wait_until",
+]
 
 ENGINE_TOKENS = 60_000
 # Simulated time runs 20x faster than the cost model's wall-clock defaults.
@@ -106,12 +115,6 @@ async def make_proxy(router: stack.ManagedProcess) -> AsyncIterator[MakeProxy]:
         await server.close()
 
 
-@pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
-        yield session
-
-
 @pytest.fixture(autouse=True)
 async def _reset_engine_faults(request: pytest.FixtureRequest) -> AsyncIterator[None]:
     """Tests that set simulator faults get them cleared afterwards."""
@@ -138,20 +141,6 @@ async def recorded(
                 if path is None or entry["path"] == path:
                     out.append(entry)
     return out
-
-
-async def wait_until(
-    predicate: Callable[[], Awaitable[bool]], *, timeout_s: float = 10.0, what: str = "condition"
-) -> None:
-    """Poll ``predicate`` (bounded in time and count) until it holds."""
-    deadline = time.monotonic() + timeout_s
-    for _ in range(10_000):
-        if await predicate():
-            return
-        if time.monotonic() > deadline:
-            break
-        await asyncio.sleep(0.02)
-    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
 
 
 async def set_faults(http: aiohttp.ClientSession, engine_urls: list[str], **faults: Any) -> None:

@@ -23,6 +23,7 @@ import pytest
 
 from kvproxy import stack
 from kvproxy.sessions import lifecycle as lc
+from tests.helpers import header_of, new_marker
 
 from .conftest import ENGINE_ARGS, MakeProxy, Proxy, recorded, set_faults, sim_state, wait_until
 
@@ -38,10 +39,6 @@ LONG = 2000
 # ------------------------------------------------------------------- helpers
 def _sid() -> str:
     return f"lc-{uuid.uuid4().hex}"
-
-
-def _marker() -> str:
-    return uuid.uuid4().hex
 
 
 async def _post(
@@ -76,13 +73,6 @@ async def _bodies(
         for r in await recorded(http, engine_urls, path=path)
         if needle in r["body"]
     ]
-
-
-def _header(entry: dict[str, Any], name: str) -> str | None:
-    for key, value in entry["headers"].items():
-        if key.lower() == name.lower():
-            return value
-    return None
 
 
 async def _closes_of(http: aiohttp.ClientSession, engine_urls: list[str], sid: str) -> list[str]:
@@ -161,7 +151,7 @@ async def test_lifecycle_off_changes_no_body_and_closes_nothing(
     headers = {"X-Session-ID": sid, "X-Session-Final": "true"}
     seen: list[bytes] = []
     for base in (router.url, proxy.url):
-        marker = _marker()
+        marker = new_marker()
         body = {
             "text": f"off {marker}",
             "sampling_params": {"max_new_tokens": 2},
@@ -173,7 +163,7 @@ async def test_lifecycle_off_changes_no_body_and_closes_nothing(
             r for r in await recorded(http, engine_urls, path="/generate") if marker in r["body"]
         ]
         assert "session_id" not in orjson.loads(entry["body"])
-        assert _header(entry, "X-SMG-Routing-Key") is None
+        assert header_of(entry, "X-SMG-Routing-Key") is None
         seen.append(entry["body"].replace(marker, "<m>"))
     direct, through_proxy = seen
     assert through_proxy == direct  # the engine receives what it receives without kvproxy
@@ -193,7 +183,7 @@ async def test_each_id_source_reaches_the_engine_as_top_level_session_id(
     source: str, make_proxy: MakeProxy, http: aiohttp.ClientSession, engine_urls: list[str]
 ) -> None:
     proxy = await make_proxy(session_lifecycle={"enabled": True, "sticky_routing": True})
-    sid, marker = _sid(), _marker()
+    sid, marker = _sid(), new_marker()
     body: dict[str, Any] = {"text": f"src {marker}", "sampling_params": {"max_new_tokens": 2}}
     headers: dict[str, str] = {}
     path = "/generate"
@@ -222,7 +212,7 @@ async def test_each_id_source_reaches_the_engine_as_top_level_session_id(
     if "nvext" in body:
         assert got["nvext"] == body["nvext"]
     # Sticky routing: the router (and behind it the engine) sees the session id as key.
-    assert _header(entry, "X-SMG-Routing-Key") == sid
+    assert header_of(entry, "X-SMG-Routing-Key") == sid
     stats = proxy.runtime.sessions.stats()
     assert stats[lc.INJECTED] == (0.0 if source == "body" else 1.0)  # body: already there
     assert stats[lc.STARTED] == 1.0 and stats[lc.OPEN] == 1.0
@@ -258,11 +248,11 @@ async def test_injection_adds_only_session_id_and_rid_on_every_llm_path(
 
     async def engine_body(marker: str) -> str:
         (entry,) = [r for r in await recorded(http, engine_urls, path=path) if marker in r["body"]]
-        assert _header(entry, "X-SMG-Routing-Key") is None  # sticky_routing is off
+        assert header_of(entry, "X-SMG-Routing-Key") is None  # sticky_routing is off
         return entry["body"]
 
     # 1. Through kvproxy without a rid (header source), then the same fields sent directly.
-    m1, m2 = _marker(), _marker()
+    m1, m2 = new_marker(), new_marker()
     status, _ = await _post(http, proxy.url + path, fill(m1), {"X-Session-ID": sid})
     assert status == 200
     proxied = orjson.loads(await engine_body(m1))
@@ -277,7 +267,7 @@ async def test_injection_adds_only_session_id_and_rid_on_every_llm_path(
     )
 
     # 2. The path prefix, with the client's own rid: kept as it is.
-    m3, own_rid = _marker(), f"client-{_marker()}"
+    m3, own_rid = new_marker(), f"client-{new_marker()}"
     status, doc = await _post(
         http, f"{proxy.url}/sessions/{sid}{path}", {**fill(m3), "rid": own_rid}
     )
@@ -289,7 +279,7 @@ async def test_injection_adds_only_session_id_and_rid_on_every_llm_path(
 async def test_session_params_bodies_are_left_alone(
     make_proxy: MakeProxy, http: aiohttp.ClientSession, engine_urls: list[str]
 ) -> None:
-    legacy, sid, marker = _sid(), _sid(), _marker()
+    legacy, sid, marker = _sid(), _sid(), new_marker()
     for url in engine_urls:  # a legacy session on every engine (the router picks one)
         status, _ = await _post(
             http, url + "/open_session", {"capacity_of_str_len": 1000, "session_id": legacy}
@@ -319,7 +309,7 @@ async def test_bad_session_ids_are_400_and_never_forwarded(
     make_proxy: MakeProxy, http: aiohttp.ClientSession, engine_urls: list[str]
 ) -> None:
     proxy = await make_proxy(session_lifecycle={"enabled": True})
-    marker = _marker()
+    marker = new_marker()
     body = {"text": f"bad {marker}", "sampling_params": {"max_new_tokens": 2}}
     cases: list[tuple[str, dict[str, Any], dict[str, str], str]] = [
         ("/generate", {**body, "session_id": 123}, {}, "session_id"),
@@ -446,7 +436,7 @@ async def test_abort_mode_aborts_forwarded_requests_before_the_close(
     make_proxy: MakeProxy, http: aiohttp.ClientSession, engine_urls: list[str]
 ) -> None:
     proxy = await make_proxy(session_lifecycle={"enabled": True, "on_close": "abort"})
-    sid, marker = _sid(), _marker()
+    sid, marker = _sid(), new_marker()
     # No rid from the client: the close aborts the one kvproxy generated.
     body = {"text": f"abort {marker}", "sampling_params": {"max_new_tokens": LONG}}
     request = asyncio.create_task(_post(http, proxy.url + "/generate", body, {"X-Session-ID": sid}))
@@ -493,7 +483,7 @@ async def test_wait_mode_lets_forwarded_requests_finish_before_the_close(
     proxy = await make_proxy(
         session_lifecycle={"enabled": True, "on_close": "wait", "wait_timeout_s": 30}
     )
-    sid, rid = _sid(), _marker()
+    sid, rid = _sid(), new_marker()
     body = {
         "input_ids": list(range(9, 49)),
         "rid": rid,
@@ -533,7 +523,7 @@ async def test_queued_requests_get_409_and_never_reach_an_engine(
         admission={"enabled": True, "poll_interval_s": 0.2, "max_wait_s": 30},
     )
     admission = proxy.runtime.admission
-    sid, marker = _sid(), _marker()
+    sid, marker = _sid(), new_marker()
     body = {"text": f"queued {marker}", "sampling_params": {"max_new_tokens": 8}}
     request = asyncio.create_task(_post(http, proxy.url + "/generate", body, {"X-Session-ID": sid}))
     await wait_until(

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
 from pathlib import Path
 
 import aiohttp
@@ -17,14 +16,11 @@ from kvproxy import stack
 from kvproxy.config import RouterConfig
 from kvproxy.fleet.discovery import RouterFlavor
 from kvproxy.fleet.registry import Fleet
+from tests.helpers import new_marker
 
 from .conftest import MakeProxy, recorded, set_faults, sim_state, wait_until
 
 pytestmark = pytest.mark.usefixtures("router")
-
-
-def _marker() -> str:
-    return uuid.uuid4().hex
 
 
 async def test_request_bodies_reach_the_engine_byte_identical_with_features_off(
@@ -52,7 +48,7 @@ async def test_request_bodies_reach_the_engine_byte_identical_with_features_off(
     ):
         seen: list[str] = []
         for base in (router.url, proxy.url):
-            marker = _marker()
+            marker = new_marker()
             raw = orjson.dumps(make_body(marker))
             async with http.post(
                 base + path, data=raw, headers={"Content-Type": "application/json"}
@@ -112,7 +108,7 @@ async def test_client_disconnect_aborts_the_upstream_request(
     make_proxy: MakeProxy, http: aiohttp.ClientSession, engine_urls: list[str]
 ) -> None:
     proxy = await make_proxy()
-    rid = _marker()
+    rid = new_marker()
     body = {
         "input_ids": list(range(30)),
         "rid": rid,
@@ -208,7 +204,7 @@ async def test_health_stats_and_metrics_endpoints(
     async with http.post(
         proxy.url + "/generate",
         json={"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2}},
-        headers={"X-Session-ID": _marker()},
+        headers={"X-Session-ID": new_marker()},
     ) as resp:
         assert resp.status == 200
         await resp.read()

@@ -8,13 +8,13 @@ import json
 import random
 import sys
 from pathlib import Path
-from typing import Any
 
 import aiohttp
 import orjson
 import pytest
 
 from kvproxy import stack
+from tests.helpers import header_of
 
 from .conftest import MakeProxy, recorded, wait_until
 
@@ -40,13 +40,6 @@ async def _cli(*args: str, timeout_s: float = 120.0) -> tuple[int, str]:
         await proc.wait()
         raise
     return proc.returncode or 0, out.decode() + err.decode()
-
-
-def _header(entry: dict[str, Any], name: str) -> str | None:
-    for key, value in entry["headers"].items():
-        if key.lower() == name.lower():
-            return value
-    return None
 
 
 async def test_cli_runs_swe_through_kvproxy_and_closes_every_session(
@@ -99,7 +92,7 @@ async def test_cli_runs_swe_through_kvproxy_and_closes_every_session(
         body = orjson.loads(r["body"])
         # The routing key is the session id on every request and reaches the engine
         # through the router (smg forwards it; kvproxy put the id into the body).
-        assert _header(r, "X-SMG-Routing-Key") == body["session_id"]
+        assert header_of(r, "X-SMG-Routing-Key") == body["session_id"]
         assert body["sampling_params"]["ignore_eos"] is True
         assert len(body["input_ids"]) + body["sampling_params"]["max_new_tokens"] <= 2560
     sids = {orjson.loads(r["body"])["session_id"] for r in gens}

@@ -758,13 +758,13 @@ async def test_prometheus_collect(make_env: Factory) -> None:
     assert "wait_granted" not in text
 
 
-async def test_observe_prompt_tokens_calibrates_text_requests(make_env: Factory) -> None:
+async def test_observed_prompt_tokens_calibrate_text_requests(make_env: Factory) -> None:
     env = await make_env(engines={A: (10_000, 0.1)}, default_completion_tokens=1)
     body = {"text": "x" * 400, "sampling_params": {"max_new_tokens": 0}}
     r = AdmissionRequest("t1", "/generate", CIMultiDict(), body, "sess")
     async with env.ctl.admit(r) as d:
         assert d.tokens == 100  # 4 chars / token before calibration
-    env.ctl.observe_prompt_tokens(r, 200)
+    env.ctl.observe_usage(r, 200, None)
     async with env.ctl.admit(dataclasses.replace(r, ticket_id="t2")) as d:
         assert d.tokens == 200
 

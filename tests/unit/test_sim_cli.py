@@ -89,3 +89,20 @@ def test_run_reports_a_bad_flag_combination(capsys: pytest.CaptureFixture[str]) 
     args = p.parse_args(["--cost-model", "qwen3-8b-h100", "--token-scale", "100000"])
     assert run(args) == 2
     assert "token_scale must be an integer in [1, 1024]" in capsys.readouterr().err
+
+
+def test_sim_config_is_composed_of_the_scheduler_config() -> None:
+    from kvproxy.sim.config import SchedulerConfig
+
+    cfg = SimConfig(max_total_tokens=1234, mode="session-radix", time_scale=0.0)
+    assert cfg.scheduler == SchedulerConfig(max_total_tokens=1234, mode="session-radix")
+    assert cfg.scheduler_config() is cfg.scheduler
+    assert (cfg.max_total_tokens, cfg.mode, cfg.time_scale) == (1234, "session-radix", 0.0)
+    moved = cfg.replace(mode="plain", port=1)
+    assert (moved.mode, moved.max_total_tokens, moved.port) == ("plain", 1234, 1)
+    base = SchedulerConfig(init_new_token_ratio=0.5)
+    assert SimConfig(scheduler=base, context_length=99).scheduler == SchedulerConfig(
+        init_new_token_ratio=0.5, context_length=99
+    )
+    with pytest.raises(TypeError, match="no_such_field"):
+        SimConfig(no_such_field=1)

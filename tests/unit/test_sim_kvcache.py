@@ -7,10 +7,7 @@ import random
 import pytest
 
 from kvproxy.sim.kvcache import KVCache
-
-
-def seq(start: int, n: int) -> list[int]:
-    return list(range(start, start + n))
+from tests.helpers import seq
 
 
 def test_insert_then_match_counts_shared_prefix_and_splits() -> None:

@@ -14,12 +14,9 @@ import pytest
 from kvproxy.sim.config import SchedulerConfig
 from kvproxy.sim.presets import cost_model, scheduler_config
 from kvproxy.sim.scheduler import Batch, Scheduler, SimRequest, State
+from tests.helpers import seq
 
 MAX_STEPS = 200_000
-
-
-def seq(start: int, n: int) -> list[int]:
-    return list(range(start, start + n))
 
 
 def run_until_idle(s: Scheduler, now: float = 0.0) -> tuple[float, list[Batch]]:

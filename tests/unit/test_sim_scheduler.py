@@ -11,6 +11,7 @@ import pytest
 from kvproxy.sim.config import CostModel, SchedulerConfig
 from kvproxy.sim.scheduler import Scheduler, SimError, SimRequest, State
 from kvproxy.sim.tokenizer import EOS_TOKEN_ID, OutputStream
+from tests.helpers import seq
 
 MAX_STEPS = 100_000
 
@@ -43,10 +44,6 @@ def drain(s: Scheduler, clock: Clock) -> list[SimRequest]:
 
 def req(rid: str, ids: list[int], max_new: int = 8, **kw: Any) -> SimRequest:
     return SimRequest(rid=rid, input_ids=list(ids), max_new_tokens=max_new, **kw)
-
-
-def seq(start: int, n: int) -> list[int]:
-    return list(range(start, start + n))
 
 
 def make(**kw: Any) -> tuple[Scheduler, Clock]:
