@@ -19,6 +19,7 @@ from kvproxy.admission.coordinator import AdmissionController
 from kvproxy.config import Config, SessionLifecycleConfig
 from kvproxy.fleet.registry import Fleet
 from kvproxy.proxy.metrics import ProxyMetrics
+from kvproxy.sessions.dynamo import AgentControl
 from kvproxy.sessions.lifecycle import SessionManager
 
 
@@ -35,6 +36,7 @@ class Runtime:
     fleet: Fleet = field(init=False)
     sessions: SessionManager = field(init=False)
     admission: AdmissionController = field(init=False)
+    agents: AgentControl = field(init=False)  # Dynamo's nvext (docs/dynamo.md)
     timeline: Timeline = field(init=False)  # the dashboard's recent history
     shutting_down: bool = False
     reloads: int = 0

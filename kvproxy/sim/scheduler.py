@@ -382,11 +382,14 @@ class Scheduler:
                 raise SimError(f"Invalid request: session id {sid} does not exist")
             if ss.active is not None:
                 raise SimError("Streaming session already has an active request.")
-            if params.get("replace") or params.get("drop_previous_output"):
-                raise SimError("Streaming sessions do not support replace or drop_previous_output.")
-            offset = params.get("offset")
-            if offset not in (None, 0, -1):
-                raise SimError("Streaming sessions do not support a non-zero offset.")
+            # Session.create_req (sglang/srt/session/session_controller.py): replace,
+            # drop_previous_output and any non-zero offset (-1 included) are refused.
+            if params.get("replace"):
+                raise SimError("Streaming sessions do not support replace.")
+            if params.get("drop_previous_output"):
+                raise SimError("Streaming sessions do not support drop_previous_output.")
+            if params.get("offset"):
+                raise SimError("Streaming sessions do not support offset.")
             req.stream_session = ss
             req.session_base_len = len(ss.context)
             req.input_ids = ss.context + req.input_ids
