@@ -332,7 +332,9 @@ class ProxyHandlers:
                         turn, body, fields, forward_request_headers(request, extra_headers), observe
                     )
                     if served is not None:
-                        rt.agents.after_response(turn, body, extra_headers)
+                        rt.agents.after_response(
+                            turn, body, forward_request_headers(request, extra_headers)
+                        )
                         return self._count(path, served)
             if lifecycle_on and path in cfg.session_lifecycle.strip_nvext_paths and "nvext" in body:
                 out = orjson.dumps({**{k: v for k, v in body.items() if k != "nvext"}, **fields})
@@ -355,7 +357,9 @@ class ProxyHandlers:
                 observe_body=turn.keep_body if turn is not None else None,
             )
             if turn is not None and response.status == 200:
-                rt.agents.after_response(turn, body, extra_headers)
+                rt.agents.after_response(
+                    turn, body, forward_request_headers(request, extra_headers)
+                )
             return response
         raise AssertionError("unreachable")  # pragma: no cover
 
@@ -499,9 +503,20 @@ class ProxyHandlers:
         tail = b""
         end = b""  # the stream's last bytes, to recognise its final [DONE] event
         done_len = len(_SSE_DONE)
+        # A chunked JSON body (not SSE) kept whole, bounded, for observe_body.
+        whole: list[bytes] | None = (
+            [] if observe_body is not None and "text/event-stream" not in content_type else None
+        )
+        kept = 0
         try:
             async for chunk in upstream.content.iter_any():
                 await response.write(chunk)
+                if whole is not None:
+                    kept += len(chunk)
+                    if kept > _RESPONSE_BUFFER_LIMIT:
+                        whole = None
+                    else:
+                        whole.append(chunk)
                 if observe_tail is not None:
                     tail = (tail + chunk)[-_TAIL_BYTES:]
                 end = chunk[-done_len:] if len(chunk) >= done_len else (end + chunk)[-done_len:]
@@ -523,6 +538,8 @@ class ProxyHandlers:
             await response.write_eof()
         if observe_tail is not None and upstream.status == 200:
             observe_tail(tail)
+        if whole is not None and observe_body is not None and upstream.status == 200:
+            observe_body(b"".join(whole))
         return self._count(path, response)
 
     # ------------------------------------------------------------- session close

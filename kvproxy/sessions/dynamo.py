@@ -171,7 +171,12 @@ class AgentControl:
         turn = Turn(session_id, path, nvext, close_after)
         headers: dict[str, str] = {}
         action = nvext.control.action
-        if action in ("bind", "open"):
+        if (
+            action in ("bind", "open")
+            or self.slots.get(session_id) is not None
+            or self.timers.timeout_of(session_id) is not None
+        ):
+            # Bound and opened sessions are routed stickily on every turn.
             headers[ROUTING_KEY_HEADER] = session_id
         if sl.bind_timeouts and not close_after:
             timeout = nvext.bind_timeout_s()
@@ -296,6 +301,13 @@ class AgentControl:
                 doc = orjson.loads(data)
         ids, prompt_tokens, aborted = st.read_generate_result(doc)
         if status != 200 or aborted:
+            log.warning(
+                "streaming session %s: translated turn answered %s: %s; sent as an "
+                "ordinary request instead",
+                sid,
+                status,
+                data[:300].decode("utf-8", "replace"),
+            )
             return self._give_up(slot, st.R_ENGINE_ERROR)
         prompt = body["input_ids"]
         new_slot, why = st.after_turn(
@@ -303,7 +315,10 @@ class AgentControl:
         )
         if new_slot is None:
             return self._give_up(slot, why or st.R_CONTEXT_CHECK)
-        self.slots.put(new_slot)
+        if turn.close_after:
+            self.slots.pop(sid)  # the lifecycle's close frees it on every engine
+        else:
+            self.slots.put(new_slot)
         if plan.kind == st.EXTEND:
             self.counters.inc(STREAM_EXTENDED)
         if observe_tail is not None:
@@ -340,7 +355,13 @@ class AgentControl:
             self.counters.inc(PREFILL_SKIPPED + reason)
             return reason
         assert pbody is not None
-        hdrs = {ROUTING_KEY_HEADER: headers.get(ROUTING_KEY_HEADER) or turn.session_id}
+        hdrs = {
+            ROUTING_KEY_HEADER: headers.get(ROUTING_KEY_HEADER) or turn.session_id,
+            "Content-Type": "application/json",
+        }
+        auth = headers.get("Authorization")
+        if auth is not None:
+            hdrs["Authorization"] = auth
         task = asyncio.ensure_future(self._prefill(turn.path, pbody, hdrs))
         self._prefills.add(task)
         task.add_done_callback(self._prefills.discard)
