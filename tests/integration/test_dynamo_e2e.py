@@ -326,7 +326,11 @@ async def test_speculative_prefill_reaches_the_sessions_engine_after_the_respons
     assert prefill["messages"][-1] == {"role": "assistant", "content": answer}
     assert prefill["max_tokens"] == 1 and prefill["session_id"] == sid
     assert "nvext" not in prefill and prefill["rid"] != turn["rid"]
-    assert proxy.rt.agents.counters.total(dynamo.PREFILL_SENT) >= 1
+
+    async def answered() -> bool:
+        return proxy.rt.agents.counters.total(dynamo.PREFILL_SENT) == 1
+
+    await wait_until(answered, timeout_s=10, what="the prefill's answer")
     # Never counted as a turn: one request tracked for the session.
     await proxy.rt.sessions.close(sid, reason="test")
 
