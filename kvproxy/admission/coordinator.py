@@ -88,7 +88,7 @@ from kvproxy.admission.ledger import (
 )
 from kvproxy.admission.params import ProgramParams
 from kvproxy.admission.program import ProgramCore, Release
-from kvproxy.admission.reservation import ReservationSizer
+from kvproxy.admission.reservation import ReservationSizer, expected_output
 from kvproxy.config import AdmissionConfig
 from kvproxy.fleet.engine_info import EngineSessionMode, parse_server_info, probe
 from kvproxy.fleet.engine_metrics import parse_engine_metrics
@@ -960,6 +960,8 @@ class AdmissionController:
             if len(self._first_turns) > _FIRST_TURNS_MAX:
                 del self._first_turns[next(iter(self._first_turns))]
         verdict = core.request(ticket, sid, owner, tokens, now)
+        # Dynamo's agent_hints.osl: the session grows by at least that much per turn.
+        core.hint_growth(sid, expected_output(req.body))
         if verdict.outcome is not None:
             self._program_drain(now)
             return self._program_decision(ticket, sid, verdict.outcome, tokens, 0.0)

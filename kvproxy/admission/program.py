@@ -121,6 +121,15 @@ class ProgramCore:
         s.est = max(s.est, tokens)
         return self._wait(ticket, s, tokens, now, "new", now + self.p.new_session_max_wait_s, held)
 
+    def hint_growth(self, sid: str | None, osl: int | None) -> None:
+        """A client's expected output per turn (``agent_hints.osl``) floors the
+        session's expected growth, so its footprint counts the next answer."""
+        if sid is None or not osl:
+            return
+        s = self.ledger.get(sid)
+        if s is not None:
+            s.growth = max(s.growth, float(osl))
+
     def _wait(
         self,
         ticket: str,

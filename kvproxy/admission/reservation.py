@@ -228,6 +228,11 @@ def _count(value: Any) -> int:
     return n if n is not None and n >= 1 else 1
 
 
+def expected_output(body: Mapping[str, Any]) -> int | None:
+    """``nvext.agent_hints.osl`` (Dynamo's expected output length), None when absent."""
+    return _osl(body)
+
+
 def _osl(body: Mapping[str, Any]) -> int | None:
     nvext = body.get("nvext")
     if isinstance(nvext, Mapping):
