@@ -914,6 +914,8 @@ class AdmissionController:
                 max_total_num_tokens=m.max_total_num_tokens,
                 evicted_total=m.evicted_tokens_total,
                 retracted_total=m.num_retracted_requests_total,
+                streaming_held=m.streaming_session_held_tokens,
+                streaming_sessions=m.num_streaming_sessions,
             )
 
     async def _check_router_diversion(self) -> None:

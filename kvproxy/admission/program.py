@@ -434,6 +434,8 @@ class ProgramCore:
                     "paused_sessions": float(paused),
                     "waiting_new": float(new_w),
                     "waiting_paused": float(paused_w),
+                    "streaming_sessions": float(eng.streaming_sessions),
+                    "streaming_held": float(eng.streaming_held),
                 }
             )
         return rows
