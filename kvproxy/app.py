@@ -91,11 +91,15 @@ async def _agents_ctx(app: web.Application) -> AsyncIterator[None]:
     def session_open(session_id: str) -> bool:
         return rt.sessions.state(session_id) == "open"
 
-    def pressure() -> bool:
-        # The fleet's highest KV usage at or past the admission pressure threshold.
+    def pressure(engine: str | None) -> bool:
+        # The session's engine's KV usage at or past the admission pressure threshold
+        # (the fleet's highest when placement is unknown); known only with admission on.
         if not rt.config.admission.enabled:
             return False
-        usage = rt.admission.ledger.pressure
+        if engine is None:
+            usage: float | None = rt.admission.ledger.pressure
+        else:
+            usage = rt.admission.engine_usage(engine)
         return usage is not None and usage >= rt.config.admission.pressure_threshold
 
     rt.agents = AgentControl(

@@ -795,6 +795,10 @@ class AdmissionController:
     def _residency(self) -> bool:
         return _residency_of(self._cfg)
 
+    def engine_usage(self, url: str) -> float | None:
+        """One engine's fresh KV usage (``sglang:token_usage``); None when unknown."""
+        return self.ledger.usage_of(url.rstrip("/"), self._clock())
+
     @property
     def program_active(self) -> bool:
         """Program admission with per-engine ledgers: mode program, ledger engine, and a

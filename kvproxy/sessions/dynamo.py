@@ -90,7 +90,7 @@ class AgentControl:
         ring_workers: Callable[[], tuple[tuple[str, ...], tuple[str, ...]]],
         close_session: Callable[[str], Any],
         session_open: Callable[[str], bool],
-        pressure: Callable[[], bool],
+        pressure: Callable[[str | None], bool],
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config
@@ -341,7 +341,8 @@ class AgentControl:
         sl = self.config.session_lifecycle
         if not (sl.speculative_prefill and turn.nvext.hints.speculative_prefill):
             return None
-        reason = self._prefill_skip(turn)
+        key = headers.get(ROUTING_KEY_HEADER) or turn.session_id
+        reason = self._prefill_skip(turn, key)
         doc: Any = None
         if reason is None and turn.response is not None:
             with contextlib.suppress(orjson.JSONDecodeError):
@@ -356,7 +357,7 @@ class AgentControl:
             return reason
         assert pbody is not None
         hdrs = {
-            ROUTING_KEY_HEADER: headers.get(ROUTING_KEY_HEADER) or turn.session_id,
+            ROUTING_KEY_HEADER: key,
             "Content-Type": "application/json",
         }
         auth = headers.get("Authorization")
@@ -367,7 +368,7 @@ class AgentControl:
         task.add_done_callback(self._prefills.discard)
         return None
 
-    def _prefill_skip(self, turn: Turn) -> str | None:
+    def _prefill_skip(self, turn: Turn, key: str) -> str | None:
         if turn.close_after or not self._session_open(turn.session_id):
             return "session_end"
         if self.slots.get(turn.session_id) is not None:
@@ -376,7 +377,7 @@ class AgentControl:
             return "no_response_body"
         if len(self._prefills) >= self.config.session_lifecycle.speculative_prefill_max_in_flight:
             return "in_flight_cap"
-        if self._pressure():
+        if self._pressure(self._owner(key)):
             return "pressure"
         return None
 

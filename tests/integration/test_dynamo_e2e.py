@@ -348,3 +348,54 @@ async def test_nvext_on_generate_reaches_the_engine_unless_stripped(
     async with http.post(f"{proxy.url}/generate", json=bad) as resp:
         assert resp.status == 400
         assert "agent_hints.priority must be an integer" in await resp.text()
+
+
+async def test_a_session_the_engine_no_longer_knows_falls_back_to_the_same_tokens(
+    proxy: Proxy, http: aiohttp.ClientSession
+) -> None:
+    sid = f"gone-{next(_ids)}"
+    owner = proxy.rt.agents._owner(sid)
+    prompt = [6000 + i for i in range(20)]
+    first = await generate(http, proxy, _turn(prompt, f"{sid}-t0", sid, "open", timeout=60))
+    # The engine drops the session behind kvproxy's back (as its own timeout would).
+    async with http.post(f"{owner}/close_session", json={"session_id": sid}) as resp:
+        assert resp.status == 200
+    nxt = [*prompt, *first["output_ids"], 42, 43]
+    doc = await generate(http, proxy, _turn(nxt, f"{sid}-t1", sid))
+    assert doc["meta_info"]["prompt_tokens"] == len(nxt)
+    # Same tokens as the ordinary request with that rid gives.
+    plain = await generate(
+        http, proxy, {**_turn(nxt, f"{sid}-t1", None), "session_id": f"{sid}-plain"}
+    )
+    assert doc["output_ids"] == plain["output_ids"]
+    bodies = [
+        orjson.loads(e["body"])
+        for e in await recorded(http, owner)
+        if e["path"] == "/generate" and f"{sid}-t1" in e["body"]
+    ]
+    # The translated attempt (refused by the engine), then the ordinary retry.
+    assert [("session_params" in b, b["input_ids"] == nxt) for b in bodies[:2]] == [
+        (True, False),
+        (False, True),
+    ]
+    assert proxy.rt.agents.counters.total(dynamo.STREAM_FALLBACK + "engine_error") >= 1
+    assert proxy.rt.agents.slots.get(sid) is None
+
+
+async def test_no_speculative_prefill_when_the_session_ends(
+    proxy: Proxy, http: aiohttp.ClientSession
+) -> None:
+    sid = f"end-{next(_ids)}"
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "last words"}],
+        "max_tokens": 3,
+        "nvext": {
+            "session_control": {"session_id": sid, "action": "close"},
+            "agent_hints": {"speculative_prefill": True},
+        },
+    }
+    async with http.post(f"{proxy.url}/v1/chat/completions", json=body) as resp:
+        assert resp.status == 200
+    assert proxy.rt.agents.counters.total(dynamo.PREFILL_SKIPPED + "session_end") == 1
+    assert proxy.rt.agents.counters.total(dynamo.PREFILL_SENT) == 0
