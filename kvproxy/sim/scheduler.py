@@ -460,18 +460,27 @@ class Scheduler:
         return self.reap(now)
 
     def reap(self, now: float) -> int:
-        """Close streaming sessions idle past their timeout; return how many."""
+        """Close streaming sessions past their timeout; return how many.
+
+        As SGLang's ``Session.is_timed_out`` / ``SessionController.maybe_reap``
+        (``sglang/srt/session/session_controller.py``): the clock runs from the start of
+        the session's last turn (``create_req``), and a session whose turn is still
+        running is closed when that turn finishes (``close_on_finish``).
+        """
         self.now = now
         expired = [
             s
             for s in self.streaming_sessions.values()
-            if s.active is None
-            and (t := self._session_timeout(s)) is not None
-            and now - s.last_active >= t
+            if (t := self._session_timeout(s)) is not None and now - s.last_active >= t
         ]
+        freed = 0
         for s in expired:
-            self._free_streaming_session(s)
-        return len(expired)
+            if s.active is not None:
+                s.close_pending = True
+            else:
+                self._free_streaming_session(s)
+                freed += 1
+        return freed
 
     def _ensure_generation(self, sid: str) -> int:
         gen = self._radix_generations.get(sid)
@@ -992,7 +1001,6 @@ class Scheduler:
                 # the next turn re-prefills it (through the radix cache).
                 ss.context = req.input_ids[: req.session_base_len]
             ss.active = None
-            ss.last_active = self.now
             if ss.close_pending:
                 self._free_streaming_session(ss)
         ls = req.legacy_session
