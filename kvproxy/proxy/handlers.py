@@ -305,9 +305,13 @@ class ProxyHandlers:
             # The client's agent_hints.priority, else kvproxy's eviction steering (the
             # combination rule: sessions/agent_hints.py): spliced in, never re-serialised.
             hint = nvext.hints.priority if cfg.session_lifecycle.agent_hints else None
-            prio, _ = combine_priority(top_level=body.get("priority"), hint=hint, steering=steering)
+            prio, source = combine_priority(
+                top_level=body.get("priority"), hint=hint, steering=steering
+            )
             if prio is not None and "priority" not in fields:
                 fields["priority"] = prio
+                if lifecycle_on:
+                    rt.agents.note_priority(source)
 
             observe: ObserveTail | None = None
             if admission_req is not None:

@@ -109,6 +109,9 @@ class AgentControl:
         self._prefills: set[asyncio.Task[None]] = set()
         self._background: set[asyncio.Task[Any]] = set()
         self._reaper: asyncio.Task[None] | None = None
+        # Engines that refused a streaming open (no --enable-streaming-session): their
+        # sessions go as ordinary requests without asking again (bounded by the fleet).
+        self.no_streaming: set[str] = set()
 
     # -- lifecycle -------------------------------------------------------------
     def reconfigure(self, config: Config) -> None:
@@ -194,6 +197,11 @@ class AgentControl:
         if turn.bind_timeout_s is not None:
             self.timers.ended(turn.session_id, self._clock())
 
+    def note_priority(self, source: str) -> None:
+        """Count what :func:`~kvproxy.sessions.agent_hints.combine_priority` chose."""
+        if source == "hint":
+            self.counters.inc(HINT_PRIORITY)
+
     # -- streaming sessions -----------------------------------------------------
     def _owner(self, key: str) -> str | None:
         workers, available = self._ring_workers()
@@ -210,13 +218,10 @@ class AgentControl:
         ids, why = st.request_shape(turn.path, body)
         if slot is None and opening and turn.path != "/generate":
             return st.Plan(st.PLAIN)  # chat / completions: open behaves as bind
-        plan = st.plan_turn(
-            slot,
-            opening=opening,
-            input_ids=ids,
-            ineligible=why,
-            engine=self._owner(routing_key),
-        )
+        engine = self._owner(routing_key)
+        plan = st.plan_turn(slot, opening=opening, input_ids=ids, ineligible=why, engine=engine)
+        if plan.kind == st.OPEN and engine in self.no_streaming:
+            plan = st.Plan(st.FALLBACK, st.R_OPEN_FAILED)
         if plan.kind == st.FALLBACK:
             self.counters.inc(STREAM_FALLBACK + (plan.reason or "unknown"))
             if plan.close_engine is not None:
@@ -251,6 +256,8 @@ class AgentControl:
                     async with self._http.post(engine + "/open_session", json=doc) as again:
                         await again.read()
                         return again.status == 200
+                if "disabled" in text and len(self.no_streaming) < 4096:
+                    self.no_streaming.add(engine)
                 log.warning("streaming session %s: /open_session on %s: %s", sid, engine, text)
         except (aiohttp.ClientError, TimeoutError) as exc:
             log.warning("streaming session %s: /open_session on %s failed: %s", sid, engine, exc)

@@ -322,6 +322,7 @@ async def test_speculative_prefill_reaches_the_sessions_engine_after_the_respons
     await wait_until(prefilled, timeout_s=10, what="the speculative prefill")
     turn, prefill = mine(await recorded(http, owner))  # arrival order on the engine
     assert turn["priority"] == 3  # agent_hints.priority became the top-level priority
+    assert proxy.rt.agents.counters.total(dynamo.HINT_PRIORITY) >= 1
     # The prefill carries the answer the client received: it was built after it.
     assert prefill["messages"][-1] == {"role": "assistant", "content": answer}
     assert prefill["max_tokens"] == 1 and prefill["session_id"] == sid

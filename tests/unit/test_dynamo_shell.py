@@ -154,3 +154,12 @@ async def test_streaming_plans_use_the_mirrored_ring(control: Any) -> None:
     moved = control.plan(gone, {"input_ids": [1, 2, 3]}, "g")
     assert (moved.kind, moved.reason) == (st.FALLBACK, st.R_MOVED)
     assert control.slots.get("g") is None  # closed on fall-back
+
+
+async def test_an_engine_that_refused_streaming_is_not_asked_again(control: Any) -> None:
+    owner = HashRing((W1, W2)).owner("s", {W1, W2})
+    control.no_streaming.add(owner)
+    turn, _ = control.begin("s", "/generate", _nv(action="open"), False)
+    plan = control.plan(turn, {"input_ids": [1, 2]}, "s")
+    assert (plan.kind, plan.reason) == (st.FALLBACK, st.R_OPEN_FAILED)
+    assert control.counters.total(dynamo.STREAM_FALLBACK + st.R_OPEN_FAILED) == 1
