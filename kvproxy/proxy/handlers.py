@@ -333,7 +333,12 @@ class ProxyHandlers:
                 plan = rt.agents.plan(turn, body, key)
                 if plan.kind in (streaming.OPEN, streaming.EXTEND):
                     served = await rt.agents.serve_streaming(
-                        turn, body, fields, forward_request_headers(request, extra_headers), observe
+                        request,
+                        turn,
+                        body,
+                        fields,
+                        forward_request_headers(request, extra_headers),
+                        observe,
                     )
                     if served is not None:
                         rt.agents.after_response(

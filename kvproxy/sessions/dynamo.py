@@ -30,6 +30,7 @@ from kvproxy.sessions.agent_hints import Nvext
 from kvproxy.sessions.binding import BindTimers
 from kvproxy.sessions.identity import ROUTING_KEY_HEADER, new_rid
 from kvproxy.sessions.prefill import prefill_body
+from kvproxy.workload.wire import StreamState, parse_sse_line
 
 log = logging.getLogger(__name__)
 
@@ -265,12 +266,13 @@ class AgentControl:
 
     async def serve_streaming(
         self,
+        request: web.Request,
         turn: Turn,
         body: Mapping[str, Any],
         fields: Mapping[str, Any],
         headers: Mapping[str, str],
         observe_tail: Callable[[bytes], None] | None,
-    ) -> web.Response | None:
+    ) -> web.StreamResponse | None:
         """Send a turn in streaming-session form; None: send the ordinary request
         instead (the slot, if any, is closed: nothing reached the client)."""
         plan = turn.plan
@@ -293,6 +295,8 @@ class AgentControl:
         ):
             self._spawn(self._close_on(old.engine, old.session_id))
         out = orjson.dumps(st.session_body(body, fields, plan.input_ids, sid))
+        if body.get("stream"):
+            return await self._serve_sse(request, turn, slot, body, out, headers, observe_tail)
         try:
             async with self._http.post(
                 self._router + "/generate", data=out, headers=dict(headers)
@@ -332,6 +336,95 @@ class AgentControl:
             observe_tail(data[-4096:])
         turn.response = data
         return web.Response(status=status, headers=resp_headers, body=data)
+
+    async def _serve_sse(
+        self,
+        request: web.Request,
+        turn: Turn,
+        slot: st.Slot,
+        body: Mapping[str, Any],
+        out: bytes,
+        headers: Mapping[str, str],
+        observe_tail: Callable[[bytes], None] | None,
+    ) -> web.StreamResponse | None:
+        """A streamed translated turn: held until its first event (an error there means
+        the ordinary request is sent instead), then relayed chunk by chunk while its
+        output ids are accumulated for the slot."""
+        sid = turn.session_id
+        state = StreamState()
+        try:
+            async with self._http.post(
+                self._router + "/generate", data=out, headers=dict(headers)
+            ) as resp:
+                if resp.status != 200:
+                    await resp.read()
+                    return self._give_up(slot, st.R_ENGINE_ERROR)
+                held: list[bytes] = []
+                first: tuple[str, Any] | None = None
+                for _ in range(10_000):  # bounded: a first event within the first lines
+                    line = await resp.content.readline()
+                    if not line:
+                        break
+                    held.append(line)
+                    first = parse_sse_line(line)
+                    if first is not None:
+                        break
+                if first is None or first[0] != "json" or "error" in first[1]:
+                    return self._give_up(slot, st.R_ENGINE_ERROR)
+                state.feed_generate(first[1])
+                response = web.StreamResponse(
+                    status=200, headers=forward_response_headers(resp.headers)
+                )
+                await response.prepare(request)
+                await response.write(b"".join(held))
+                pending = b""
+                tail = b""
+                try:
+                    async for chunk in resp.content.iter_any():
+                        await response.write(chunk)
+                        tail = (tail + chunk)[-4096:]
+                        pending += chunk
+                        *lines, pending = pending.split(b"\n")
+                        for raw in lines:
+                            ev = parse_sse_line(raw)
+                            if ev is not None and ev[0] == "json":
+                                state.feed_generate(ev[1])
+                except (ConnectionResetError, aiohttp.ClientError, TimeoutError):
+                    self._give_up(slot, st.R_ENGINE_ERROR)
+                    if request.transport is not None:
+                        request.transport.abort()
+                    return response
+                with contextlib.suppress(ConnectionResetError):
+                    await response.write_eof()
+        except asyncio.CancelledError:
+            self._give_up(slot, st.R_ENGINE_ERROR)
+            raise
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            log.warning("streaming session %s: translated turn failed: %s", sid, exc)
+            return self._give_up(slot, st.R_ENGINE_ERROR)
+        if observe_tail is not None:
+            observe_tail(tail)
+        aborted = state.error is not None or state.finish_reason == "abort"
+        new_slot, why = (
+            (None, st.R_ENGINE_ERROR)
+            if aborted
+            else st.after_turn(
+                slot,
+                prompt=body["input_ids"],
+                output_ids=state.output_ids,
+                prompt_tokens=state.prompt_tokens,
+            )
+        )
+        if new_slot is None:
+            # Already relayed: the session just stops being a streaming one.
+            self._give_up(slot, why or st.R_CONTEXT_CHECK)
+        elif turn.close_after:
+            self.slots.pop(sid)
+        else:
+            self.slots.put(new_slot)
+            if turn.plan is not None and turn.plan.kind == st.EXTEND:
+                self.counters.inc(STREAM_EXTENDED)
+        return response
 
     def _give_up(self, slot: st.Slot, reason: str) -> None:
         self.counters.inc(STREAM_FALLBACK + reason)

@@ -22,9 +22,11 @@ relies on, read in SGLang's ``python/sglang/srt/session/session_controller.py``
 kvproxy translates a client's ordinary full-context turn into that form only when it
 *exactly* extends what the engine holds (previous prompt + output); every other case
 falls back to an ordinary full request and closes the streaming session, so the
-generated tokens are the same either way. Only non-streaming ``/generate`` requests
-with ``input_ids`` are translated: their whole response is read, so an engine error on
-a translated turn is retried as the ordinary request before the client sees anything.
+generated tokens are the same either way. Only ``/generate`` requests with
+``input_ids`` are translated. An engine error on a translated turn is retried as the
+ordinary request before the client sees anything: a non-streaming answer is read whole
+first; a streamed one (SGLang reports errors as a first ``data: {"error": ...}`` event
+with HTTP 200) is held until its first event.
 """
 
 from __future__ import annotations
@@ -43,7 +45,6 @@ FALLBACK = "fallback"  # ordinary full request; close the streaming session if o
 # Fall-back reasons (counted in metrics under these names).
 R_NOT_GENERATE = "not_generate"
 R_NO_INPUT_IDS = "no_input_ids"
-R_STREAM = "stream_response"
 R_BATCH = "batch_or_n"
 R_CLIENT_SESSION_PARAMS = "client_session_params"
 R_PLACEMENT_UNKNOWN = "placement_unknown"
@@ -78,8 +79,6 @@ def request_shape(path: str, body: Mapping[str, Any]) -> tuple[list[int] | None,
     sp = body.get("sampling_params")
     if isinstance(sp, list) or (isinstance(sp, Mapping) and sp.get("n") not in (None, 1)):
         return None, R_BATCH
-    if body.get("stream"):
-        return None, R_STREAM
     return ids, None
 
 

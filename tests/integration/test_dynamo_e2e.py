@@ -27,6 +27,7 @@ from kvproxy.app import create_app
 from kvproxy.config import from_mapping
 from kvproxy.runtime import RUNTIME, Runtime
 from kvproxy.sessions import dynamo
+from kvproxy.workload.wire import StreamState, parse_sse_line
 
 from .conftest import wait_until
 
@@ -400,3 +401,63 @@ async def test_no_speculative_prefill_when_the_session_ends(
         assert resp.status == 200
     assert proxy.rt.agents.counters.total(dynamo.PREFILL_SKIPPED + "session_end") == 1
     assert proxy.rt.agents.counters.total(dynamo.PREFILL_SENT) == 0
+
+
+async def stream_generate(
+    http: aiohttp.ClientSession, p: Proxy, body: dict[str, Any]
+) -> StreamState:
+    state = StreamState()
+    async with http.post(f"{p.url}/generate", json={**body, "stream": True}) as resp:
+        assert resp.status == 200
+        async for line in resp.content:
+            ev = parse_sse_line(line)
+            if ev is not None and ev[0] == "json":
+                state.feed_generate(ev[1])
+    assert state.error is None
+    return state
+
+
+async def test_streamed_turns_are_translated_too_and_generate_the_same_tokens(
+    proxy: Proxy, http: aiohttp.ClientSession
+) -> None:
+    tag = f"sse-{next(_ids)}"
+    sid = f"{tag}-s"
+    owner = proxy.rt.agents._owner(sid)
+    runs: dict[str, list[list[int]]] = {}
+    for mode in ("control", "plain"):
+        prompt = [7000 + i for i in range(30)]
+        outs = []
+        for turn in range(3):
+            action = ("open", None, "close")[turn]
+            if mode == "control":
+                body = _turn(prompt, f"{tag}-t{turn}", sid, action, timeout=60)
+            else:
+                body = {**_turn(prompt, f"{tag}-t{turn}", None), "session_id": f"{tag}-p"}
+            state = await stream_generate(http, proxy, body)
+            assert state.prompt_tokens == len(prompt)
+            outs.append(state.output_ids)
+            prompt = [*prompt, *state.output_ids, 8000 + turn]
+        runs[mode] = outs
+    assert runs["control"] == runs["plain"]
+    sent = [
+        orjson.loads(e["body"])
+        for e in await recorded(http, owner)
+        if e["path"] == "/generate" and f"{tag}-t1" in e["body"] and sid in e["body"]
+    ]
+    assert len(sent) == 1 and sent[0]["session_params"] == {"id": sid}
+    assert sent[0]["input_ids"] == [8000]  # only the new tokens
+
+
+async def test_a_streamed_turn_the_engine_refuses_is_sent_as_the_ordinary_request(
+    proxy: Proxy, http: aiohttp.ClientSession
+) -> None:
+    sid = f"sse-gone-{next(_ids)}"
+    owner = proxy.rt.agents._owner(sid)
+    prompt = [7500 + i for i in range(20)]
+    first = await stream_generate(http, proxy, _turn(prompt, f"{sid}-t0", sid, "open", timeout=60))
+    async with http.post(f"{owner}/close_session", json={"session_id": sid}) as resp:
+        assert resp.status == 200
+    nxt = [*prompt, *first.output_ids, 1]
+    again = await stream_generate(http, proxy, _turn(nxt, f"{sid}-t1", sid))
+    assert again.prompt_tokens == len(nxt) and again.output_ids
+    assert proxy.rt.agents.slots.get(sid) is None

@@ -238,7 +238,7 @@ def test_plan_turn(
         ("/generate", {"input_ids": []}, st.R_NO_INPUT_IDS),
         ("/generate", {"input_ids": [[1], [2]]}, st.R_BATCH),
         ("/generate", {"input_ids": [1], "sampling_params": {"n": 2}}, st.R_BATCH),
-        ("/generate", {"input_ids": [1], "stream": True}, st.R_STREAM),
+        ("/generate", {"input_ids": [1], "stream": True}, None),
         (
             "/generate",
             {"input_ids": [1], "session_params": {"id": "x"}},
@@ -254,10 +254,10 @@ def test_request_shape(path: str, body: dict[str, Any], reason: str | None) -> N
 
 def test_an_ineligible_turn_of_an_open_session_falls_back_and_closes() -> None:
     plan = st.plan_turn(
-        _slot((1, 2)), opening=False, input_ids=None, ineligible=st.R_STREAM, engine=ENGINE
+        _slot((1, 2)), opening=False, input_ids=None, ineligible=st.R_BATCH, engine=ENGINE
     )
-    assert (plan.kind, plan.reason, plan.close_engine) == (st.FALLBACK, st.R_STREAM, ENGINE)
-    first = st.plan_turn(None, opening=True, input_ids=None, ineligible=st.R_STREAM, engine=ENGINE)
+    assert (plan.kind, plan.reason, plan.close_engine) == (st.FALLBACK, st.R_BATCH, ENGINE)
+    first = st.plan_turn(None, opening=True, input_ids=None, ineligible=st.R_BATCH, engine=ENGINE)
     assert (first.kind, first.close_engine) == (st.FALLBACK, None)
 
 
