@@ -294,7 +294,10 @@ class AgentControl:
             st.Slot(sid, slot.engine, slot.context, slot.first_token, True, slot.timeout_s)
         ):
             self._spawn(self._close_on(old.engine, old.session_id))
-        out = orjson.dumps(st.session_body(body, fields, plan.input_ids, sid))
+        doc = st.session_body(body, fields, plan.input_ids, sid)
+        if turn.path in self.config.session_lifecycle.strip_nvext_paths:
+            doc.pop("nvext", None)
+        out = orjson.dumps(doc)
         if body.get("stream"):
             return await self._serve_sse(request, turn, slot, body, out, headers, observe_tail)
         try:

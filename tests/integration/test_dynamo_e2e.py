@@ -461,3 +461,41 @@ async def test_a_streamed_turn_the_engine_refuses_is_sent_as_the_ordinary_reques
     again = await stream_generate(http, proxy, _turn(nxt, f"{sid}-t1", sid))
     assert again.prompt_tokens == len(nxt) and again.output_ids
     assert proxy.rt.agents.slots.get(sid) is None
+
+
+async def test_strip_nvext_paths_removes_only_nvext(
+    st_router: stack.ManagedProcess, http: aiohttp.ClientSession
+) -> None:
+    doc = {
+        "server": {"log_level": "WARNING"},
+        "router": {"url": st_router.url, "policy": "consistent_hashing"},
+        "session_lifecycle": {
+            "enabled": True,
+            "check_engines": False,
+            "strip_nvext_paths": ["/generate"],
+        },
+    }
+    server = TestServer(create_app(from_mapping(doc)), host="127.0.0.1")
+    await server.start_server()
+    p = Proxy(server)
+    try:
+        sid = f"strip-{next(_ids)}"
+        body = {**_turn([1, 2, 3], f"{sid}-r", sid), "custom_labels": {"k": "v"}}
+        await generate(http, p, body)
+
+        async def placed() -> bool:
+            return p.rt.agents._owner(sid) is not None
+
+        await wait_until(placed, timeout_s=10, what="placement known")
+        sent = [
+            orjson.loads(e["body"])
+            for u in p.rt.fleet.all_engines()
+            for e in await recorded(http, u)
+            if e["path"] == "/generate" and f"{sid}-r" in e["body"]
+        ]
+        assert len(sent) == 1
+        assert "nvext" not in sent[0]
+        assert sent[0]["custom_labels"] == {"k": "v"} and sent[0]["session_id"] == sid
+        assert sent[0]["input_ids"] == [1, 2, 3]
+    finally:
+        await server.close()
