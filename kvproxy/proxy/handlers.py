@@ -363,7 +363,7 @@ class ProxyHandlers:
                 response_headers=response_headers,
                 on_disconnect=on_disconnect,
                 observe_tail=observe,
-                observe_body=turn.keep_body if turn is not None else None,
+                observe_body=turn.keep_body if turn is not None and turn.wants_body else None,
             )
             if turn is not None and response.status == 200:
                 rt.agents.after_response(

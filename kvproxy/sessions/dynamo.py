@@ -75,6 +75,11 @@ class Turn:
     plan: st.Plan | None = None
     response: bytes | None = None  # a buffered 200 body, for the speculative prefill
 
+    @property
+    def wants_body(self) -> bool:
+        """Only a turn asking for a speculative prefill keeps its answer."""
+        return self.nvext.hints.speculative_prefill
+
     def keep_body(self, data: bytes) -> None:
         self.response = data
 
