@@ -27,6 +27,7 @@ from kvproxy.proxy.metrics import ProxyMetrics
 from kvproxy.proxy.slow_clients import SlowClientGuard
 from kvproxy.proxy.upstream import create_client_session
 from kvproxy.runtime import RUNTIME, Runtime
+from kvproxy.sessions.dynamo import AgentControl
 from kvproxy.sessions.lifecycle import SessionManager
 from kvproxy.urls import base_url
 
@@ -42,6 +43,7 @@ class _FeatureCollector(Collector):
     def collect(self) -> Iterable[Any]:
         yield from self._rt.sessions.collect()
         yield from self._rt.admission.collect()
+        yield from self._rt.agents.collect()
 
 
 # ----------------------------------------------------------------------- contexts
@@ -70,11 +72,50 @@ async def _sessions_ctx(app: web.Application) -> AsyncIterator[None]:
         all_engines=rt.fleet.all_engines,
         http=rt.http,
         # A closed session's KV is no longer resident: admission stops counting it.
-        on_closed=lambda session_id: rt.admission.end_session(session_id),
+        on_closed=lambda session_id: _session_closed(rt, session_id),
     )
     await rt.sessions.start()
     yield
     await rt.sessions.stop()
+
+
+def _session_closed(rt: Runtime, session_id: str) -> None:
+    rt.admission.end_session(session_id)
+    rt.agents.session_closed(session_id)
+
+
+async def _agents_ctx(app: web.Application) -> AsyncIterator[None]:
+    rt = app[RUNTIME]
+
+    async def close(session_id: str) -> None:
+        await rt.sessions.close(session_id, reason="bind_timeout")
+
+    def session_open(session_id: str) -> bool:
+        return rt.sessions.state(session_id) == "open"
+
+    def pressure(engine: str | None) -> bool:
+        # The session's engine's KV usage at or past the admission pressure threshold
+        # (the fleet's highest when placement is unknown); known only with admission on.
+        if not rt.config.admission.enabled:
+            return False
+        if engine is None:
+            usage: float | None = rt.admission.ledger.pressure
+        else:
+            usage = rt.admission.engine_usage(engine)
+        return usage is not None and usage >= rt.config.admission.pressure_threshold
+
+    rt.agents = AgentControl(
+        rt.config,
+        http=rt.http,
+        router_base=rt.router_base,
+        ring_workers=rt.fleet.ring_workers,
+        close_session=close,
+        session_open=session_open,
+        pressure=pressure,
+    )
+    await rt.agents.start()
+    yield
+    await rt.agents.stop()
 
 
 async def _admission_ctx(app: web.Application) -> AsyncIterator[None]:
@@ -125,7 +166,14 @@ def create_app(config: Config, *, overrides: Mapping[str, Any] | None = None) ->
     app = web.Application(client_max_size=config.server.max_body_bytes)
     app[RUNTIME] = rt
     app.cleanup_ctx.extend(
-        [_client_ctx, _fleet_ctx, _sessions_ctx, _admission_ctx, dashboard.timeline_ctx]
+        [
+            _client_ctx,
+            _fleet_ctx,
+            _sessions_ctx,
+            _agents_ctx,
+            _admission_ctx,
+            dashboard.timeline_ctx,
+        ]
     )
     app.on_shutdown.append(_on_shutdown)
 

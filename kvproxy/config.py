@@ -114,6 +114,20 @@ class SessionLifecycleConfig:
     closed_ttl_s: float = 600.0
     # Read each engine's /server_info at start and report its session mode.
     check_engines: bool = True
+    # Dynamo's nvext (docs/dynamo.md). Each switch turns one behaviour off; all default on.
+    # agent_hints.priority -> top-level priority; agent_hints.osl -> expected growth.
+    agent_hints: bool = True
+    # session_control bind (and chat open): sticky routing + sliding inactivity close.
+    bind_timeouts: bool = True
+    # session_control open on /generate with input_ids: SGLang streaming sessions.
+    streaming_sessions: bool = True
+    max_streaming_sessions: int = 10_000
+    # agent_hints.speculative_prefill: warm the next turn's prefix after the response.
+    speculative_prefill: bool = True
+    speculative_prefill_max_in_flight: int = 4
+    # Paths on which the nvext block is removed before forwarding (SGLang ignores it on
+    # all of them, so none by default).
+    strip_nvext_paths: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -461,6 +475,22 @@ def validate(cfg: Config) -> None:
             sl.closed_ttl_s >= 0,
             f"session_lifecycle.closed_ttl_s: must be >= 0 (got {sl.closed_ttl_s})",
         )
+        _check(
+            sl.max_streaming_sessions >= 1,
+            "session_lifecycle.max_streaming_sessions: must be >= 1 "
+            f"(got {sl.max_streaming_sessions})",
+        )
+        _check(
+            1 <= sl.speculative_prefill_max_in_flight <= 1024,
+            "session_lifecycle.speculative_prefill_max_in_flight: must be in [1, 1024] "
+            f"(got {sl.speculative_prefill_max_in_flight})",
+        )
+        for p in sl.strip_nvext_paths:
+            _check(
+                p in ("/generate", "/v1/chat/completions", "/v1/completions"),
+                f"session_lifecycle.strip_nvext_paths: unknown path {p!r} (allowed: "
+                "/generate, /v1/chat/completions, /v1/completions)",
+            )
     if a.enabled:
         _check(0 < a.headroom <= 1, f"admission.headroom: must be in (0, 1] (got {a.headroom})")
         _check(

@@ -18,6 +18,7 @@ from kvproxy.admission.coordinator import AdmissionController
 from kvproxy.config import Config, SessionLifecycleConfig
 from kvproxy.fleet.registry import Fleet
 from kvproxy.proxy.metrics import ProxyMetrics
+from kvproxy.sessions.dynamo import AgentControl
 from kvproxy.sessions.lifecycle import SessionManager
 
 
@@ -34,6 +35,7 @@ class Runtime:
     fleet: Fleet = field(init=False)
     sessions: SessionManager = field(init=False)
     admission: AdmissionController = field(init=False)
+    agents: AgentControl = field(init=False)  # Dynamo's nvext (docs/dynamo.md)
     shutting_down: bool = False
     reloads: int = 0
     # The session-id sources with lifecycle semantics off: admission reads a request's

@@ -63,6 +63,7 @@ async def reload_config(rt: Runtime) -> dict[str, Any]:
     rt.fleet.reconfigure(new.router)
     await rt.sessions.reconfigure(new.session_lifecycle)
     await rt.admission.reconfigure(new.admission)
+    rt.agents.reconfigure(new)
     if new.router.policy != rt.admission.placement.policy:
         rt.admission.set_router_policy(new.router.policy)
     logging.getLogger("kvproxy").setLevel(new.server.log_level.upper())

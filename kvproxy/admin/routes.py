@@ -44,6 +44,8 @@ async def handle_stats(request: web.Request) -> web.Response:
         return error_response(ErrorType.UNAUTHORIZED, NEEDS_TOKEN)
     stats: dict[str, float] = {}
     stats.update(rt.sessions.stats(reset=reset))
+    if rt.config.session_lifecycle.enabled:
+        stats.update(rt.agents.stats(reset=reset))
     stats.update(rt.admission.stats(reset=reset))
     return json_response(stats)
 

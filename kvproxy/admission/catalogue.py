@@ -62,6 +62,17 @@ PROGRAM_HELP[_A + "sessions_running"] = "Sessions with a turn in flight (program
 
 ENGINE_FAMILIES = (
     (
+        "streaming_held",
+        "agentic_kv_admission_engine_streaming_held_tokens",
+        "KV the engine's streaming sessions hold (sglang:streaming_session_held_tokens): "
+        "pinned, counted as committed.",
+    ),
+    (
+        "streaming_sessions",
+        "agentic_kv_admission_engine_streaming_sessions",
+        "The engine's streaming sessions (sglang:num_streaming_sessions).",
+    ),
+    (
         "footprint",
         "agentic_kv_admission_engine_footprint_tokens",
         "Undecayed footprint U of the engine's active sessions (drives pausing).",

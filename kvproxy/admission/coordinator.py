@@ -88,7 +88,7 @@ from kvproxy.admission.ledger import (
 )
 from kvproxy.admission.params import ProgramParams
 from kvproxy.admission.program import ProgramCore, Release
-from kvproxy.admission.reservation import ReservationSizer
+from kvproxy.admission.reservation import ReservationSizer, expected_output
 from kvproxy.config import AdmissionConfig
 from kvproxy.fleet.engine_info import EngineSessionMode, parse_server_info, probe
 from kvproxy.fleet.engine_metrics import parse_engine_metrics
@@ -801,6 +801,10 @@ class AdmissionController:
     def _residency(self) -> bool:
         return _residency_of(self._cfg)
 
+    def engine_usage(self, url: str) -> float | None:
+        """One engine's fresh KV usage (``sglang:token_usage``); None when unknown."""
+        return self.ledger.usage_of(url.rstrip("/"), self._clock())
+
     @property
     def program_active(self) -> bool:
         """Program admission with per-engine ledgers: mode program, ledger engine, and a
@@ -920,6 +924,8 @@ class AdmissionController:
                 max_total_num_tokens=m.max_total_num_tokens,
                 evicted_total=m.evicted_tokens_total,
                 retracted_total=m.num_retracted_requests_total,
+                streaming_held=m.streaming_session_held_tokens,
+                streaming_sessions=m.num_streaming_sessions,
             )
 
     async def _check_router_diversion(self) -> None:
@@ -966,6 +972,8 @@ class AdmissionController:
             if len(self._first_turns) > _FIRST_TURNS_MAX:
                 del self._first_turns[next(iter(self._first_turns))]
         verdict = core.request(ticket, sid, owner, tokens, now)
+        # Dynamo's agent_hints.osl: the session grows by at least that much per turn.
+        core.hint_growth(sid, expected_output(req.body))
         if verdict.outcome is not None:
             self._program_drain(now)
             return self._program_decision(ticket, sid, verdict.outcome, tokens, 0.0)

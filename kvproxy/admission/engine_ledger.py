@@ -74,6 +74,9 @@ class Engine:
     evicted_total: int | None = None
     retracted_total: int | None = None
     sessions: set[str] = field(default_factory=set)  # ACTIVE sessions on it
+    # KV held by the engine's streaming sessions (pinned: never evicted, never decays).
+    streaming_held: int = 0
+    streaming_sessions: int = 0
     # Feedback window (since window_start).
     window_start: float = 0.0
     evicted_delta: int = 0
@@ -110,9 +113,14 @@ class EngineLedger:
         max_total_num_tokens: int | None,
         evicted_total: int | None = None,
         retracted_total: int | None = None,
+        streaming_held: int | None = None,
+        streaming_sessions: int | None = None,
     ) -> bool:
         """One scrape of ``url``; returns whether it carried a capacity (fresh)."""
         eng = self.engine(url, now)
+        # Absent (engine without --enable-streaming-session): nothing pinned.
+        eng.streaming_held = streaming_held or 0
+        eng.streaming_sessions = streaming_sessions or 0
         if evicted_total is not None:
             if eng.evicted_total is not None and evicted_total >= eng.evicted_total:
                 eng.evicted_delta += evicted_total - eng.evicted_total
@@ -168,10 +176,15 @@ class EngineLedger:
         return eng.shared_prefix * (len(eng.sessions) - 1)
 
     def committed(self, url: str, now: float) -> float:
-        """W(e): decayed footprint of the engine's ACTIVE sessions, less the credit."""
+        """W(e): decayed footprint of the engine's ACTIVE sessions, less the credit,
+        and never below the KV the engine's streaming sessions hold: that KV is pinned
+        (``sglang:streaming_session_held_tokens``), so it stays committed however long
+        its session idles."""
         b = self.p.session_buffer_tokens
         total = sum(self.weight(s, now) * s.footprint(b) for s in self._active(url))
-        return max(0.0, total - self.credit(url))
+        eng = self.engines.get(url)
+        held = float(eng.streaming_held) if eng is not None else 0.0
+        return max(0.0, total - self.credit(url), held)
 
     def undecayed(self, url: str) -> int:
         """U(e): undecayed footprint of the engine's ACTIVE sessions, less the credit."""

@@ -269,6 +269,13 @@ class Ledger:
         self._engines.clear()
         self._dirty = True
 
+    def usage_of(self, url: str, now: float) -> float | None:
+        """The engine's fresh ``token_usage``; None when unknown or stale."""
+        eng = self._engines.get(url)
+        if eng is None or eng.snapshot is None or not self._is_fresh(eng, now):
+            return None
+        return eng.snapshot.token_usage
+
     def _is_fresh(self, eng: _Engine, now: float) -> bool:
         s = eng.snapshot
         return (

@@ -121,6 +121,15 @@ class ProgramCore:
         s.est = max(s.est, tokens)
         return self._wait(ticket, s, tokens, now, "new", now + self.p.new_session_max_wait_s, held)
 
+    def hint_growth(self, sid: str | None, osl: int | None) -> None:
+        """A client's expected output per turn (``agent_hints.osl``) floors the
+        session's expected growth, so its footprint counts the next answer."""
+        if sid is None or not osl:
+            return
+        s = self.ledger.get(sid)
+        if s is not None:
+            s.growth = max(s.growth, float(osl))
+
     def _wait(
         self,
         ticket: str,
@@ -432,6 +441,8 @@ class ProgramCore:
                     "paused_sessions": float(paused),
                     "waiting_new": float(new_w),
                     "waiting_paused": float(paused_w),
+                    "streaming_sessions": float(eng.streaming_sessions),
+                    "streaming_held": float(eng.streaming_held),
                 }
             )
         return rows

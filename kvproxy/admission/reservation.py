@@ -229,6 +229,11 @@ def _count(value: Any) -> int:
     return n if n is not None and n >= 1 else 1
 
 
+def expected_output(body: Mapping[str, Any]) -> int | None:
+    """``nvext.agent_hints.osl`` (Dynamo's expected output length), None when absent."""
+    return _osl(body)
+
+
 def _osl(body: Mapping[str, Any]) -> int | None:
     hints = vocab.nvext_section(body, "agent_hints")
     return _non_negative_int(hints.get("osl")) if hints is not None else None

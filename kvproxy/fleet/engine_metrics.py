@@ -51,6 +51,9 @@ _NAMES = (
     # cache_type label sets the largest is taken (one radix cache per engine in practice).
     "evicted_tokens_total",
     "num_retracted_requests_total",
+    # Streaming sessions (--enable-streaming-session): pinned KV outside eviction.
+    "num_streaming_sessions",
+    "streaming_session_held_tokens",
 )
 # One sample line of interest: "\n" prefix name, optional {labels}, whitespace, value.
 # The labels group runs to the last "}" on the line, so a "}" inside a label value
@@ -75,6 +78,8 @@ class EngineMetrics:
     num_queue_reqs: int | None = None
     evicted_tokens_total: int | None = None
     num_retracted_requests_total: int | None = None
+    num_streaming_sessions: int | None = None
+    streaming_session_held_tokens: int | None = None
     usage_source: str | None = None
 
 
@@ -144,6 +149,8 @@ def parse_engine_metrics(text: str) -> EngineMetrics:
         num_queue_reqs=_sum_over_dp(found.get("num_queue_reqs")),
         evicted_tokens_total=_sum_over_dp(found.get("evicted_tokens_total")),
         num_retracted_requests_total=_sum_over_dp(found.get("num_retracted_requests_total")),
+        num_streaming_sessions=_sum_over_dp(found.get("num_streaming_sessions")),
+        streaming_session_held_tokens=_sum_over_dp(found.get("streaming_session_held_tokens")),
         usage_source=source,
     )
 

@@ -33,6 +33,9 @@ from kvproxy.admission.coordinator import AdmissionRequest, Decision
 from kvproxy.proxy.body import inject_fields, parse_object
 from kvproxy.proxy.errors import ErrorType, error_response
 from kvproxy.proxy.upstream import forward_request_headers, forward_response_headers
+from kvproxy.sessions import streaming
+from kvproxy.sessions.agent_hints import NO_NVEXT, InvalidNvext, combine_priority, parse_nvext
+from kvproxy.sessions.dynamo import Turn
 from kvproxy.sessions.identity import (
     ROUTING_KEY_HEADER,
     InvalidSessionId,
@@ -61,6 +64,7 @@ _CACHED_TOKENS_RE = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
 _COMPLETION_TOKENS_RE = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
 
 ObserveTail = Callable[[bytes], None]
+ObserveBody = Callable[[bytes], None]
 
 
 # The last event of an SGLang or OpenAI-compatible stream. Once it has been relayed the
@@ -182,7 +186,12 @@ class ProxyHandlers:
         close_after = False
         abort_rids: tuple[str, ...] = ()
         rid = body.get("rid") if isinstance(body.get("rid"), str) else None
+        nvext = NO_NVEXT
         if lifecycle_on:
+            try:
+                nvext = parse_nvext(body)  # Dynamo's nvext (docs/dynamo.md)
+            except InvalidNvext as exc:
+                return self._count(path, error_response(ErrorType.INVALID_REQUEST, str(exc)))
             try:
                 identity = resolve_identity(
                     cfg.session_lifecycle,
@@ -211,6 +220,12 @@ class ProxyHandlers:
             except InvalidSessionId:
                 session_id = None
         ticket = rid or new_rid()
+        turn: Turn | None = None
+        if lifecycle_on and session_id is not None:
+            turn, turn_headers = rt.agents.begin(session_id, path, nvext, close_after)
+            for key, value in turn_headers.items():  # bind / open route stickily
+                if request.headers.get(key) is None:
+                    extra_headers.setdefault(key, value)
         routing_key: str | None = None
         if admission_on and session_id is not None and cfg.admission.mode == "program":
             # Program admission attributes each session to the ring owner of its routing
@@ -222,6 +237,8 @@ class ProxyHandlers:
                 routing_key = extra_headers[ROUTING_KEY_HEADER] = session_id
 
         async with AsyncExitStack() as stack:
+            if turn is not None:
+                stack.callback(rt.agents.end, turn)
             tracked = None
             on_disconnect: Callable[[], None] | None = None
             if lifecycle_on and session_id is not None:
@@ -244,6 +261,7 @@ class ProxyHandlers:
                     sessions.abort_in_background(abort_rids)
 
             waited = 0.0
+            steering: int | None = None
             response_headers: dict[str, str] | None = None
             admission_req: AdmissionRequest | None = None
             try:
@@ -271,13 +289,7 @@ class ProxyHandlers:
                                 f"request {ticket} was cancelled before it was forwarded",
                             ),
                         )
-                    if (
-                        decision.priority is not None
-                        and "priority" not in body
-                        and "priority" not in fields
-                    ):
-                        # Eviction steered by priority: spliced in, never re-serialised.
-                        fields["priority"] = decision.priority
+                    steering = decision.priority
                     if decision.action != "pass":
                         response_headers = {
                             "X-KVProxy-Admission": decision.action
@@ -290,6 +302,16 @@ class ProxyHandlers:
                     tracked.forwarded()
             except SessionClosed as exc:
                 return self._count(path, error_response(ErrorType.SESSION_CLOSED, str(exc)))
+            # The client's agent_hints.priority, else kvproxy's eviction steering (the
+            # combination rule: sessions/agent_hints.py): spliced in, never re-serialised.
+            hint = nvext.hints.priority if cfg.session_lifecycle.agent_hints else None
+            prio, source = combine_priority(
+                top_level=body.get("priority"), hint=hint, steering=steering
+            )
+            if prio is not None and "priority" not in fields:
+                fields["priority"] = prio
+                if lifecycle_on:
+                    rt.agents.note_priority(source)
 
             observe: ObserveTail | None = None
             if admission_req is not None:
@@ -304,13 +326,34 @@ class ProxyHandlers:
                         _last_int(_COMPLETION_TOKENS_RE, tail),
                     )
 
-            if not fields:
+            if turn is not None:
+                key = request.headers.get(ROUTING_KEY_HEADER) or extra_headers.get(
+                    ROUTING_KEY_HEADER, turn.session_id
+                )
+                plan = rt.agents.plan(turn, body, key)
+                if plan.kind in (streaming.OPEN, streaming.EXTEND):
+                    served = await rt.agents.serve_streaming(
+                        request,
+                        turn,
+                        body,
+                        fields,
+                        forward_request_headers(request, extra_headers),
+                        observe,
+                    )
+                    if served is not None:
+                        rt.agents.after_response(
+                            turn, body, forward_request_headers(request, extra_headers)
+                        )
+                        return self._count(path, served)
+            if lifecycle_on and path in cfg.session_lifecycle.strip_nvext_paths and "nvext" in body:
+                out = orjson.dumps({**{k: v for k, v in body.items() if k != "nvext"}, **fields})
+            elif not fields:
                 out = raw
             elif overwrite:  # rare: a configured source outranks the body's own session_id
                 out = orjson.dumps({**body, **fields})
             else:
                 out = inject_fields(raw, fields)
-            return await self.forward(
+            response = await self.forward(
                 request,
                 path,
                 out,
@@ -320,7 +363,13 @@ class ProxyHandlers:
                 response_headers=response_headers,
                 on_disconnect=on_disconnect,
                 observe_tail=observe,
+                observe_body=turn.keep_body if turn is not None and turn.wants_body else None,
             )
+            if turn is not None and response.status == 200:
+                rt.agents.after_response(
+                    turn, body, forward_request_headers(request, extra_headers)
+                )
+            return response
         raise AssertionError("unreachable")  # pragma: no cover
 
     # ------------------------------------------------------------------- forward
@@ -336,6 +385,7 @@ class ProxyHandlers:
         response_headers: Mapping[str, str] | None = None,
         on_disconnect: Callable[[], None] | None = None,
         observe_tail: ObserveTail | None = None,
+        observe_body: ObserveBody | None = None,
     ) -> web.StreamResponse:
         """Send one upstream attempt and stream its response back."""
         rt = self.rt
@@ -384,6 +434,7 @@ class ProxyHandlers:
                 response_headers,
                 observe_tail,
                 relayed,
+                observe_body,
             )
         except asyncio.CancelledError:
             # Client went away (handler cancellation): drop the upstream connection so the
@@ -414,6 +465,7 @@ class ProxyHandlers:
         response_headers: Mapping[str, str] | None,
         observe_tail: ObserveTail | None,
         relayed: _Relayed,
+        observe_body: ObserveBody | None = None,
     ) -> web.StreamResponse:
         rt = self.rt
         headers = forward_response_headers(upstream.headers)
@@ -445,8 +497,11 @@ class ProxyHandlers:
             read_at = time.perf_counter()
             response = web.Response(status=upstream.status, headers=headers, body=data)
             rt.metrics.added_latency.observe(overhead + (time.perf_counter() - read_at))
-            if observe_tail is not None and upstream.status == 200:
-                observe_tail(data[-_TAIL_BYTES:])
+            if upstream.status == 200:
+                if observe_tail is not None:
+                    observe_tail(data[-_TAIL_BYTES:])
+                if observe_body is not None:
+                    observe_body(data)
             return self._count(path, response)
 
         response = web.StreamResponse(status=upstream.status, headers=headers)
@@ -457,9 +512,20 @@ class ProxyHandlers:
         tail = b""
         end = b""  # the stream's last bytes, to recognise its final [DONE] event
         done_len = len(_SSE_DONE)
+        # A chunked JSON body (not SSE) kept whole, bounded, for observe_body.
+        whole: list[bytes] | None = (
+            [] if observe_body is not None and "text/event-stream" not in content_type else None
+        )
+        kept = 0
         try:
             async for chunk in upstream.content.iter_any():
                 await response.write(chunk)
+                if whole is not None:
+                    kept += len(chunk)
+                    if kept > _RESPONSE_BUFFER_LIMIT:
+                        whole = None
+                    else:
+                        whole.append(chunk)
                 if observe_tail is not None:
                     tail = (tail + chunk)[-_TAIL_BYTES:]
                 end = chunk[-done_len:] if len(chunk) >= done_len else (end + chunk)[-done_len:]
@@ -481,6 +547,8 @@ class ProxyHandlers:
             await response.write_eof()
         if observe_tail is not None and upstream.status == 200:
             observe_tail(tail)
+        if whole is not None and observe_body is not None and upstream.status == 200:
+            observe_body(b"".join(whole))
         return self._count(path, response)
 
     # ------------------------------------------------------------- session close

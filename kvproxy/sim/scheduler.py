@@ -396,11 +396,14 @@ class Scheduler:
                 raise SimError(f"Invalid request: session id {sid} does not exist")
             if ss.active is not None:
                 raise SimError("Streaming session already has an active request.")
-            if params.get("replace") or params.get("drop_previous_output"):
-                raise SimError("Streaming sessions do not support replace or drop_previous_output.")
-            offset = params.get("offset")
-            if offset not in (None, 0, -1):
-                raise SimError("Streaming sessions do not support a non-zero offset.")
+            # Session.create_req (sglang/srt/session/session_controller.py): replace,
+            # drop_previous_output and any non-zero offset (-1 included) are refused.
+            if params.get("replace"):
+                raise SimError("Streaming sessions do not support replace.")
+            if params.get("drop_previous_output"):
+                raise SimError("Streaming sessions do not support drop_previous_output.")
+            if params.get("offset"):
+                raise SimError("Streaming sessions do not support offset.")
             req.stream_session = ss
             req.session_base_len = len(ss.context)
             req.input_ids = ss.context + req.input_ids
@@ -471,18 +474,27 @@ class Scheduler:
         return self.reap(now)
 
     def reap(self, now: float) -> int:
-        """Close streaming sessions idle past their timeout; return how many."""
+        """Close streaming sessions past their timeout; return how many.
+
+        As SGLang's ``Session.is_timed_out`` / ``SessionController.maybe_reap``
+        (``sglang/srt/session/session_controller.py``): the clock runs from the start of
+        the session's last turn (``create_req``), and a session whose turn is still
+        running is closed when that turn finishes (``close_on_finish``).
+        """
         self.now = now
         expired = [
             s
             for s in self.streaming_sessions.values()
-            if s.active is None
-            and (t := self._session_timeout(s)) is not None
-            and now - s.last_active >= t
+            if (t := self._session_timeout(s)) is not None and now - s.last_active >= t
         ]
+        freed = 0
         for s in expired:
-            self._free_streaming_session(s)
-        return len(expired)
+            if s.active is not None:
+                s.close_pending = True
+            else:
+                self._free_streaming_session(s)
+                freed += 1
+        return freed
 
     def _ensure_generation(self, sid: str) -> int:
         gen = self._radix_generations.get(sid)
@@ -1050,7 +1062,6 @@ class Scheduler:
                 # the next turn re-prefills it (through the radix cache).
                 ss.context = req.input_ids[: req.session_base_len]
             ss.active = None
-            ss.last_active = self.now
             if ss.close_pending:
                 self._free_streaming_session(ss)
         ls = req.legacy_session

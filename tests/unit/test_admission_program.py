@@ -448,3 +448,37 @@ def test_a_session_closed_while_its_turn_waits_is_not_brought_back() -> None:
     (r,) = c.drain(1.0)
     assert r.ticket == "b1" and c.ledger.get("b") is None
     assert c.ledger.undecayed(E1) == 0
+
+
+# -- Dynamo's agent_hints.osl ----------------------------------------------------------
+
+
+def test_osl_hint_floors_the_sessions_expected_growth() -> None:
+    c = core()
+    turn(c, "t1", "s", 100, 0.0)
+    finish(c, "t1", 1.0, prompt=100, completion=10)
+    s = c.ledger.get("s")
+    assert s is not None
+    before = s.footprint(0)
+    c.hint_growth("s", 300)
+    assert s.growth == 300.0
+    assert s.footprint(0) == max(before, int(s.ctx + 300))
+    c.hint_growth("s", 5)  # never lowers what was observed or hinted
+    assert s.growth == 300.0
+    c.hint_growth(None, 300)  # no session: nothing
+    c.hint_growth("unknown", 300)
+    assert c.ledger.get("unknown") is None
+
+
+def test_streaming_held_kv_counts_as_committed_and_never_decays() -> None:
+    c = core()
+    led = c.ledger
+    assert led.committed(E1, 0.0) == 0.0
+    led.observe_engine(E1, 0.0, max_total_num_tokens=1000, streaming_held=400, streaming_sessions=2)
+    assert led.committed(E1, 0.0) == 400.0
+    assert led.committed(E1, 1e6) == 400.0  # pinned: no idle decay
+    assert led.committed(E2, 0.0) == 0.0  # per engine
+    row = next(r for r in c.engine_rows(0.0) if r["url"] == E1)
+    assert (row["streaming_sessions"], row["streaming_held"]) == (2.0, 400.0)
+    led.observe_engine(E1, 1.0, max_total_num_tokens=1000)  # closed: the metric is gone
+    assert led.committed(E1, 1.0) == 0.0

@@ -41,6 +41,9 @@ sglang:page_size{engine_type="unified",model_name="Qwen/Qwen3-8B",moe_ep_rank="0
 # HELP sglang:num_streaming_sessions The number of streaming sessions.
 # TYPE sglang:num_streaming_sessions gauge
 sglang:num_streaming_sessions{engine_type="unified",model_name="Qwen/Qwen3-8B",moe_ep_rank="0",pp_rank="0",tp_rank="0"} 17.0
+# HELP sglang:streaming_session_held_tokens The number of KV tokens currently held by streaming session slots.
+# TYPE sglang:streaming_session_held_tokens gauge
+sglang:streaming_session_held_tokens{engine_type="unified",model_name="Qwen/Qwen3-8B",moe_ep_rank="0",pp_rank="0",tp_rank="0"} 52000.0
 # HELP sglang:prompt_tokens_total Number of prefill tokens processed.
 # TYPE sglang:prompt_tokens_total counter
 sglang:prompt_tokens_total{engine_type="unified",is_streaming="false",model_name="Qwen/Qwen3-8B"} 1.2843211e+07
@@ -60,6 +63,8 @@ SAMPLE_EXPECTED = EngineMetrics(
     kv_evictable_tokens=141360,
     num_running_reqs=24,
     num_queue_reqs=3,
+    num_streaming_sessions=17,
+    streaming_session_held_tokens=52000,
     usage_source="token_usage",
 )
 

@@ -388,14 +388,48 @@ def test_streaming_close_is_deferred_until_the_active_request_finishes() -> None
 
 
 def test_streaming_session_idle_timeout_reaps() -> None:
+    # SGLang's clock runs from the start of the session's last turn (create_req).
     s, c = make(max_total_tokens=1_000, mode="streaming")
     s.open_session("st", c.now, streaming=True, timeout_s=5.0)
+    started = c.now
     s.submit(req("t1", seq(0, 50), max_new=3), c.now, session_params={"id": "st"})
     drain(s, c)
-    assert s.next_deadline() == pytest.approx(c.now + 5.0)
-    assert s.reap(c.now + 4.9) == 0
-    assert s.reap(c.now + 5.0) == 1
+    assert s.next_deadline() == pytest.approx(started + 5.0)
+    assert s.reap(started + 4.9) == 0
+    assert s.reap(started + 5.0) == 1
     assert s.streaming_held_tokens() == 0
+
+
+def test_streaming_session_timed_out_mid_turn_closes_when_the_turn_finishes() -> None:
+    s, c = make(max_total_tokens=1_000, mode="streaming")
+    s.open_session("st", c.now, streaming=True, timeout_s=0.001)
+    s.submit(req("t1", seq(0, 50), max_new=20), c.now, session_params={"id": "st"})
+    step(s, c)
+    assert s.reap(c.now + 1.0) == 0  # deferred: a turn is running
+    assert "st" in s.streaming_sessions
+    drain(s, c)
+    assert "st" not in s.streaming_sessions
+    assert s.kv.available + s.kv.evictable == 1_000
+
+
+@pytest.mark.parametrize(
+    ("params", "message"),
+    [
+        ({"replace": True}, "do not support replace"),
+        ({"drop_previous_output": True}, "do not support drop_previous_output"),
+        ({"offset": -1}, "do not support offset"),
+        ({"offset": 3}, "do not support offset"),
+    ],
+)
+def test_streaming_sessions_refuse_history_rewrites(params: dict, message: str) -> None:
+    s, c = make(max_total_tokens=1_000, mode="streaming")
+    s.open_session("st", c.now, streaming=True)
+    s.submit(req("t1", seq(0, 10), max_new=2), c.now, session_params={"id": "st"})
+    drain(s, c)
+    with pytest.raises(SimError, match=message):
+        s.submit(req("t2", [5], max_new=1), c.now, session_params={"id": "st", **params})
+    ok = s.submit(req("t3", [5], max_new=1), c.now, session_params={"id": "st", "offset": 0})
+    assert ok.input_ids[-1] == 5
 
 
 @pytest.mark.parametrize(

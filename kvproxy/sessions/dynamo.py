@@ -1,0 +1,529 @@
+"""Dynamo's agent hints and session control: the asyncio shell (docs/dynamo.md).
+
+The decisions are pure (:mod:`agent_hints`, :mod:`streaming`, :mod:`binding`,
+:mod:`prefill`); this module does the I/O: the bind reaper, ``/open_session`` and
+``/close_session`` on the session's engine, translated streaming-session turns, and
+background speculative prefills. Owned by the runtime (``rt.agents``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import orjson
+from aiohttp import web
+from prometheus_client.core import Metric
+
+from kvproxy.config import Config
+from kvproxy.fleet.placement import Placement
+from kvproxy.observability import WindowedCounters, counter_families, gauge_families
+from kvproxy.proxy.upstream import forward_response_headers
+from kvproxy.sessions import streaming as st
+from kvproxy.sessions.agent_hints import Nvext
+from kvproxy.sessions.binding import BindTimers
+from kvproxy.sessions.identity import ROUTING_KEY_HEADER, new_rid
+from kvproxy.sessions.prefill import prefill_body
+from kvproxy.workload.wire import StreamState, parse_sse_line
+
+log = logging.getLogger(__name__)
+
+_P = "agentic_kv/dynamo/"
+PREFILL_SENT = _P + "speculative_prefill_sent"
+PREFILL_FAILED = _P + "speculative_prefill_failed"
+PREFILL_SKIPPED = _P + "speculative_prefill_skipped_"  # + reason
+BIND_CLOSED = _P + "bind_timeout_closed"
+STREAM_OPENED = _P + "streaming_opened"
+STREAM_EXTENDED = _P + "streaming_turns_extended"
+STREAM_FALLBACK = _P + "streaming_fallback_"  # + reason
+HINT_PRIORITY = _P + "hint_priority_forwarded"
+HELP = {
+    PREFILL_SENT: "Speculative prefills sent to the router.",
+    PREFILL_FAILED: "Speculative prefills that failed (never seen by the client).",
+    BIND_CLOSED: "Bound sessions closed by their inactivity timeout.",
+    STREAM_OPENED: "Streaming sessions opened on an engine.",
+    STREAM_EXTENDED: "Turns sent in streaming-session form (only the new tokens).",
+    HINT_PRIORITY: "Requests whose agent_hints.priority became the top-level priority.",
+}
+G_STREAMING = _P + "streaming_sessions"
+G_STREAMING_HELD = _P + "streaming_held_tokens_estimate"
+G_PREFILL_IN_FLIGHT = _P + "speculative_prefill_in_flight"
+G_BOUND = _P + "bound_sessions"
+GAUGE_HELP = {
+    G_STREAMING: "Streaming sessions kvproxy holds open on engines.",
+    G_STREAMING_HELD: "Tokens those sessions hold (kvproxy's view: prompt + output).",
+    G_PREFILL_IN_FLIGHT: "Speculative prefills in flight.",
+    G_BOUND: "Sessions with a bind timeout.",
+}
+
+
+@dataclass(slots=True)
+class Turn:
+    """One intercepted request of a session, as the Dynamo features see it."""
+
+    session_id: str
+    path: str
+    nvext: Nvext
+    close_after: bool
+    bind_timeout_s: float | None = None
+    plan: st.Plan | None = None
+    response: bytes | None = None  # a buffered 200 body, for the speculative prefill
+
+    @property
+    def wants_body(self) -> bool:
+        """Only a turn asking for a speculative prefill keeps its answer."""
+        return self.nvext.hints.speculative_prefill
+
+    def keep_body(self, data: bytes) -> None:
+        self.response = data
+
+
+class AgentControl:
+    """Bind timers, streaming sessions and speculative prefills of one application."""
+
+    def __init__(
+        self,
+        config: Config,
+        *,
+        http: aiohttp.ClientSession,
+        router_base: str,
+        ring_workers: Callable[[], tuple[tuple[str, ...], tuple[str, ...]]],
+        close_session: Callable[[str], Any],
+        session_open: Callable[[str], bool],
+        pressure: Callable[[str | None], bool],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self._http = http
+        self._router = router_base
+        self._ring_workers = ring_workers
+        self._close_session = close_session
+        self._session_open = session_open
+        self._pressure = pressure
+        self._clock = clock
+        sl = config.session_lifecycle
+        self.timers = BindTimers(sl.max_sessions)
+        self.slots = st.SlotTable(sl.max_streaming_sessions)
+        self.placement = Placement(config.router.policy)
+        self.counters = WindowedCounters(HELP)
+        self._prefills: set[asyncio.Task[None]] = set()
+        self._background: set[asyncio.Task[Any]] = set()
+        self._reaper: asyncio.Task[None] | None = None
+        # Engines that refused a streaming open (no --enable-streaming-session): their
+        # sessions go as ordinary requests without asking again (bounded by the fleet).
+        self.no_streaming: set[str] = set()
+
+    # -- lifecycle -------------------------------------------------------------
+    def reconfigure(self, config: Config) -> None:
+        self.config = config
+        self.placement = Placement(config.router.policy)
+
+    async def start(self) -> None:
+        self._reaper = asyncio.create_task(self._reap_loop(), name="kvproxy-bind-reaper")
+
+    async def stop(self) -> None:
+        if self._reaper is not None:
+            self._reaper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reaper
+            self._reaper = None
+        pending = [t for t in (*self._prefills, *self._background) if not t.done()]
+        for t in pending:
+            t.cancel()
+        if pending:
+            await asyncio.gather(*pending, return_exceptions=True)
+
+    def _interval(self) -> float:
+        # Checked every second (scaled like every other kvproxy timer).
+        return self.config.server.time_scale * 1.0
+
+    async def _reap_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self._interval())
+            try:
+                self.reap(self._clock())
+            except Exception:
+                log.exception("bind timeout sweep failed")
+
+    def reap(self, now: float) -> list[str]:
+        """Close every bound session idle past its timeout; returns their ids."""
+        expired = self.timers.expired(now)
+        for sid in expired:
+            self.counters.inc(BIND_CLOSED)
+            self._spawn(self._close_session(sid))
+        return expired
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    def session_closed(self, sid: str) -> None:
+        """The lifecycle's close sequence finished (its /close_session reached every
+        engine, so a streaming slot is freed too)."""
+        self.timers.forget(sid)
+        self.slots.pop(sid)
+
+    # -- a turn ----------------------------------------------------------------
+    def begin(
+        self, session_id: str, path: str, nvext: Nvext, close_after: bool
+    ) -> tuple[Turn, dict[str, str]]:
+        """A turn starts; returns it and the headers to add (the routing key for
+        bound and opened sessions, even when sticky_routing is off)."""
+        sl = self.config.session_lifecycle
+        turn = Turn(session_id, path, nvext, close_after)
+        headers: dict[str, str] = {}
+        action = nvext.control.action
+        if (
+            action in ("bind", "open")
+            or self.slots.get(session_id) is not None
+            or self.timers.timeout_of(session_id) is not None
+        ):
+            # Bound and opened sessions are routed stickily on every turn.
+            headers[ROUTING_KEY_HEADER] = session_id
+        if sl.bind_timeouts and not close_after:
+            timeout = nvext.bind_timeout_s()
+            if timeout is not None:
+                timeout *= self.config.server.time_scale
+            else:  # a later turn without nvext keeps the session's timer
+                timeout = self.timers.timeout_of(session_id)
+            if timeout is not None:
+                turn.bind_timeout_s = timeout
+                self.timers.started(session_id, timeout, self._clock())
+        return turn, headers
+
+    def end(self, turn: Turn) -> None:
+        """The turn's response has been relayed (or failed)."""
+        if turn.bind_timeout_s is not None:
+            self.timers.ended(turn.session_id, self._clock())
+
+    def note_priority(self, source: str) -> None:
+        """Count what :func:`~kvproxy.sessions.agent_hints.combine_priority` chose."""
+        if source == "hint":
+            self.counters.inc(HINT_PRIORITY)
+
+    # -- streaming sessions -----------------------------------------------------
+    def _owner(self, key: str) -> str | None:
+        workers, available = self._ring_workers()
+        self.placement.update(workers, available)
+        return self.placement.owner(key)
+
+    def plan(self, turn: Turn, body: Mapping[str, Any], routing_key: str) -> st.Plan:
+        if not self.config.session_lifecycle.streaming_sessions:
+            return st.Plan(st.PLAIN)
+        slot = self.slots.get(turn.session_id)
+        opening = turn.nvext.control.action == "open"
+        if slot is None and not opening:
+            return st.Plan(st.PLAIN)
+        ids, why = st.request_shape(turn.path, body)
+        if slot is None and opening and turn.path != "/generate":
+            return st.Plan(st.PLAIN)  # chat / completions: open behaves as bind
+        engine = self._owner(routing_key)
+        plan = st.plan_turn(slot, opening=opening, input_ids=ids, ineligible=why, engine=engine)
+        if plan.kind == st.OPEN and engine in self.no_streaming:
+            plan = st.Plan(st.FALLBACK, st.R_OPEN_FAILED)
+        if plan.kind == st.FALLBACK:
+            self.counters.inc(STREAM_FALLBACK + (plan.reason or "unknown"))
+            if plan.close_engine is not None:
+                self.slots.pop(turn.session_id)
+                self._spawn(self._close_on(plan.close_engine, turn.session_id))
+        turn.plan = plan
+        return plan
+
+    async def _close_on(self, engine: str, sid: str) -> None:
+        try:
+            async with self._http.post(engine + "/close_session", json={"session_id": sid}) as resp:
+                await resp.read()
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            log.warning("streaming session %s: /close_session on %s failed: %s", sid, engine, exc)
+
+    async def _open_on(self, engine: str, sid: str, timeout_s: float | None) -> bool:
+        doc: dict[str, Any] = {
+            "capacity_of_str_len": st.OPEN_CAPACITY,
+            "session_id": sid,
+            "streaming": True,
+        }
+        if timeout_s is not None:
+            doc["timeout"] = timeout_s
+        try:
+            async with self._http.post(engine + "/open_session", json=doc) as resp:
+                text = await resp.text()
+                if resp.status == 200:
+                    return True
+                if "still open" in text:
+                    # Left open by an earlier kvproxy run: close it and open afresh.
+                    await self._close_on(engine, sid)
+                    async with self._http.post(engine + "/open_session", json=doc) as again:
+                        await again.read()
+                        return again.status == 200
+                if "disabled" in text and len(self.no_streaming) < 4096:
+                    self.no_streaming.add(engine)
+                log.warning("streaming session %s: /open_session on %s: %s", sid, engine, text)
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            log.warning("streaming session %s: /open_session on %s failed: %s", sid, engine, exc)
+        return False
+
+    async def serve_streaming(
+        self,
+        request: web.Request,
+        turn: Turn,
+        body: Mapping[str, Any],
+        fields: Mapping[str, Any],
+        headers: Mapping[str, str],
+        observe_tail: Callable[[bytes], None] | None,
+    ) -> web.StreamResponse | None:
+        """Send a turn in streaming-session form; None: send the ordinary request
+        instead (the slot, if any, is closed: nothing reached the client)."""
+        plan = turn.plan
+        assert plan is not None and plan.engine is not None
+        sid = turn.session_id
+        if plan.kind == st.OPEN:
+            engine_timeout = turn.nvext.control.timeout_s
+            if not await self._open_on(plan.engine, sid, engine_timeout):
+                self.counters.inc(STREAM_FALLBACK + st.R_OPEN_FAILED)
+                return None
+            self.counters.inc(STREAM_OPENED)
+            slot = st.Slot(sid, plan.engine, timeout_s=engine_timeout)
+        else:
+            found = self.slots.get(sid)
+            if found is None:  # closed meanwhile
+                return None
+            slot = found
+        for old in self.slots.put(
+            st.Slot(sid, slot.engine, slot.context, slot.first_token, True, slot.timeout_s)
+        ):
+            self._spawn(self._close_on(old.engine, old.session_id))
+        request_doc = st.session_body(body, fields, plan.input_ids, sid)
+        if turn.path in self.config.session_lifecycle.strip_nvext_paths:
+            request_doc.pop("nvext", None)
+        out = orjson.dumps(request_doc)
+        if body.get("stream"):
+            return await self._serve_sse(request, turn, slot, body, out, headers, observe_tail)
+        try:
+            async with self._http.post(
+                self._router + "/generate", data=out, headers=dict(headers)
+            ) as resp:
+                data = await resp.read()
+                status, resp_headers = resp.status, forward_response_headers(resp.headers)
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            log.warning("streaming session %s: translated turn failed: %s", sid, exc)
+            self._give_up(slot, st.R_ENGINE_ERROR)
+            return None
+        doc: Any = None
+        if status == 200:
+            with contextlib.suppress(orjson.JSONDecodeError):
+                doc = orjson.loads(data)
+        ids, prompt_tokens, aborted = st.read_generate_result(doc)
+        if status != 200 or aborted:
+            log.warning(
+                "streaming session %s: translated turn answered %s: %s; sent as an "
+                "ordinary request instead",
+                sid,
+                status,
+                data[:300].decode("utf-8", "replace"),
+            )
+            self._give_up(slot, st.R_ENGINE_ERROR)
+            return None
+        prompt = body["input_ids"]
+        new_slot, why = st.after_turn(
+            slot, prompt=prompt, output_ids=ids, prompt_tokens=prompt_tokens
+        )
+        if new_slot is None:
+            self._give_up(slot, why or st.R_CONTEXT_CHECK)
+            return None
+        if turn.close_after:
+            self.slots.pop(sid)  # the lifecycle's close frees it on every engine
+        else:
+            self.slots.put(new_slot)
+        if plan.kind == st.EXTEND:
+            self.counters.inc(STREAM_EXTENDED)
+        if observe_tail is not None:
+            observe_tail(data[-4096:])
+        turn.response = data
+        return web.Response(status=status, headers=resp_headers, body=data)
+
+    async def _serve_sse(
+        self,
+        request: web.Request,
+        turn: Turn,
+        slot: st.Slot,
+        body: Mapping[str, Any],
+        out: bytes,
+        headers: Mapping[str, str],
+        observe_tail: Callable[[bytes], None] | None,
+    ) -> web.StreamResponse | None:
+        """A streamed translated turn: held until its first event (an error there means
+        the ordinary request is sent instead), then relayed chunk by chunk while its
+        output ids are accumulated for the slot."""
+        sid = turn.session_id
+        state = StreamState()
+        try:
+            async with self._http.post(
+                self._router + "/generate", data=out, headers=dict(headers)
+            ) as resp:
+                if resp.status != 200:
+                    await resp.read()
+                    self._give_up(slot, st.R_ENGINE_ERROR)
+                    return None
+                held: list[bytes] = []
+                first: tuple[str, Any] | None = None
+                for _ in range(10_000):  # bounded: a first event within the first lines
+                    line = await resp.content.readline()
+                    if not line:
+                        break
+                    held.append(line)
+                    first = parse_sse_line(line)
+                    if first is not None:
+                        break
+                if first is None or first[0] != "json" or "error" in first[1]:
+                    self._give_up(slot, st.R_ENGINE_ERROR)
+                    return None
+                state.feed_generate(first[1])
+                response = web.StreamResponse(
+                    status=200, headers=forward_response_headers(resp.headers)
+                )
+                await response.prepare(request)
+                await response.write(b"".join(held))
+                pending = b""
+                tail = b""
+                try:
+                    async for chunk in resp.content.iter_any():
+                        await response.write(chunk)
+                        tail = (tail + chunk)[-4096:]
+                        pending += chunk
+                        *lines, pending = pending.split(b"\n")
+                        for raw in lines:
+                            ev = parse_sse_line(raw)
+                            if ev is not None and ev[0] == "json":
+                                state.feed_generate(ev[1])
+                except (ConnectionResetError, aiohttp.ClientError, TimeoutError):
+                    self._give_up(slot, st.R_ENGINE_ERROR)
+                    if request.transport is not None:
+                        request.transport.abort()
+                    return response
+                with contextlib.suppress(ConnectionResetError):
+                    await response.write_eof()
+        except asyncio.CancelledError:
+            self._give_up(slot, st.R_ENGINE_ERROR)
+            raise
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            log.warning("streaming session %s: translated turn failed: %s", sid, exc)
+            self._give_up(slot, st.R_ENGINE_ERROR)
+            return None
+        if observe_tail is not None:
+            observe_tail(tail)
+        aborted = state.error is not None or state.finish_reason == "abort"
+        new_slot, why = (
+            (None, st.R_ENGINE_ERROR)
+            if aborted
+            else st.after_turn(
+                slot,
+                prompt=body["input_ids"],
+                output_ids=state.output_ids,
+                prompt_tokens=state.prompt_tokens,
+            )
+        )
+        if new_slot is None:
+            # Already relayed: the session just stops being a streaming one.
+            self._give_up(slot, why or st.R_CONTEXT_CHECK)
+        elif turn.close_after:
+            self.slots.pop(sid)
+        else:
+            self.slots.put(new_slot)
+            if turn.plan is not None and turn.plan.kind == st.EXTEND:
+                self.counters.inc(STREAM_EXTENDED)
+        return response
+
+    def _give_up(self, slot: st.Slot, reason: str) -> None:
+        self.counters.inc(STREAM_FALLBACK + reason)
+        self.slots.pop(slot.session_id)
+        self._spawn(self._close_on(slot.engine, slot.session_id))
+
+    # -- speculative prefill ----------------------------------------------------
+    def after_response(
+        self, turn: Turn, body: Mapping[str, Any], headers: Mapping[str, str]
+    ) -> str | None:
+        """Start the turn's speculative prefill in the background; returns why it was
+        skipped (None: started, or not asked for)."""
+        sl = self.config.session_lifecycle
+        if not (sl.speculative_prefill and turn.nvext.hints.speculative_prefill):
+            return None
+        key = headers.get(ROUTING_KEY_HEADER) or turn.session_id
+        reason = self._prefill_skip(turn, key)
+        doc: Any = None
+        if reason is None and turn.response is not None:
+            with contextlib.suppress(orjson.JSONDecodeError):
+                doc = orjson.loads(turn.response)
+        pbody = None
+        if reason is None:
+            pbody = prefill_body(turn.path, body, doc, session_id=turn.session_id, rid=new_rid())
+            if pbody is None:
+                reason = "unreadable"
+        if reason is not None:
+            self.counters.inc(PREFILL_SKIPPED + reason)
+            return reason
+        assert pbody is not None
+        hdrs = {
+            ROUTING_KEY_HEADER: key,
+            "Content-Type": "application/json",
+        }
+        auth = headers.get("Authorization")
+        if auth is not None:
+            hdrs["Authorization"] = auth
+        task = asyncio.ensure_future(self._prefill(turn.path, pbody, hdrs))
+        self._prefills.add(task)
+        task.add_done_callback(self._prefills.discard)
+        return None
+
+    def _prefill_skip(self, turn: Turn, key: str) -> str | None:
+        if turn.close_after or not self._session_open(turn.session_id):
+            return "session_end"
+        if self.slots.get(turn.session_id) is not None:
+            return "streaming_session"  # its KV is held in the slot already
+        if turn.response is None:
+            return "no_response_body"
+        if len(self._prefills) >= self.config.session_lifecycle.speculative_prefill_max_in_flight:
+            return "in_flight_cap"
+        if self._pressure(self._owner(key)):
+            return "pressure"
+        return None
+
+    async def _prefill(self, path: str, body: dict[str, Any], headers: dict[str, str]) -> None:
+        try:
+            async with self._http.post(
+                self._router + path, data=orjson.dumps(body), headers=headers
+            ) as resp:
+                await resp.read()
+                ok = resp.status == 200
+        except (aiohttp.ClientError, TimeoutError):
+            ok = False
+        self.counters.inc(PREFILL_SENT if ok else PREFILL_FAILED)
+
+    # -- observability -----------------------------------------------------------
+    def gauges(self) -> dict[str, float]:
+        return {
+            G_STREAMING: float(len(self.slots)),
+            G_STREAMING_HELD: float(self.slots.held_tokens()),
+            G_PREFILL_IN_FLIGHT: float(len(self._prefills)),
+            G_BOUND: float(len(self.timers)),
+        }
+
+    def stats(self, *, reset: bool = False) -> dict[str, float]:
+        out = dict(self.counters.window_items())
+        out.update(self.gauges())
+        if reset:
+            self.counters.reset_window()
+        return out
+
+    def collect(self) -> Iterator[Metric]:
+        yield from counter_families(self.counters, HELP)
+        yield from gauge_families(self.gauges(), GAUGE_HELP)
+
+
+__all__ = ["AgentControl", "Turn"]
