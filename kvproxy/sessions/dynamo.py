@@ -30,7 +30,7 @@ from kvproxy.sessions.agent_hints import Nvext
 from kvproxy.sessions.binding import BindTimers
 from kvproxy.sessions.identity import ROUTING_KEY_HEADER, new_rid
 from kvproxy.sessions.prefill import prefill_body
-from kvproxy.workload.wire import StreamState, parse_sse_line
+from kvproxy.sse import StreamState, parse_sse_line
 
 log = logging.getLogger(__name__)
 
