@@ -16,7 +16,7 @@ from kvproxy.sim.presets import scheduler_config
 URLS = ("http://127.0.0.1:30001", "http://127.0.0.1:30002")
 
 
-def _lab(policy: str) -> tuple[LabProxy, list[LabEngine]]:
+def _lab(policy: str, **admission: Any) -> tuple[LabProxy, list[LabEngine]]:
     cfg = scheduler_config(
         "qwen3-8b-h100",
         16,
@@ -26,7 +26,9 @@ def _lab(policy: str) -> tuple[LabProxy, list[LabEngine]]:
     )
     engines = [LabEngine(u, cfg) for u in URLS]
     proxy = LabProxy(
-        proxy_config(policy, LabTuning(), 256), engines, Placement("consistent_hashing", URLS)
+        proxy_config(policy, LabTuning(), 256, admission),
+        engines,
+        Placement("consistent_hashing", URLS),
     )
     return proxy, engines
 
@@ -84,7 +86,7 @@ def test_closing_a_session_aborts_its_request_and_tells_every_engine() -> None:
 
 def test_admission_scrapes_the_engines_and_a_close_ends_residency() -> None:
     async def main() -> dict[str, Any]:
-        proxy, engines = _lab("admission")
+        proxy, engines = _lab("admission", priority_steering=True)
         for e in engines:
             e.start()
         await proxy.start()
