@@ -96,14 +96,24 @@ ABLATION: tuple[tuple[str, dict[str, Any]], ...] = (
     ("fleet ledger", {"ledger": "fleet"}),
     ("hold continuing", {"hold_continuing": True}),
     ("no pause", {"pause": False}),
-    ("no priority steering", {"priority_steering": False}),
+    ("priority steering on", {"priority_steering": True}),
+    ("pause bound 8 s", {"paused_max_wait_s": 8.0}),
     ("no feedback", {"feedback": False}),
     ("request mode (Relax)", {"mode": "request"}),
 )
 
-# Trade-off: the hold bounds (paused turns, new sessions).
-CURVE_PAUSED = (0.0, 2.0, 8.0, 30.0, 120.0)
-CURVE_NEW = (30.0, 120.0, 600.0)
+# Trade-off: the hold bounds (paused turns, new sessions): (paused_max_wait_s,
+# new_session_max_wait_s) points.
+CURVE_POINTS: tuple[tuple[float, float], ...] = (
+    (8.0, 600.0),
+    (30.0, 600.0),
+    (60.0, 600.0),
+    (120.0, 600.0),
+    (60.0, 120.0),
+    (60.0, 1800.0),
+)
+CURVE_NEW = tuple(sorted({n for _, n in CURVE_POINTS}))
+CURVE_PAUSED = tuple(sorted({p for p, _ in CURVE_POINTS}))
 
 
 def cells(tables: Sequence[str], w1_per_engine: int, w2_per_engine: int) -> list[Cell]:
@@ -130,19 +140,30 @@ def cells(tables: Sequence[str], w1_per_engine: int, w2_per_engine: int) -> list
         if f"curve_{tag}" not in tables:
             continue
         out += [Cell(f"curve_{tag}", "off", workload, per_engine, "off")]
-        for paused in CURVE_PAUSED:
-            for new in CURVE_NEW:
-                out.append(
-                    Cell(
-                        f"curve_{tag}",
-                        f"paused={paused:g} new={new:g}",
-                        workload,
-                        per_engine,
-                        "both",
-                        admission={"paused_max_wait_s": paused, "new_session_max_wait_s": new},
-                    )
-                )
+        out += [
+            Cell(
+                f"curve_{tag}",
+                f"paused={paused:g} new={new:g}",
+                workload,
+                per_engine,
+                "both",
+                admission={"paused_max_wait_s": paused, "new_session_max_wait_s": new},
+            )
+            for paused, new in CURVE_POINTS
+        ]
     return out
+
+
+def _key(cell: Cell, seed: int) -> tuple[Any, ...]:
+    return (
+        cell.workload,
+        cell.per_engine,
+        cell.policy,
+        tuple(sorted(cell.admission.items())),
+        cell.batch,
+        cell.engines,
+        seed,
+    )
 
 
 def _run_one(job: tuple[Cell, int]) -> tuple[Cell, int, dict[str, Any]]:
@@ -284,6 +305,8 @@ def plot(doc: Mapping[str, Any], path: Path) -> None:
             for new in CURVE_NEW:
                 xs, ys, labels = [], [], []
                 for paused in CURVE_PAUSED:
+                    if (paused, new) not in CURVE_POINTS:
+                        continue
                     name = f"paused={paused:g} new={new:g}"
                     if name not in cells_:
                         continue
@@ -349,19 +372,26 @@ def main(argv: Sequence[str] | None = None) -> int:
             for c in todo
         ]
     seeds = list(range(args.seeds))
-    jobs = [(c, s) for c in todo for s in seeds]
-    # Longest first (busy engines: both, ceiling) keeps the processes evenly loaded.
+    # Each distinct lab configuration runs once (the off baseline is shared by tables).
+    unique: dict[Any, tuple[Cell, int]] = {}
+    for c in todo:
+        for seed in seeds:
+            unique.setdefault(_key(c, seed), (c, seed))
     t0 = time.perf_counter()
-    rows: dict[tuple[str, str], dict[int, dict[str, Any]]] = {}
+    done: dict[Any, dict[str, Any]] = {}
     with ProcessPoolExecutor(max_workers=args.jobs) as pool:
-        for cell, seed, row in pool.map(_run_one, jobs, chunksize=1):
-            rows.setdefault((cell.table, cell.name), {})[seed] = row
+        for cell, seed, row in pool.map(_run_one, list(unique.values()), chunksize=1):
+            done[_key(cell, seed)] = row
             print(
                 f"  {cell.table:9s} {cell.name:28s} seed {seed}: "
                 f"{row['sessions_per_min']:.2f} sess/min  {row['wall_s']:.1f}s wall",
                 file=sys.stderr,
                 flush=True,
             )
+    rows: dict[tuple[str, str], dict[int, dict[str, Any]]] = {}
+    for c in todo:
+        for seed in seeds:
+            rows.setdefault((c.table, c.name), {})[seed] = done[_key(c, seed)]
     wall = time.perf_counter() - t0
     try:
         commit = subprocess.run(
