@@ -116,7 +116,12 @@ CURVE_NEW = tuple(sorted({n for _, n in CURVE_POINTS}))
 CURVE_PAUSED = tuple(sorted({p for p, _ in CURVE_POINTS}))
 
 
-def cells(tables: Sequence[str], w1_per_engine: int, w2_per_engine: int) -> list[Cell]:
+def cells(
+    tables: Sequence[str],
+    w1_per_engine: int,
+    w2_per_engine: int,
+    curve: Sequence[tuple[float, float]] = CURVE_POINTS,
+) -> list[Cell]:
     out: list[Cell] = []
     if "w1" in tables:
         out += _pair("w1", "swe", w1_per_engine)
@@ -149,7 +154,7 @@ def cells(tables: Sequence[str], w1_per_engine: int, w2_per_engine: int) -> list
                 "both",
                 admission={"paused_max_wait_s": paused, "new_session_max_wait_s": new},
             )
-            for paused, new in CURVE_POINTS
+            for paused, new in curve
         ]
     return out
 
@@ -281,6 +286,54 @@ def markdown(doc: Mapping[str, Any]) -> str:
     return "\n".join(out)
 
 
+ROW_COLUMNS: tuple[tuple[str, str, str, str], ...] = (
+    # (header, metric, kind, format): kind "abs" (median (min-max)), "ratio" (to off,
+    # paired by seed), "gap" (fraction of the off-ceiling gap closed)
+    ("sessions/min", "sessions_per_min", "abs", ".2f"),
+    ("x off", "sessions_per_min", "ratio", ".2f"),
+    ("gap closed", "sessions_per_min", "gap", ".2f"),
+    ("output tok/s x off", "output_tokens_per_s", "ratio", ".2f"),
+    ("recomputed prefill x off", "recomputed_prefill_tokens", "ratio", ".2f"),
+    ("cont. TTFT p99 (s)", "ttft_p99_continuing_s", "abs", ".1f"),
+    ("cont. TTFT p99 x off", "ttft_p99_continuing_s", "ratio", ".2f"),
+    ("first-turn wait p99 (s)", "first_turn_wait_p99_s", "abs", ".0f"),
+    ("makespan x off", "makespan_s", "ratio", ".2f"),
+    ("retractions", "retractions", "abs", ".0f"),
+)
+
+
+def markdown_rows(doc: Mapping[str, Any]) -> str:
+    """One table per lab table: a row per configuration, median (min-max) over seeds."""
+    out: list[str] = []
+    for table, cells_ in doc["tables"].items():
+        has_off = "off" in cells_
+        has_gap = has_off and "ceiling" in cells_
+        cols = [
+            c for c in ROW_COLUMNS if (c[2] != "ratio" or has_off) and (c[2] != "gap" or has_gap)
+        ]
+        first = next(iter(cells_.values()))
+        seeds = len(first["per_seed"])
+        out.append(
+            f"**{table}** ({first['workload']}, "
+            f"{first['sessions_per_engine'] or 'preset'} sessions/engine"
+            f"{', fixed batch' if first.get('batch') else ''}; {seeds} seeds)\n"
+        )
+        out.append("| configuration | " + " | ".join(c[0] for c in cols) + " |")
+        out.append("|---|" + "---|" * len(cols))
+        for name, c in cells_.items():
+            vals = []
+            for _, metric, kind, spec in cols:
+                if kind == "abs":
+                    vals.append(_fmt(c["stats"][metric], spec))
+                elif kind == "ratio":
+                    vals.append(_fmt(c["ratio_to_off"].get(metric, {}), spec))
+                else:
+                    vals.append(_fmt(c.get("gap_closed", {}), spec))
+            out.append(f"| {name} | " + " | ".join(vals) + " |")
+        out.append("")
+    return "\n".join(out)
+
+
 def plot(doc: Mapping[str, Any], path: Path) -> None:
     import matplotlib
 
@@ -305,8 +358,6 @@ def plot(doc: Mapping[str, Any], path: Path) -> None:
             for new in CURVE_NEW:
                 xs, ys, labels = [], [], []
                 for paused in CURVE_PAUSED:
-                    if (paused, new) not in CURVE_POINTS:
-                        continue
                     name = f"paused={paused:g} new={new:g}"
                     if name not in cells_:
                         continue
@@ -346,6 +397,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--jobs", type=int, default=max(1, min(2, os.cpu_count() or 1)))
     ap.add_argument("--w1-per-engine", type=int, default=48)
     ap.add_argument("--w2-per-engine", type=int, default=64)
+    ap.add_argument(
+        "--curve-points",
+        default=None,
+        help="trade-off points as PAUSED:NEW,... (default: "
+        + ",".join(f"{p:g}:{n:g}" for p, n in CURVE_POINTS)
+        + ")",
+    )
     ap.add_argument("--json", type=Path, default=Path("results/admission_lab.json"))
     ap.add_argument("--markdown", type=Path, default=None, help="also write the tables here")
     ap.add_argument("--plot", type=Path, default=None, help="PNG of the trade-off curves")
@@ -356,14 +414,38 @@ def main(argv: Sequence[str] | None = None) -> int:
         metavar="KEY=VALUE",
         help="admission override for every 'both' cell (JSON value), e.g. pause=false",
     )
+    ap.add_argument(
+        "--render",
+        nargs="+",
+        type=Path,
+        default=None,
+        help="only re-render the markdown (and --plot) from these result JSONs",
+    )
     args = ap.parse_args(argv)
+    if args.render:
+        merged: dict[str, Any] = {"tables": {}}
+        for path in args.render:
+            merged["tables"].update(json.loads(path.read_text())["tables"])
+        text = markdown_rows(merged)
+        print(text)
+        if args.markdown is not None:
+            args.markdown.write_text(text)
+        if args.plot is not None:
+            plot(merged, args.plot)
+        return 0
     all_tables = "w1,w1_64,batch,w2,w3,notkv,ablation,curve_w1,curve_w2"
     tables = (all_tables if args.tables == "all" else args.tables).split(",")
     extra: dict[str, Any] = {}
     for item in args.set:
         key, _, value = item.partition("=")
         extra[key.strip()] = json.loads(value)
-    todo = cells(tables, args.w1_per_engine, args.w2_per_engine)
+    curve = CURVE_POINTS
+    if args.curve_points:
+        curve = tuple(
+            (float(a), float(b))
+            for a, _, b in (x.partition(":") for x in args.curve_points.split(","))
+        )
+    todo = cells(tables, args.w1_per_engine, args.w2_per_engine, curve)
     if extra:
         todo = [
             dataclasses.replace(c, admission={**extra, **c.admission})
@@ -431,7 +513,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 c["gap_closed"] = gap_closed(mine, off, ceil, metric)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(doc, indent=1) + "\n")
-    text = markdown(doc)
+    text = markdown_rows(doc)
     print(text)
     if args.markdown is not None:
         args.markdown.write_text(text)
