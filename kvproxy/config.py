@@ -175,13 +175,18 @@ class AdmissionConfig:
     # (false, the default: a continuing turn is forwarded at once, never held).
     hold_continuing: bool = False
     # Pause idle sessions under growth pressure; a paused session's next turn waits at
-    # most paused_max_wait_s (then goes anyway), ahead of new sessions.
+    # most paused_max_wait_s (then goes anyway), ahead of new sessions. 60 s: chosen in
+    # the lab (docs/admission.md#defaults): the bound is the lever of the gain and sets
+    # the continuing-turn TTFT tail (8 s gains nothing on W1).
     pause: bool = True
-    paused_max_wait_s: float = 8.0
+    paused_max_wait_s: float = 60.0
     # A new session waits in its engine's FIFO at most this long, then goes anyway.
     new_session_max_wait_s: float = 600.0
-    # Inject a size-based top-level priority when every engine evicts by priority.
-    priority_steering: bool = True
+    # Inject a size-based top-level priority when every engine evicts by priority. Off by
+    # default: with --enable-priority-scheduling (required for priority eviction) the
+    # priority also orders the engine's waiting queue, which starves small sessions
+    # (W2 continuing-turn TTFT p99 9x in the lab) for no throughput gain.
+    priority_steering: bool = False
     # Tokens per priority step: priority = floor(log2(context / priority_unit_tokens)),
     # clamped to [0, priority_max] and monotone per session.
     priority_unit_tokens: int = 4096

@@ -8,6 +8,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from kvproxy.lab.router import ROUTER_POLICIES
 from kvproxy.lab.runner import POLICIES, LabConfig, LabError, format_table, run_matrix
 
@@ -71,6 +73,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="override a workload parameter (real units, e.g. turns_median=20); repeatable",
     )
     parser.add_argument(
+        "--admission",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override an admission.* key (YAML/JSON value, e.g. paused_max_wait_s=30); repeatable",
+    )
+    parser.add_argument(
         "--pool-tokens",
         type=int,
         default=None,
@@ -89,6 +98,13 @@ def run(args: argparse.Namespace) -> int:
             print(f"kvproxy lab: --set needs KEY=VALUE, got {item!r}", file=sys.stderr)
             return 2
         workload_overrides[key.strip()] = value.strip()
+    admission: dict[str, Any] = {}
+    for item in args.admission:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            print(f"kvproxy lab: --admission needs KEY=VALUE, got {item!r}", file=sys.stderr)
+            return 2
+        admission[key.strip()] = yaml.safe_load(value)
     cfg = LabConfig(
         workload=args.workload,
         engines=args.engines,
@@ -99,6 +115,7 @@ def run(args: argparse.Namespace) -> int:
         cost_model=args.cost_model,
         engine_overrides=overrides,
         workload_overrides=workload_overrides,
+        admission_overrides=admission,
     )
     try:
         results = run_matrix(cfg, args.policy, args.seeds)

@@ -23,7 +23,7 @@ from typing import Any
 from kvproxy.sim.config import SchedulerConfig
 from kvproxy.sim.metrics import MetricsContext, render_metrics
 from kvproxy.sim.scheduler import Scheduler, SimError, SimRequest
-from kvproxy.sim.server import BadRequest, parse_generate
+from kvproxy.sim.server import SGLANG_VERSION, BadRequest, parse_generate
 
 MODEL_NAME = "kvproxy/sim-model"
 
@@ -154,6 +154,25 @@ class LabEngine:
         self.sched.close_session(session_id, asyncio.get_running_loop().time())
         if self._wake is not None:
             self._wake.set()
+
+    def server_info(self) -> dict[str, Any]:
+        """``GET /server_info``: the fields kvproxy reads (session mode, eviction and
+        scheduling policy), as the HTTP simulator reports them."""
+        cfg = self.cfg
+        return {
+            "served_model_name": MODEL_NAME,
+            "max_total_num_tokens": cfg.max_total_tokens,
+            "context_length": cfg.context_length,
+            "enable_session_radix_cache": cfg.mode == "session-radix",
+            "enable_streaming_session": cfg.mode == "streaming",
+            "radix_eviction_policy": cfg.eviction_policy,
+            "enable_priority_scheduling": cfg.enable_priority_scheduling,
+            "priority_scheduling_preemption_threshold": (
+                cfg.priority_scheduling_preemption_threshold
+            ),
+            "disable_radix_cache": False,
+            "version": SGLANG_VERSION,
+        }
 
     def metrics_text(self) -> str:
         """``GET /metrics``: the simulator's own Prometheus text."""

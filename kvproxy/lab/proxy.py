@@ -39,7 +39,7 @@ from multidict import CIMultiDict
 from kvproxy.admission.coordinator import AdmissionController, AdmissionRequest, Decision
 from kvproxy.config import Config
 from kvproxy.lab.engines import EngineError, LabEngine
-from kvproxy.lab.router import Placement
+from kvproxy.lab.router import ROUTING_KEY_HEADER, Placement
 from kvproxy.sessions.identity import injection_plan, new_rid, resolve_identity
 from kvproxy.sessions.lifecycle import SessionClosed, SessionManager
 from kvproxy.sim.scheduler import SimRequest
@@ -112,6 +112,8 @@ class LabProxy:
         self.sessions: SessionManager | None = None
         self.admission: AdmissionController | None = None
         self.decisions: dict[str, int] = {}
+        # Injected priorities (value -> requests), for the run's summary.
+        self.priorities: dict[int, int] = {}
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -127,11 +129,18 @@ class LabProxy:
             clock=loop.time,
             on_closed=self._session_closed,
         )
+        # As kvproxy.app wires it: the router's policy as deployed, the worker URLs as
+        # the router registered them (all available: the lab's engines never fail), and
+        # each engine's /server_info (read over HTTP in the proxy; known here).
+        ring = (tuple(urls), tuple(urls))
         self.admission = AdmissionController(
             cfg.admission,
             healthy_engines=lambda: urls,
             http=self.http,  # type: ignore[arg-type]
             clock=loop.time,
+            router_policy=self.placement.policy,
+            workers=lambda: ring,
+            server_info={url: e.server_info() for url, e in self.engines.items()},
         )
         self.admission._scrape = self._scrape  # type: ignore[method-assign]
         await self.sessions.start()
@@ -185,6 +194,14 @@ class LabProxy:
                 self.identity_only, path_session_id=None, headers=hdrs, body=body
             ).session_id
         ticket = rid or new_rid()
+        routing_key: str | None = None
+        if admission_on and session_id is not None and cfg.admission.mode == "program":
+            # As the handler: every request of a session carries its routing key (the
+            # client's own, else the proxy sets it to the session id).
+            routing_key = hdrs.get(ROUTING_KEY_HEADER)
+            if routing_key is None:
+                routing_key = session_id
+                hdrs[ROUTING_KEY_HEADER] = session_id
 
         async with AsyncExitStack() as stack:
             tracked = None
@@ -205,7 +222,12 @@ class LabProxy:
             try:
                 if admission_on:
                     areq = AdmissionRequest(
-                        ticket_id=ticket, path=path, headers=hdrs, body=body, session_id=session_id
+                        ticket_id=ticket,
+                        path=path,
+                        headers=hdrs,
+                        body=body,
+                        session_id=session_id,
+                        routing_key=routing_key,
                     )
                     enter = stack.enter_async_context(admission.admit(areq))
                     decision: Decision = await (
@@ -219,6 +241,16 @@ class LabProxy:
                         raise ProxyError(
                             409, "request_cancelled", f"request {ticket} was cancelled"
                         )
+                    if (
+                        decision.priority is not None
+                        and "priority" not in body
+                        and "priority" not in fields
+                    ):
+                        # Eviction steered by priority, spliced in as the handler does.
+                        fields["priority"] = decision.priority
+                        self.priorities[decision.priority] = (
+                            self.priorities.get(decision.priority, 0) + 1
+                        )
                 if tracked is not None:
                     tracked.forwarded()
             except SessionClosed as exc:
@@ -231,7 +263,7 @@ class LabProxy:
                 raise ProxyError(exc.status, "engine_error", str(exc)) from None
             if areq is not None:
                 # The engine's own usage report (meta_info of the final chunk).
-                admission.observe_usage(areq, req.prompt_tokens, req.cached_tokens)
+                admission.observe_usage(areq, req.prompt_tokens, req.cached_tokens, req.generated)
             return req, wait_s
         raise AssertionError("unreachable")  # pragma: no cover
 

@@ -74,9 +74,16 @@ class LabConfig:
     # WorkloadSpec fields to override, after the preset.
     workload_overrides: Mapping[str, Any] = field(default_factory=dict)
     tuning: LabTuning = field(default_factory=LabTuning)
-    # Engine mode and eviction (the demo's stack: session-radix cache, priority eviction).
+    # AdmissionConfig fields to override after the tuning (the YAML keys of
+    # ``admission``: ablation switches and hold bounds, e.g. {"pause": False}).
+    admission_overrides: Mapping[str, Any] = field(default_factory=dict)
+    # Engine mode, eviction and scheduling: the deployment contract's engine flags
+    # (--enable-session-radix-cache --radix-eviction-policy priority
+    # --enable-priority-scheduling, preemption threshold SGLang's default 10), the same
+    # in every policy, so configurations differ only in kvproxy.
     engine_mode: str = "session-radix"
     eviction_policy: str = "priority"
+    priority_scheduling: bool = True
     # Engine URLs as the router lists them (placement hashes these strings);
     # None: http://127.0.0.1:30001, :30002, ...
     engine_urls: tuple[str, ...] | None = None
@@ -115,10 +122,32 @@ def engine_urls(cfg: LabConfig) -> tuple[str, ...]:
     return tuple(f"http://127.0.0.1:{30001 + i}" for i in range(cfg.engines))
 
 
-def proxy_config(policy: str, tuning: LabTuning, completion_tokens: int) -> Config:
+def proxy_config(
+    policy: str,
+    tuning: LabTuning,
+    completion_tokens: int,
+    admission_overrides: Mapping[str, Any] | None = None,
+) -> Config:
     """The proxy's configuration for a policy (both features off for off/ceiling)."""
     lifecycle = policy in ("lifecycle", "both")
     admission = policy in ("admission", "both")
+    adm = AdmissionConfig(
+        enabled=admission,
+        headroom=tuning.headroom,
+        pressure_threshold=tuning.pressure_threshold,
+        max_wait_s=tuning.max_wait_s,
+        default_completion_tokens=completion_tokens,
+        poll_interval_s=tuning.poll_interval_s,
+        scope=tuning.scope,
+        session_residency=tuning.session_residency,
+        session_idle_s=tuning.session_idle_s,
+    )
+    if admission_overrides:
+        names = {f.name for f in dataclasses.fields(AdmissionConfig)}
+        bad = sorted(set(admission_overrides) - names)
+        if bad:
+            raise LabError(f"unknown admission keys: {', '.join(bad)}")
+        adm = dataclasses.replace(adm, **dict(admission_overrides))
     return Config(
         session_lifecycle=SessionLifecycleConfig(
             enabled=lifecycle,
@@ -126,18 +155,18 @@ def proxy_config(policy: str, tuning: LabTuning, completion_tokens: int) -> Conf
             close_timeout_s=tuning.close_timeout_s,
             check_engines=False,
         ),
-        admission=AdmissionConfig(
-            enabled=admission,
-            headroom=tuning.headroom,
-            pressure_threshold=tuning.pressure_threshold,
-            max_wait_s=tuning.max_wait_s,
-            default_completion_tokens=completion_tokens,
-            poll_interval_s=tuning.poll_interval_s,
-            scope=tuning.scope,
-            session_residency=tuning.session_residency,
-            session_idle_s=tuning.session_idle_s,
-        ),
+        admission=adm,
     )
+
+
+def scaled_token_knobs(token_scale: int) -> dict[str, int]:
+    """kvproxy's token-valued admission defaults at token scale K (every token count of
+    a lab run is divided by K, so these are too: same dynamics, fewer tokens)."""
+    d = AdmissionConfig()
+    return {
+        "priority_unit_tokens": max(1, round(d.priority_unit_tokens / token_scale)),
+        "session_buffer_tokens": max(0, round(d.session_buffer_tokens / token_scale)),
+    }
 
 
 def build(cfg: LabConfig) -> tuple[Any, Any, int, int]:
@@ -156,6 +185,7 @@ def build(cfg: LabConfig) -> tuple[Any, Any, int, int]:
     overrides: dict[str, Any] = {
         "mode": cfg.engine_mode,
         "eviction_policy": cfg.eviction_policy,
+        "enable_priority_scheduling": cfg.priority_scheduling,
         **dict(cfg.engine_overrides),
     }
     if cfg.policy == "ceiling":
@@ -180,7 +210,12 @@ async def _run(cfg: LabConfig) -> LabResult:
     engines = [LabEngine(url, sched_cfg) for url in urls]
     completion = max(1, round(4096 / cfg.token_scale))  # the admission clip, scaled
     proxy = LabProxy(
-        proxy_config(cfg.policy, cfg.tuning, completion),
+        proxy_config(
+            cfg.policy,
+            cfg.tuning,
+            completion,
+            {**scaled_token_knobs(cfg.token_scale), **dict(cfg.admission_overrides)},
+        ),
         engines,
         Placement(cfg.router_policy, urls),
     )
@@ -200,6 +235,18 @@ async def _run(cfg: LabConfig) -> LabResult:
             raise LabError(
                 f"the run passed max_simulated_s={cfg.max_simulated_s} simulated seconds"
             ) from None
+        admission_counters: dict[str, float] = {}
+        adm = proxy.admission
+        if adm is not None and adm.enabled:
+            from kvproxy.admission.catalogue import _PROGRAM_COUNTERS
+
+            stats = adm.stats()
+            admission_counters = {
+                k.removeprefix("agentic_kv/admission/"): round(float(stats[k]), 3)
+                for k in _PROGRAM_COUNTERS
+                if stats.get(k)
+            }
+            admission_counters["program_active"] = float(adm.program_active)
     finally:
         await proxy.stop()
         for e in engines:
@@ -226,6 +273,8 @@ async def _run(cfg: LabConfig) -> LabResult:
         pool_tokens_per_engine=sched_cfg.max_total_tokens,
         proxy_errors=dict(sorted(transport.errors.items())),
         admission_decisions=dict(sorted(proxy.decisions.items())),
+        admission_counters=admission_counters,
+        injected_priorities={str(k): v for k, v in sorted(proxy.priorities.items())},
         simulated_s=round(simulated, 6),
         # Admission's wait of sessions' first requests (None: admission off).
         first_turn_wait_p99_s=None if p99 is None else round(p99, 4),

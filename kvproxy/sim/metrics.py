@@ -15,7 +15,8 @@ prometheus_client's multiprocess mode writes them:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -43,6 +44,8 @@ def _escape(v: str) -> str:
 
 
 class _Writer:
+    """Writes the text at once (the reference spelling, :func:`render_metrics_uncached`)."""
+
     def __init__(self) -> None:
         self.lines: list[str] = []
 
@@ -55,6 +58,27 @@ class _Writer:
 
     def text(self) -> str:
         return "\n".join(self.lines) + "\n"
+
+
+class _TemplateWriter(_Writer):
+    """Writes the static text once, a ``str.format`` field where each value goes."""
+
+    def family(self, name: str, kind: str, help_text: str) -> None:
+        super().family(_brace(name), kind, _brace(help_text))
+
+    def sample(self, name: str, labels: dict[str, str], value: float) -> None:
+        self.lines.append(_brace(f"{name}{_labels(labels)} ") + "{}")
+
+
+def _brace(text: str) -> str:
+    return text.replace("{", "{{").replace("}", "}}")
+
+
+def _go(value: float) -> str:
+    """``floatToGoString`` with a fast path for small non-negative integers."""
+    if type(value) is int and 0 <= value < 1_000_000:
+        return f"{value}.0"
+    return floatToGoString(value)
 
 
 # (name, help) of the scheduler gauges, in SGLang's order.
@@ -115,9 +139,143 @@ def scheduler_gauges(s: Scheduler, context_len: int) -> dict[str, float]:
     }
 
 
-def _scheduler_label_sets(ctx: MetricsContext, dp: int, dp_rank: int) -> list[dict[str, str]]:
+class _Renderer:
+    """The template of one (context, DP size) and the texts of recent value sets."""
+
+    __slots__ = ("recent", "template")
+
+    def __init__(self, template: str) -> None:
+        self.template = template
+        self.recent: OrderedDict[tuple[float, ...], str] = OrderedDict()
+
+
+# Renderers by (context, DP size); a handful in any process.
+_RENDERERS: dict[tuple[MetricsContext, int], _Renderer] = {}
+_RENDERERS_MAX = 64
+# Texts kept per renderer for value sets seen recently (an idle engine's scrapes).
+_RECENT_MAX = 8
+
+
+def render_metrics(
+    ctx: MetricsContext,
+    ranks: Sequence[Scheduler],
+    context_len: int,
+    token_usage_override: float | None = None,
+) -> str:
+    """The engine's ``/metrics`` text for all DP ranks.
+
+    Equal to :func:`render_metrics_uncached` (tests compare them), but cheap: the
+    static text (families, label sets) is built once per (context, DP size) as a
+    ``str.format`` template by :func:`_emit`, each call only collects the values
+    (:func:`_values`, in the same order), and a value set
+    seen recently returns its text without formatting (an idle engine's scrapes).
+    """
+    key = (ctx, len(ranks))
+    r = _RENDERERS.get(key)
+    if r is None:
+        tw = _TemplateWriter()
+        _emit(tw, ctx, ranks, context_len, token_usage_override)
+        if len(_RENDERERS) >= _RENDERERS_MAX:
+            _RENDERERS.clear()
+        r = _RENDERERS[key] = _Renderer(tw.text())
+    values = _values(ctx, ranks, context_len, token_usage_override)
+    recent = r.recent
+    text = recent.get(values)
+    if text is not None:
+        recent.move_to_end(values)
+        return text
+    text = r.template.format(*map(_go, values))
+    recent[values] = text
+    if len(recent) > _RECENT_MAX:
+        recent.popitem(last=False)
+    return text
+
+
+def render_metrics_uncached(
+    ctx: MetricsContext,
+    ranks: Sequence[Scheduler],
+    context_len: int,
+    token_usage_override: float | None = None,
+) -> str:
+    """The reference spelling of :func:`render_metrics`: every line formatted anew."""
+    w = _Writer()
+    _emit(w, ctx, ranks, context_len, token_usage_override)
+    return w.text()
+
+
+def _values(
+    ctx: MetricsContext,
+    ranks: Sequence[Scheduler],
+    context_len: int,
+    token_usage_override: float | None,
+) -> tuple[float, ...]:
+    """The values :func:`_emit` writes, in its order, without building any label."""
+    tp = ctx.tp_size
+    gauges = [scheduler_gauges(s, context_len) for s in ranks]
+    if token_usage_override is not None:
+        for v in gauges:
+            v["token_usage"] = round(token_usage_override, 2)
+            v["full_token_usage"] = round(token_usage_override, 4)
+    names = _GAUGE_NAMES_STREAMING if ctx.streaming_sessions else _GAUGE_NAMES
+    out: list[float] = []
+    add = out.append
+    for name in names:
+        for v in gauges:
+            value = v[name]
+            for _ in range(tp):
+                add(value)
+    for s in ranks:
+        out.extend([s.stats.num_retracted_requests_total] * tp)
+    for s in ranks:
+        out.extend([s.kv.evicted_total] * tp)
+    for s in ranks:
+        st = s.stats
+        modes = (
+            st.realtime_prefill_compute_tokens,
+            st.realtime_prefill_cache_tokens,
+            st.realtime_decode_tokens,
+        )
+        for _ in range(tp):
+            out.extend(modes)
+    _tokenizer_values(ranks, add)
+    return tuple(out)
+
+
+def _tokenizer_values(ranks: Sequence[Scheduler], add: Callable[[float], None]) -> None:
+    """The tokenizer side of :func:`_values`: counters and histograms over all ranks."""
+    stats = [s.stats for s in ranks]
+    for all_attr, stream_attr in _TOKENIZER_COUNTERS:
+        streamed = sum(getattr(x, stream_attr) for x in stats)
+        add(sum(getattr(x, all_attr) for x in stats) - streamed)
+        add(streamed)
+    add(sum(x.cached_tokens_total for x in stats))
+    add(sum(x.num_aborted_requests_total for x in stats))
+    for attr in _HISTOGRAMS:
+        hists = [getattr(x, attr) for x in stats]
+        h = hists[0] if len(hists) == 1 else hists[0].merged(hists[1:])
+        cum = 0
+        for c in h.counts[: len(h.bounds)]:
+            cum += c
+            add(cum)
+        add(h.count)
+        add(h.count)
+        add(h.sum)
+
+
+_GAUGE_NAMES = tuple(name for name, _ in _GAUGES)
+_GAUGE_NAMES_STREAMING = _GAUGE_NAMES + tuple(name for name, _ in _STREAMING_GAUGES)
+_TOKENIZER_COUNTERS = (
+    ("prompt_tokens_total", "stream_prompt_tokens_total"),
+    ("generation_tokens_total", "stream_generation_tokens_total"),
+    ("num_requests_total", "stream_requests_total"),
+)
+_HISTOGRAMS = ("ttft", "e2e_latency", "queue_time")
+
+
+def _scheduler_label_sets(
+    ctx: MetricsContext, base: dict[str, str], dp: int, dp_rank: int
+) -> list[dict[str, str]]:
     """One label set per TP rank of DP rank ``dp_rank`` (series repeat per TP rank)."""
-    base = {"engine_type": "unified", "model_name": ctx.model_name}
     out = []
     for tp in range(ctx.tp_size):
         labels = {**base, "moe_ep_rank": "0", "pp_rank": "0", "tp_rank": str(tp)}
@@ -129,16 +287,17 @@ def _scheduler_label_sets(ctx: MetricsContext, dp: int, dp_rank: int) -> list[di
     return out
 
 
-def _write_scheduler_side(
+def _emit(
     w: _Writer,
     ctx: MetricsContext,
     ranks: Sequence[Scheduler],
     context_len: int,
     token_usage_override: float | None,
 ) -> None:
-    """Scheduler gauges and counters, per DP rank and TP rank."""
+    """Every family and sample of the text, in order, through ``w``."""
     dp = len(ranks)
-    label_sets = [_scheduler_label_sets(ctx, dp, i) for i in range(dp)]
+    base = {"engine_type": "unified", "model_name": ctx.model_name}
+    label_sets = [_scheduler_label_sets(ctx, base, dp, i) for i in range(dp)]
     values = [scheduler_gauges(s, context_len) for s in ranks]
     if token_usage_override is not None:  # fault knob: see FaultConfig.token_usage
         for v in values:
@@ -151,12 +310,7 @@ def _write_scheduler_side(
         for i in range(dp):
             for labels in label_sets[i]:
                 w.sample(full, labels, values[i][name])
-    _write_scheduler_counters(w, ranks, label_sets)
 
-
-def _write_scheduler_counters(
-    w: _Writer, ranks: Sequence[Scheduler], label_sets: list[list[dict[str, str]]]
-) -> None:
     # Scheduler-side counters. num_retracted_requests_total is not in the reference
     # document; its name and labels are from SGLang's SchedulerMetricsCollector.
     w.family(
@@ -180,6 +334,13 @@ def _write_scheduler_counters(
                 s.kv.evicted_total,
             )
 
+    _emit_realtime_tokens(w, ranks, label_sets)
+    _emit_tokenizer(w, ranks, base)
+
+
+def _emit_realtime_tokens(
+    w: _Writer, ranks: Sequence[Scheduler], label_sets: list[list[dict[str, str]]]
+) -> None:
     # sglang:realtime_tokens_total{mode}: the scheduler's token counters (scheduler
     # labels plus ``mode``), so recompute = prefill_compute / (prefill_compute +
     # prefill_cache) is visible in the engine's own metrics.
@@ -198,47 +359,33 @@ def _write_scheduler_counters(
                 w.sample("sglang:realtime_tokens_total", {**labels, "mode": mode}, value)
 
 
-# (name, help, total attribute, streamed attribute) of the tokenizer-side counters.
-_TOKENIZER_COUNTERS: tuple[tuple[str, str, str, str], ...] = (
-    (
-        "prompt_tokens_total",
-        "Number of prefill tokens processed.",
-        "prompt_tokens_total",
-        "stream_prompt_tokens_total",
-    ),
-    (
-        "generation_tokens_total",
-        "Number of generation tokens processed.",
-        "generation_tokens_total",
-        "stream_generation_tokens_total",
-    ),
-    (
-        "num_requests_total",
-        "Number of requests processed.",
-        "num_requests_total",
-        "stream_requests_total",
-    ),
-)
-# (name, help, attribute) of the tokenizer-side histograms.
-_HISTOGRAMS: tuple[tuple[str, str, str], ...] = (
-    ("time_to_first_token_seconds", "Histogram of time to first token in seconds.", "ttft"),
-    (
-        "e2e_request_latency_seconds",
-        "Histogram of End-to-end request latency in seconds",
-        "e2e_latency",
-    ),
-    ("queue_time_seconds", "Histogram of queueing time in seconds.", "queue_time"),
-)
-
-
-def _write_tokenizer_side(w: _Writer, base: dict[str, str], ranks: Sequence[Scheduler]) -> None:
-    """Tokenizer-side counters and histograms: one tokenizer for the whole engine."""
+def _emit_tokenizer(w: _Writer, ranks: Sequence[Scheduler], base: dict[str, str]) -> None:
+    """The tokenizer side of :func:`_emit`: one tokenizer for the whole engine."""
     st = [s.stats for s in ranks]
 
     def total(attr: str) -> int:
         return sum(getattr(x, attr) for x in st)
 
-    for name, help_text, all_attr, stream_attr in _TOKENIZER_COUNTERS:
+    for name, help_text, all_attr, stream_attr in (
+        (
+            "prompt_tokens_total",
+            "Number of prefill tokens processed.",
+            "prompt_tokens_total",
+            "stream_prompt_tokens_total",
+        ),
+        (
+            "generation_tokens_total",
+            "Number of generation tokens processed.",
+            "generation_tokens_total",
+            "stream_generation_tokens_total",
+        ),
+        (
+            "num_requests_total",
+            "Number of requests processed.",
+            "num_requests_total",
+            "stream_requests_total",
+        ),
+    ):
         full = f"sglang:{name}"
         w.family(full, "counter", help_text)
         streamed = total(stream_attr)
@@ -257,7 +404,15 @@ def _write_tokenizer_side(w: _Writer, base: dict[str, str], ranks: Sequence[Sche
     w.family("sglang:num_aborted_requests_total", "counter", "Number of requests aborted.")
     w.sample("sglang:num_aborted_requests_total", base, total("num_aborted_requests_total"))
 
-    for name, help_text, attr in _HISTOGRAMS:
+    for name, help_text, attr in (
+        ("time_to_first_token_seconds", "Histogram of time to first token in seconds.", "ttft"),
+        (
+            "e2e_request_latency_seconds",
+            "Histogram of End-to-end request latency in seconds",
+            "e2e_latency",
+        ),
+        ("queue_time_seconds", "Histogram of queueing time in seconds.", "queue_time"),
+    ):
         hists = [getattr(x, attr) for x in st]
         h = hists[0].merged(hists[1:])
         full = f"sglang:{name}"
@@ -269,19 +424,6 @@ def _write_tokenizer_side(w: _Writer, base: dict[str, str], ranks: Sequence[Sche
         w.sample(f"{full}_bucket", {**base, "le": "+Inf"}, h.count)
         w.sample(f"{full}_count", base, h.count)
         w.sample(f"{full}_sum", base, h.sum)
-
-
-def render_metrics(
-    ctx: MetricsContext,
-    ranks: Sequence[Scheduler],
-    context_len: int,
-    token_usage_override: float | None = None,
-) -> str:
-    """The engine's ``/metrics`` text for all DP ranks."""
-    w = _Writer()
-    _write_scheduler_side(w, ctx, ranks, context_len, token_usage_override)
-    _write_tokenizer_side(w, {"engine_type": "unified", "model_name": ctx.model_name}, ranks)
-    return w.text()
 
 
 GARBAGE_METRICS = (

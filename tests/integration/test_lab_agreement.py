@@ -58,7 +58,8 @@ def real_stack(tmp_path: Path) -> Iterator[tuple[list[str], str]]:
                     eviction_policy="priority",
                     cost_model="qwen3-8b-h100",
                     token_scale=K,
-                    extra_args=("--time-scale", str(TIME_SCALE)),
+                    # The deployment contract's engine flags, as the lab's engines run.
+                    extra_args=("--time-scale", str(TIME_SCALE), "--enable-priority-scheduling"),
                     log_dir=tmp_path,
                 )
             )

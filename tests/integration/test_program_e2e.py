@@ -281,7 +281,7 @@ async def test_a_full_engine_holds_its_new_sessions_while_the_others_pass(
 async def test_priority_reaches_the_engines_and_grows_with_the_context(
     proxy, ch_engines, http
 ) -> None:
-    p = await proxy()
+    p = await proxy(priority_steering=True)
     assert p.rt.admission.priority_steering
     (sid,) = keys_on(p, ch_engines[2].url, 1, "prio")
     for tokens in (1_000, 9_000, 17_000):

@@ -182,3 +182,19 @@ def test_cli_rejects_a_bad_policy(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         main(["lab", "--policy", "fast"])
     assert "policies must be" in capsys.readouterr().err
+
+
+def test_cli_admission_overrides_reach_the_controller(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "lab.json"
+    args = ["lab", "--sessions-per-engine", "2", "--sessions", "4", "--policy", "both"]
+    args += ["--set", "turns_median=4", "--set", "turns_hi=6", "--json", str(path)]
+    assert main([*args, "--admission", "ledger=fleet"]) == 0
+    row = json.loads(path.read_text())["policies"]["both"]["median"]
+    assert row["admission_counters"]["program_active"] == 0.0  # the fleet-wide path
+    assert main(args) == 0
+    row = json.loads(path.read_text())["policies"]["both"]["median"]
+    assert row["admission_counters"]["program_active"] == 1.0  # per-engine ledgers
+    assert main([*args, "--admission", "nope=1"]) == 2
+    assert "unknown admission keys: nope" in capsys.readouterr().err

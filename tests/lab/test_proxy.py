@@ -16,11 +16,19 @@ from kvproxy.sim.presets import scheduler_config
 URLS = ("http://127.0.0.1:30001", "http://127.0.0.1:30002")
 
 
-def _lab(policy: str) -> tuple[LabProxy, list[LabEngine]]:
-    cfg = scheduler_config("qwen3-8b-h100", 16, mode="session-radix", eviction_policy="priority")
+def _lab(policy: str, **admission: Any) -> tuple[LabProxy, list[LabEngine]]:
+    cfg = scheduler_config(
+        "qwen3-8b-h100",
+        16,
+        mode="session-radix",
+        eviction_policy="priority",
+        enable_priority_scheduling=True,
+    )
     engines = [LabEngine(u, cfg) for u in URLS]
     proxy = LabProxy(
-        proxy_config(policy, LabTuning(), 256), engines, Placement("consistent_hashing", URLS)
+        proxy_config(policy, LabTuning(), 256, admission),
+        engines,
+        Placement("consistent_hashing", URLS),
     )
     return proxy, engines
 
@@ -78,21 +86,25 @@ def test_closing_a_session_aborts_its_request_and_tells_every_engine() -> None:
 
 def test_admission_scrapes_the_engines_and_a_close_ends_residency() -> None:
     async def main() -> dict[str, Any]:
-        proxy, engines = _lab("admission")
+        proxy, engines = _lab("admission", priority_steering=True)
         for e in engines:
             e.start()
         await proxy.start()
         try:
             assert proxy.admission is not None
             req, wait = await proxy.generate(_headers("s2"), _body(2, 100, 10))
-            resident = proxy.admission.ledger.is_resident("s2")
+            session = proxy.admission.program.ledger.get("s2")
             await proxy.close_session("s2")
             await asyncio.sleep(1.0)  # a few polls
             return {
                 "finish": req.finish_reason,
                 "wait": wait,
-                "resident": resident,
-                "after_close": proxy.admission.ledger.is_resident("s2"),
+                "program_active": proxy.admission.program_active,
+                "engine": None if session is None else session.engine,
+                "served": [e.url for e in engines if e.sched.stats.num_requests_total],
+                "owner": proxy.placement.pick(_headers("s2")),
+                "priority": req.priority,
+                "after_close": proxy.admission.program.ledger.get("s2"),
                 "scrapes": [e.scrapes for e in engines],
                 "decisions": dict(proxy.decisions),
                 "session_id": req.session_id,
@@ -105,7 +117,12 @@ def test_admission_scrapes_the_engines_and_a_close_ends_residency() -> None:
     out = run_virtual(main())
     assert out["finish"]["type"] == "length"
     assert out["wait"] == 0.0
-    assert out["decisions"] == {"admit:capacity_available": 1}
-    assert out["resident"] is True and out["after_close"] is False
+    # Program admission runs: the ring is mirrored, the session is attributed to the
+    # engine that served it, and its priority (eviction steering) reached the engine.
+    assert out["program_active"] is True
+    assert out["decisions"] == {"admit:new_admitted": 1}
+    assert out["served"] == [out["owner"]] and out["engine"] == out["owner"]
+    assert out["priority"] == 0
+    assert out["after_close"] is None
     assert all(n >= 4 for n in out["scrapes"])  # start + every 0.25 s
     assert out["session_id"] is None  # admission alone injects nothing

@@ -423,7 +423,7 @@ def test_params_scale_every_duration_by_the_time_scale() -> None:
     p = ProgramParams.from_config(cfg, time_scale=0.5)
     assert (p.tick_s, p.paused_max_wait_s, p.idle_lease_s, p.idle_half_life_s) == (
         0.5,
-        4.0,
+        30.0,
         2.5,
         5.0,
     )

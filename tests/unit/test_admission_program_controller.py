@@ -107,7 +107,10 @@ async def test_a_full_engine_holds_its_new_sessions_while_the_other_engines_pass
 
 
 async def test_priority_is_injected_only_when_engines_evict_by_priority(lab) -> None:
-    ctl = await lab()
+    default = await lab()  # off by default (docs/admission.md#defaults)
+    d = await turn(default, request("t0", keys_on(A, 1)[0], 100), prompt=100)
+    assert d.priority is None
+    ctl = await lab(priority_steering=True)
     (a1,) = keys_on(A, 1)
     d = await turn(
         ctl,
@@ -123,7 +126,7 @@ async def test_priority_is_injected_only_when_engines_evict_by_priority(lab) -> 
     await ctl.poll_once()
     d = await turn(ctl, request("t2", a1, 20_000), prompt=20_000)
     assert d.priority == 2
-    lru = await lab(info="lru")
+    lru = await lab(info="lru", priority_steering=True)
     d = await turn(lru, request("t3", a1, 100), prompt=100)
     assert d.priority is None
     off = await lab(priority_steering=False)
