@@ -760,6 +760,22 @@ def lab_policies() -> list[str]:
     return names
 
 
+def gap_closed(
+    meds: Mapping[str, Mapping[str, Any]], key: str = "sessions_per_min"
+) -> dict[str, float]:
+    """(x - off) / (ceiling - off) of ``key`` per policy; {} without off and ceiling, or
+    when the ceiling is no better than off."""
+    off = meds.get("off", {}).get(key)
+    ceiling = meds.get("ceiling", {}).get(key)
+    if not isinstance(off, int | float) or not isinstance(ceiling, int | float) or ceiling <= off:
+        return {}
+    return {
+        n: (float(m[key]) - off) / (ceiling - off)
+        for n, m in meds.items()
+        if n not in ("off", "ceiling") and isinstance(m.get(key), int | float)
+    }
+
+
 def run_lab_table(
     seeds: Sequence[int], *, quick: bool = False, policies: Sequence[str] | None = None
 ) -> tuple[str, dict[str, Any]]:
@@ -788,6 +804,12 @@ def run_lab_table(
     if "off" in meds:
         lines.append("")
         lines += [verdict(n, m, meds["off"]) for n, m in meds.items() if n != "off"]
+        gap = gap_closed(meds)
+        if gap:
+            lines.append(
+                "gap to ceiling closed, (x - off) / (ceiling - off) in sessions/min: "
+                + ", ".join(f"{n} {g:.2f}" for n, g in gap.items())
+            )
     doc = {
         "lab_config": dataclasses.asdict(cfg),
         "seeds": list(seeds),

@@ -21,6 +21,7 @@ from kvproxy.demo import (
     QUICK_W1,
     VARIANTS,
     format_table,
+    gap_closed,
     lab_policies,
     pid_alive,
     proxy_config,
@@ -144,6 +145,13 @@ def test_table_has_a_ratio_column_and_a_verdict_per_feature() -> None:
     assert spm.split()[-3:] == ["10.00", "20.00", "2.00x"]
     lines = report_lines(meds)
     assert lines[-1].startswith("both: 2.00x sessions/min, 0.10x recompute")
+
+
+def test_gap_closed() -> None:
+    meds = {"off": _row(4.0, 0, 0), "both": _row(7.0, 0, 0), "ceiling": _row(8.0, 0, 0)}
+    assert gap_closed(meds) == {"both": 0.75}
+    assert gap_closed({"off": _row(4.0, 0, 0), "both": _row(7.0, 0, 0)}) == {}
+    assert gap_closed({**meds, "ceiling": _row(4.0, 0, 0)}) == {}
 
 
 def test_lab_table_runs_every_policy_of_the_lab() -> None:
