@@ -239,6 +239,9 @@ def test_quick_demo_runs_clean_and_both_features_reach_the_engines(tmp_path: Pat
     stats = runs["both"]["0"]["summary"]["proxy_stats"]
     assert stats.get("agentic_kv/session/close") == sessions, stats
     assert not stats.get("agentic_kv/session/close_failure"), stats
+    # Admission ran in program mode (placement mirrored from consistent_hashing).
+    assert stats.get("agentic_kv/admission/program_active") == 1, stats
+    assert stats.get("agentic_kv/admission/decision_continuing_forwarded", 0) > 0, stats
 
     if has_mpl:
         assert (out / "chart.png").stat().st_size > 1000
