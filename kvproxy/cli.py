@@ -18,7 +18,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "kvproxy.workload.driver",
         "run an agentic workload (preset or trace) against a URL",
     ),
-    "demo": ("kvproxy.demo", "run the agentic workload through the stack four ways and compare"),
+    "demo": (
+        "kvproxy.demo",
+        "W1 through the real stack, features off vs on, with verdicts (--lab: lab table)",
+    ),
     "doctor": ("kvproxy.doctor.cli", "check a live deployment: router, engines' flags, config"),
     "lab": ("kvproxy.lab.cli", "run engines, router, kvproxy and a workload in virtual time"),
 }

@@ -1,17 +1,26 @@
-"""``kvproxy demo``: the agentic workload through the real stack, four ways.
+"""``kvproxy demo``: the calibrated W1 scenario through the real stack, off vs both.
 
-Starts two simulated SGLang engines (session-radix cache, priority eviction) sized so
-the workload is KV-bound, the real router (``smg``) in front of them and kvproxy in
-front of the router, then runs the same seeded agentic workload with the proxy's
-features off, lifecycle only, admission only and both. The whole stack is restarted
-for every configuration so each run starts from a cold, identical cache. Prints a
-side-by-side table and writes ``results.json`` and ``chart.png``.
+Starts two simulated SGLang engines (the ``qwen3-8b-h100`` cost model at token scale
+16, session-radix cache, priority eviction, priority scheduling), the real router
+(``smg --policy consistent_hashing``, worker overload protection off: the deployment
+contract of docs/operations.md) and kvproxy in front, then runs the ``swe`` workload
+(W1) with a live working set about twice the fleet's KV pool, once per configuration
+and seed on a freshly started stack. kvproxy gets the documented defaults with only
+``admission.enabled``, ``session_lifecycle.enabled``, ``router.policy`` and
+``server.time_scale`` (= the engines' time scale, so its timers follow simulated time)
+set. Every configuration, ``off`` included, sends the same routing key
+(``X-SMG-Routing-Key: <session id>``) to the same router policy.
+
+Prints per-configuration medians over the seeds, ratios to ``off`` and a one-line
+verdict per feature, and writes ``results.json`` and ``chart.png``.
+
+``kvproxy demo --lab`` prints the lab's policy table (virtual time, seconds);
+``kvproxy demo --quick`` is a smoke run of the real stack (about 20-30 s).
 
 Every process is started by :mod:`kvproxy.stack` and stopped by its PID in a
-``finally`` (also on Ctrl-C and SIGTERM).
-
-The machinery (:class:`StackSpec`, :class:`Variant`, :func:`run_variant`,
-:func:`format_table`, :func:`write_chart`) is reused by ``scripts/bench_rollout.py``.
+``finally`` (also on Ctrl-C and SIGTERM). The machinery (:class:`Scenario`,
+:class:`Variant`, :func:`run_config`, :func:`run_scenario`, :func:`report_lines`,
+:func:`write_chart`) is reused by ``scripts/bench_rollout.py``.
 """
 
 from __future__ import annotations
@@ -19,28 +28,30 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import itertools
 import json
+import math
+import os
 import signal
+import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from kvproxy.workload.legacy import WorkloadConfig
+ProgressFn = Callable[[str], None]
 
 
 @dataclass(frozen=True, slots=True)
 class Variant:
-    """One configuration of the stack in front of the engines."""
+    """One configuration of kvproxy in front of the router."""
 
     name: str
     lifecycle: bool = False
     admission: bool = False
-    # False: the driver talks to the router directly (no proxy process at all).
-    via_proxy: bool = True
 
 
 VARIANTS: tuple[Variant, ...] = (
@@ -49,136 +60,145 @@ VARIANTS: tuple[Variant, ...] = (
     Variant("admission", admission=True),
     Variant("both", lifecycle=True, admission=True),
 )
-DIRECT = Variant("direct", via_proxy=False)
+VARIANTS_BY_NAME: dict[str, Variant] = {v.name: v for v in VARIANTS}
 
 
 @dataclass(frozen=True, slots=True)
-class StackSpec:
-    """Engines and router in front of which the workload runs."""
+class Scenario:
+    """A workload on a fleet of simulated engines, sized by live working set / pool."""
 
+    name: str
+    workload: str = "swe"
+    cost_model: str = "qwen3-8b-h100"
+    token_scale: int = 16
     engines: int = 2
-    max_total_tokens: int = 12_000
-    mode: str = "session-radix"
-    eviction_policy: str = "priority"
-    # Simulator wall seconds per simulated second (the driver's tool latency uses the
-    # same factor, so the dynamics do not change with it).
-    sim_time_scale: float = 1.0
-    engine_args: tuple[str, ...] = ()
-    # Sessions are sticky at the router in every configuration (the agent's
-    # X-Session-ID header is the routing key; a new session goes to the engine with
-    # the fewest requests), so the comparison isolates the proxy.
-    router_policy: str = "round_robin"
-    router_args: tuple[str, ...] = (
-        "--sticky-sessions",
-        "--routing-key-headers",
-        "X-Session-ID",
-        "--assignment-mode",
-        "min_load",
-    )
+    sessions_per_engine: int = 8
+    # Main sessions in a run; None: twice the concurrency (a closed loop of two waves).
+    sessions: int | None = None
+    # Live working set / fleet pool the pool is sized for; ignored with pool_tokens.
+    pool_ratio: float | None = 2.0
+    # KV tokens per engine (scaled); None: from pool_ratio, else the preset's.
+    pool_tokens: int | None = None
+    # Wall seconds per simulated second (engines, tool pauses and kvproxy's timers).
+    time_scale: float = 0.25
+    # WorkloadSpec parameters to override (real units, as ``kvproxy workload --set``).
+    workload_overrides: Mapping[str, Any] = field(default_factory=dict)
+    router_policy: str = "consistent_hashing"
+    # Simulated seconds a run may take (sessions still running then count as failed).
+    run_timeout_sim_s: float = 1800.0
+    request_timeout_sim_s: float = 600.0
+    # >0: the engines keep the last N requests as received (GET /sim/requests) and the
+    # run reports what reached them (session ids, routing keys, closes, priorities).
+    record_requests: int = 0
+
+    @property
+    def concurrency(self) -> int:
+        return self.sessions_per_engine * self.engines
+
+    @property
+    def total_sessions(self) -> int:
+        return self.sessions if self.sessions is not None else 2 * self.concurrency
+
+    def spec(self) -> Any:
+        from kvproxy.workload.spec import workload_spec
+
+        return workload_spec(self.workload, self.token_scale, **dict(self.workload_overrides))
+
+    def mean_context_per_call(self, samples: int = 300) -> float:
+        """Mean KV context of a request (scaled tokens), over ``samples`` seeded sessions."""
+        from kvproxy.workload.plan import session_plans
+
+        calls: list[int] = []
+        for plan in itertools.islice(session_plans(self.spec(), 0), samples):
+            ctx = 0
+            for turn in plan.turns:
+                ctx += len(turn.new_input_ids)
+                calls.append(ctx)
+                ctx += turn.max_new_tokens
+        return statistics.fmean(calls) if calls else 0.0
+
+    def live_working_set(self) -> int:
+        """Per engine: live sessions x mean context per call (calibration.md's R numerator)."""
+        return round(self.sessions_per_engine * self.mean_context_per_call())
+
+    def pool(self) -> int:
+        """KV tokens per engine (scaled)."""
+        if self.pool_tokens is not None:
+            return self.pool_tokens
+        if self.pool_ratio is not None:
+            return max(64, math.ceil(self.live_working_set() / self.pool_ratio))
+        from kvproxy.sim.presets import scheduler_config
+
+        return int(scheduler_config(self.cost_model, self.token_scale).max_total_tokens)
+
+    def check(self) -> None:
+        """Raise ValueError for a scenario whose sessions could not run: a request can
+        never be larger than an engine's pool (SGLang rejects it), so the workload's
+        context length must fit the pool."""
+        if self.engines < 1 or self.sessions_per_engine < 1 or self.total_sessions < 1:
+            raise ValueError(f"{self.name}: engines, sessions per engine and sessions must be >= 1")
+        if not 0 < self.time_scale <= 10:
+            raise ValueError(f"{self.name}: time scale must be in (0, 10] (got {self.time_scale})")
+        context = int(self.spec().context_length)
+        pool = self.pool()
+        if context > pool:
+            raise ValueError(
+                f"{self.name}: context length {context} (scaled) is larger than the engines' "
+                f"pool of {pool} tokens; lower context_length or raise sessions_per_engine"
+            )
+
+    def describe(self) -> dict[str, Any]:
+        pool = self.pool()
+        ws = self.live_working_set()
+        return {
+            **dataclasses.asdict(self),
+            "workload_overrides": dict(self.workload_overrides),
+            "concurrency": self.concurrency,
+            "total_sessions": self.total_sessions,
+            "pool_tokens_per_engine": pool,
+            "live_working_set_per_engine": ws,
+            "working_set_over_pool": round(ws / pool, 2),
+        }
 
 
-@dataclass(frozen=True, slots=True)
-class ProxyTuning:
-    """The proxy's configuration knobs the demo and the benchmark set (YAML keys)."""
-
-    on_close: str = "abort"
-    close_timeout_s: float = 2.0
-    headroom: float = 0.90
-    pressure_threshold: float = 0.92
-    max_wait_s: float = 30.0
-    poll_interval_s: float = 0.25
-    scope: str = "all"
-    # None: the workload's max_new_tokens.
-    expected_decode_cap: int | None = None
-    # None: the proxy's defaults.
-    session_residency: bool | None = None
-    session_idle_s: float | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class Preset:
-    stack: StackSpec
-    workload: WorkloadConfig
-    proxy: ProxyTuning = field(default_factory=ProxyTuning)
-
-
-ROLLOUT_WORKLOAD_DEFAULTS: dict[str, Any] = {
-    "num_sessions": 96,
-    "concurrency": 48,
-    "turns_min": 4,
-    "turns_max": 8,
-    "system_prefix_tokens": 1024,
-    "user_tokens": 128,
-    "tool_result_tokens_min": 256,
-    "tool_result_tokens_max": 512,
-    "max_new_tokens": 48,
-    "tool_latency": "lognormal",
-    "tool_latency_median_s": 0.5,
-    "tool_latency_sigma": 0.5,
-    "time_scale": 0.5,
-    "request_timeout_s": 60.0,
-    "run_timeout_s": 180.0,
-}
-
-
-def rollout_workload(**changes: Any) -> WorkloadConfig:
-    """The agentic rollout workload shared by the demo and ``scripts/bench_rollout.py``:
-    48 agents at once, 4-8 turns, a 1k-token shared system prompt, 256-512-token tool
-    results, 48-token replies, 0.5 s median tool latency."""
-    from kvproxy.workload.legacy import WorkloadConfig
-
-    return WorkloadConfig(**{**ROLLOUT_WORKLOAD_DEFAULTS, **changes})
-
-
-def working_set_tokens(w: WorkloadConfig) -> tuple[int, int]:
-    """(mean, max) live working set in KV tokens: the shared system prefix once plus,
-    for each of the ``concurrency`` live sessions, its own context (averaged over an
-    average session's life, or at the end of the longest possible session)."""
-    mean_tool = (w.tool_result_tokens_min + w.tool_result_tokens_max) / 2
-    mean_turns = (w.turns_min + w.turns_max) / 2
-    first = w.user_tokens + w.max_new_tokens  # a session's own tokens after turn 0
-    mean_final = first + (mean_turns - 1) * (mean_tool + w.max_new_tokens)
-    max_final = first + (w.turns_max - 1) * (w.tool_result_tokens_max + w.max_new_tokens)
-    prefix = w.system_prefix_tokens
-    return int(prefix + w.concurrency * (first + mean_final) / 2), int(
-        prefix + w.concurrency * max_final
-    )
-
-
-def presets() -> dict[str, Preset]:
-    """Demo sizes: ``quick`` (~20 s) and ``default`` (~2 min) on a 2-core machine.
-
-    ``default`` is the benchmark's "near-pool" scenario: 48 agents at once on two
-    engines of 24k KV tokens each; the live working set (the shared system prompt once
-    plus every live session's own context) is about 1.3x the fleet's pool on average
-    and up to 4x, and the engines are busy, so cache misses cost throughput.
-    ``quick``: 8 agents at once on two 8k engines; the live working set is about half
-    the pool on average and up to 1.8x, so what finished sessions leave behind decides
-    which live sessions lose their cache.
-
-    Both run the simulator faster than real time (``sim_time_scale``); the agents'
-    tool latency is scaled by the same factor, so the dynamics are unchanged.
-    """
-    default = Preset(
-        stack=StackSpec(engines=2, max_total_tokens=24_000, sim_time_scale=0.5),
-        workload=rollout_workload(run_timeout_s=120.0),
-        proxy=ProxyTuning(max_wait_s=30.0),
-    )
-    quick = Preset(
-        stack=StackSpec(engines=2, max_total_tokens=8_000, sim_time_scale=0.25),
-        workload=rollout_workload(
-            num_sessions=16,
-            concurrency=8,
-            turns_min=3,
-            turns_max=5,
-            tool_result_tokens_max=768,
-            tool_latency_median_s=1.0,
-            time_scale=0.25,
-            run_timeout_s=30.0,
-        ),
-        proxy=ProxyTuning(max_wait_s=10.0),
-    )
-    return {"default": default, "quick": quick}
+# The demo's W1: the calibrated swe workload (qwen3-8b-h100, K=16, 2 engines) with 8 live
+# sessions per engine (24 sessions a run) on a pool sized for twice their working set;
+# sessions cut at 10 turns, tool pauses at 30 s and the context at 16k tokens (below the
+# pool: a request never exceeds it) so that a run takes one to two simulated minutes.
+DEMO_W1 = Scenario(
+    name="w1-swe-2x",
+    sessions_per_engine=8,
+    sessions=24,
+    pool_ratio=2.0,
+    time_scale=0.2,
+    workload_overrides={
+        "turns_median": 8,
+        "turns_hi": 10,
+        "tool_latency_cap_s": 30,
+        "context_length": 16_384,
+    },
+    run_timeout_sim_s=900.0,
+    request_timeout_sim_s=900.0,
+)
+DEMO_SEEDS: tuple[int, ...] = (0, 1, 2)
+QUICK_W1 = dataclasses.replace(
+    DEMO_W1,
+    name="w1-swe-quick",
+    sessions_per_engine=4,
+    sessions=12,
+    workload_overrides={
+        "turns_median": 4,
+        "turns_lo": 3,
+        "turns_hi": 5,
+        "tool_latency_cap_s": 5,
+        "context_length": 5_120,
+    },
+    # Above a held first turn's wait (admission.new_session_max_wait_s bounds it).
+    run_timeout_sim_s=400.0,
+    request_timeout_sim_s=400.0,
+    record_requests=4000,
+)
+QUICK_SEEDS: tuple[int, ...] = (0,)
 
 
 def proxy_config(
@@ -187,37 +207,21 @@ def proxy_config(
     port: int,
     router_url: str,
     engine_urls: Sequence[str],
-    tuning: ProxyTuning,
-    workload: WorkloadConfig,
+    router_policy: str,
+    time_scale: float,
 ) -> dict[str, Any]:
-    """The YAML document (as a dict) for one configuration."""
-    cap = tuning.expected_decode_cap or workload.max_new_tokens
+    """kvproxy's YAML document (as a dict): the documented defaults with only the two
+    features, the router's policy and the time scale set."""
     return {
-        "server": {"host": "127.0.0.1", "port": port, "log_level": "WARNING"},
-        "router": {"url": router_url, "engines": list(engine_urls)},
-        "session_lifecycle": {
-            "enabled": variant.lifecycle,
-            "on_close": tuning.on_close,
-            "close_timeout_s": tuning.close_timeout_s,
+        "server": {
+            "host": "127.0.0.1",
+            "port": port,
+            "log_level": "WARNING",
+            "time_scale": time_scale,
         },
-        "admission": {
-            "enabled": variant.admission,
-            "headroom": tuning.headroom,
-            "pressure_threshold": tuning.pressure_threshold,
-            "max_wait_s": tuning.max_wait_s,
-            "expected_decode_cap": cap,
-            "default_completion_tokens": workload.max_new_tokens,
-            "poll_interval_s": tuning.poll_interval_s,
-            "scope": tuning.scope,
-            **{
-                key: value
-                for key, value in (
-                    ("session_residency", tuning.session_residency),
-                    ("session_idle_s", tuning.session_idle_s),
-                )
-                if value is not None
-            },
-        },
+        "router": {"url": router_url, "engines": list(engine_urls), "policy": router_policy},
+        "session_lifecycle": {"enabled": variant.lifecycle},
+        "admission": {"enabled": variant.admission},
     }
 
 
@@ -227,51 +231,101 @@ def _write_yaml(path: Path, doc: Mapping[str, Any]) -> None:
     path.write_text(yaml.safe_dump(dict(doc), sort_keys=False))
 
 
-def _pid(proc: Any) -> int | None:
-    pid = getattr(proc, "pid", None)
-    if pid is None:
-        popen = getattr(proc, "proc", None) or getattr(proc, "popen", None)
-        pid = getattr(popen, "pid", None)
-    return int(pid) if pid is not None else None
-
-
 def pid_alive(pid: int) -> bool:
     """True while a process with this PID exists (and is not a zombie)."""
-    import os
-
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    stat = Path(f"/proc/{pid}/stat")
     with contextlib.suppress(OSError):
-        fields_ = stat.read_text().rsplit(")", 1)[1].split()
+        fields_ = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
         if fields_ and fields_[0] == "Z":
             return False
     return True
 
 
-ProgressFn = Callable[[str], None]
+def _get_json(url: str, timeout_s: float = 5.0) -> Any:
+    import urllib.error
+    import urllib.request
+
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    try:
+        with opener.open(url, timeout=timeout_s) as resp:
+            return json.loads(resp.read())
+    except (urllib.error.URLError, OSError, ValueError):
+        return None
 
 
 def sim_overrun_s(engine_url: str, timeout_s: float = 2.0) -> float | None:
     """Wall seconds a simulated engine ran behind its cost model (``/sim/state``);
     None for a real engine or when it cannot be read. A large value means the host
     was too slow for the chosen time scale."""
-    import urllib.error
-    import urllib.request
-
-    try:
-        with urllib.request.urlopen(f"{engine_url}/sim/state", timeout=timeout_s) as resp:
-            data = json.loads(resp.read())
-    except (urllib.error.URLError, OSError, ValueError):
-        return None
+    data = _get_json(f"{engine_url}/sim/state", timeout_s)
     ranks = data.get("ranks") if isinstance(data, dict) else None
     if not isinstance(ranks, list):
         return None
     return round(sum(float(r.get("overrun_s", 0.0)) for r in ranks if isinstance(r, dict)), 3)
+
+
+def engine_clock(engine_url: str) -> dict[str, float] | None:
+    """The simulator's clock block of ``/server_info`` summed over ranks: ``overrun_s``
+    (wall seconds behind the cost model), ``max_lag_s``, ``late_steps``, ``steps``."""
+    data = _get_json(f"{engine_url}/server_info")
+    sim = data.get("kvproxy_sim") if isinstance(data, dict) else None
+    ranks = sim.get("clock") if isinstance(sim, dict) else None
+    if not isinstance(ranks, list) or not ranks:
+        return None
+    out = {"overrun_s": 0.0, "max_lag_s": 0.0, "late_steps": 0.0, "steps": 0.0}
+    for r in ranks:
+        if not isinstance(r, dict):
+            continue
+        out["overrun_s"] += float(r.get("overrun_s", 0.0))
+        out["max_lag_s"] = max(out["max_lag_s"], float(r.get("max_lag_s", 0.0)))
+        out["late_steps"] += float(r.get("late_steps", 0.0))
+        out["steps"] += float(r.get("steps", 0.0))
+    return {k: round(v, 3) for k, v in out.items()}
+
+
+def reached_engines(engine_urls: Sequence[str]) -> dict[str, Any] | None:
+    """What the engines received (``GET /sim/requests``, engines started with
+    ``--record-requests``): generate requests, those with a top-level ``session_id``,
+    a ``priority`` or an ``X-SMG-Routing-Key``, /close_session calls, and the sessions
+    whose requests reached more than one engine. None when nothing was recorded."""
+    total = {"generate": 0, "session_id": 0, "priority": 0, "routing_key": 0, "close_session": 0}
+    engines_of: dict[str, set[int]] = {}
+    any_recorded = False
+    for i, url in enumerate(engine_urls):
+        data = _get_json(f"{url}/sim/requests")
+        reqs = data.get("requests") if isinstance(data, dict) else None
+        if not isinstance(reqs, list):
+            continue
+        any_recorded = any_recorded or bool(reqs)
+        for r in reqs:
+            path = r.get("path")
+            headers = {str(k).lower(): v for k, v in (r.get("headers") or {}).items()}
+            if path == "/close_session":
+                total["close_session"] += 1
+                continue
+            if path != "/generate":
+                continue
+            total["generate"] += 1
+            try:
+                body = json.loads(r.get("body") or "{}")
+            except ValueError:
+                body = {}
+            if isinstance(body, dict):
+                total["session_id"] += "session_id" in body
+                total["priority"] += "priority" in body
+            key = headers.get("x-smg-routing-key")
+            if key:
+                total["routing_key"] += 1
+                engines_of.setdefault(str(key), set()).add(i)
+    if not any_recorded:
+        return None
+    moved = sum(1 for e in engines_of.values() if len(e) > 1)
+    return {**total, "sessions_seen": len(engines_of), "sessions_on_two_engines": moved}
 
 
 def _start_parallel(starters: Sequence[Callable[[], Any]]) -> list[Any]:
@@ -298,211 +352,333 @@ def _start_parallel(starters: Sequence[Callable[[], Any]]) -> list[Any]:
     return started
 
 
-def run_variant(
+# Summary keys in loop (wall) seconds and per-second rates: converted to simulated time.
+_DURATION_KEYS = (
+    "makespan_s",
+    "simulated_s",
+    "ttft_p50_s",
+    "ttft_p99_s",
+    "ttft_p99_first_s",
+    "ttft_p50_continuing_s",
+    "ttft_p99_continuing_s",
+    "latency_p50_s",
+    "latency_p99_s",
+    "session_time_p50_s",
+    "session_time_p99_s",
+)
+_WAIT_MS_KEYS = ("admission_wait_p50_ms", "admission_wait_p99_ms")
+_RATE_KEYS = ("sessions_per_min", "output_tokens_per_s")
+
+
+def to_simulated(summary: Mapping[str, Any], time_scale: float) -> dict[str, Any]:
+    """The driver's summary (loop seconds) in simulated seconds: durations / time_scale,
+    rates x time_scale. Token counts and ratios are unchanged."""
+    out = dict(summary)
+    for key in _DURATION_KEYS + _WAIT_MS_KEYS:
+        if isinstance(out.get(key), int | float):
+            out[key] = round(out[key] / time_scale, 4)
+    for key in _RATE_KEYS:
+        if isinstance(out.get(key), int | float):
+            out[key] = round(out[key] * time_scale, 4)
+    return out
+
+
+def first_turn_wait_p99_s(result: Any, time_scale: float) -> float | None:
+    """p99 of admission's wait of sessions' first requests, simulated seconds."""
+    from kvproxy.workload.report import percentile
+
+    waits = [
+        t.admission_wait_ms / 1000.0 / time_scale
+        for t in result.turns
+        if t.turn == 0 and t.admission_wait_ms is not None
+    ]
+    p99 = percentile(waits, 99)
+    return None if p99 is None else round(p99, 4)
+
+
+def run_config(
     variant: Variant,
+    scenario: Scenario,
     *,
-    stack: StackSpec,
-    workload: WorkloadConfig,
-    tuning: ProxyTuning,
+    seed: int,
     out_dir: Path,
     pids: list[int],
     progress: ProgressFn | None = None,
-    tag: str | None = None,
 ) -> dict[str, Any]:
-    """Start a fresh stack, run the workload through it, stop every process.
+    """Start a fresh stack (engines, smg, kvproxy), run one seed of the scenario through
+    it, stop every process. Every PID is appended to ``pids`` as soon as it is known.
 
-    Returns ``{"summary", "engine_delta", "proxy_config"?, "pids"}``. Every PID started
-    is also appended to ``pids`` as soon as it is known (so a caller can check them
-    even if this raises).
+    Returns ``{"summary" (simulated time), "wall_summary", "engine_deltas",
+    "engine_clock", "reached_engines", "proxy_config", "load", "pids"}``.
     """
     import asyncio
 
     from kvproxy import stack as stk
-    from kvproxy.workload.legacy import run_legacy
+    from kvproxy.workload.driver import run_http
 
-    name = tag or variant.name
-    log_dir = out_dir / "logs" / name
+    tag = f"{variant.name}-s{seed}"
+    log_dir = out_dir / "logs" / tag
     log_dir.mkdir(parents=True, exist_ok=True)
-    engine_extra = ("--time-scale", f"{stack.sim_time_scale:g}", *stack.engine_args)
+    ts = scenario.time_scale
+    pool = scenario.pool()
+    engine_extra = ["--enable-priority-scheduling", "--time-scale", f"{ts:g}"]
+    if scenario.record_requests:
+        engine_extra += ["--record-requests", str(scenario.record_requests)]
+    spec = scenario.spec()
     my_pids: list[int] = []
+    load_before = os.getloadavg()
     with contextlib.ExitStack() as es:
 
         def track(proc: Any) -> Any:
             es.callback(proc.stop)
-            pid = _pid(proc)
-            if pid is not None:
-                pids.append(pid)
-                my_pids.append(pid)
+            pids.append(proc.pid)
+            my_pids.append(proc.pid)
             return proc
 
         def engine_starter() -> Any:
             return stk.start_sim_engine(
-                max_total_tokens=stack.max_total_tokens,
-                mode=stack.mode,
-                eviction_policy=stack.eviction_policy,
+                max_total_tokens=pool,
+                mode="session-radix",
+                eviction_policy="priority",
+                cost_model=scenario.cost_model,
+                token_scale=scenario.token_scale,
                 extra_args=engine_extra,
                 log_dir=log_dir,
             )
 
-        engines = [track(p) for p in _start_parallel([engine_starter] * stack.engines)]
+        engines = [track(p) for p in _start_parallel([engine_starter] * scenario.engines)]
         engine_urls = [e.url for e in engines]
         router = track(
-            stk.start_router(
-                engine_urls,
-                policy=stack.router_policy,
-                extra_args=stack.router_args,
-                log_dir=log_dir,
+            stk.start_router(engine_urls, policy=scenario.router_policy, log_dir=log_dir)
+        )
+        port = stk.free_port()
+        doc = proxy_config(
+            variant,
+            port=port,
+            router_url=router.url,
+            engine_urls=engine_urls,
+            router_policy=scenario.router_policy,
+            time_scale=ts,
+        )
+        cfg_path = out_dir / f"kvproxy-{tag}.yaml"
+        _write_yaml(cfg_path, doc)
+        proxy = track(
+            stk.start_kvproxy(
+                config_path=cfg_path, router_url=router.url, port=port, log_dir=log_dir
             )
         )
-        result: dict[str, Any] = {}
-        base_url = router.url
-        if variant.via_proxy:
-            port = stk.free_port()
-            doc = proxy_config(
-                variant,
-                port=port,
-                router_url=router.url,
-                engine_urls=engine_urls,
-                tuning=tuning,
-                workload=workload,
-            )
-            cfg_path = out_dir / f"kvproxy-{name}.yaml"
-            _write_yaml(cfg_path, doc)
-            result["proxy_config"] = doc
-            proxy = track(
-                stk.start_kvproxy(
-                    config_path=cfg_path, router_url=router.url, port=port, log_dir=log_dir
-                )
-            )
-            base_url = proxy.url
-
         t0 = time.monotonic()
         last = [0.0]
 
         def on_session(done: int, failed: int, total: int) -> None:
             now = time.monotonic()
-            if progress is not None and (now - last[0] >= 2.0 or done + failed == total):
+            if progress is not None and (now - last[0] >= 5.0 or done + failed == total):
                 last[0] = now
                 fail = f", {failed} failed" if failed else ""
-                progress(f"  [{name}] {done + failed}/{total} sessions{fail}, {now - t0:.0f} s")
+                progress(f"  [{tag}] {done + failed}/{total} sessions{fail}, {now - t0:.0f} s")
 
         run = asyncio.run(
-            run_legacy(
-                workload,
-                base_url,
+            run_http(
+                spec,
+                proxy.url,
+                sessions=scenario.total_sessions,
+                concurrency=scenario.concurrency,
+                seed=seed,
+                time_scale=ts,
                 engine_urls=engine_urls,
                 progress=on_session,
-                read_stats=variant.via_proxy,
+                request_timeout_s=scenario.request_timeout_sim_s * ts,
+                run_timeout_s=scenario.run_timeout_sim_s * ts,
             )
         )
-        result["summary"] = run.summary()
-        result["engine_delta"] = run.engine_delta
-        result["engine_deltas"] = run.engine_deltas
-        overrun = [sim_overrun_s(u) for u in engine_urls]
-        if any(o is not None for o in overrun):
-            result["sim_overrun_s"] = overrun
-        result["pids"] = my_pids
+        wall = run.summary()
+        summary = to_simulated(wall, ts)
+        summary["first_turn_wait_p99_s"] = first_turn_wait_p99_s(run.result, ts)
+        clocks = [engine_clock(u) for u in engine_urls]
+        result: dict[str, Any] = {
+            "variant": variant.name,
+            "seed": seed,
+            "summary": summary,
+            "wall_summary": {k: wall[k] for k in ("wall_s", "makespan_s") if k in wall},
+            "engine_deltas": run.engine_deltas,
+            "engine_clock": clocks,
+            "reached_engines": reached_engines(engine_urls) if scenario.record_requests else None,
+            "proxy_config": doc,
+            "load": {"before": [round(x, 2) for x in load_before]},
+            "pids": my_pids,
+        }
+    result["load"]["after"] = [round(x, 2) for x in os.getloadavg()]
     return result
+
+
+def clock_overrun_share(runs: Sequence[Mapping[str, Any]]) -> float | None:
+    """Worst engine overrun over all runs as a share of the run's wall time: how far the
+    simulator fell behind its cost model (0.0: it kept up)."""
+    worst: float | None = None
+    for r in runs:
+        wall = (r.get("wall_summary") or {}).get("wall_s") or 0.0
+        for c in r.get("engine_clock") or []:
+            if c is None or wall <= 0:
+                continue
+            share = float(c["overrun_s"]) / wall
+            worst = share if worst is None else max(worst, share)
+    return None if worst is None else round(worst, 4)
+
+
+def run_scenario(
+    scenario: Scenario,
+    variants: Sequence[Variant],
+    seeds: Sequence[int],
+    *,
+    out_dir: Path,
+    pids: list[int],
+    progress: ProgressFn | None = None,
+) -> dict[str, Any]:
+    """Every configuration x seed on a fresh stack; seeds interleave so that a change
+    of the host's load hits every configuration alike.
+
+    Returns ``{"scenario", "seeds", "runs": {variant: {seed: run}}, "medians"}``.
+    """
+    say = progress or (lambda _line: None)
+    runs: dict[str, dict[int, dict[str, Any]]] = {v.name: {} for v in variants}
+    n = len(variants) * len(seeds)
+    i = 0
+    for seed in seeds:
+        for variant in variants:
+            i += 1
+            say(f"[{i}/{n}] {scenario.name} {variant.name} seed {seed}: starting the stack")
+            res = run_config(
+                variant, scenario, seed=seed, out_dir=out_dir, pids=pids, progress=progress
+            )
+            runs[variant.name][seed] = res
+            s = res["summary"]
+            say(
+                f"[{i}/{n}] {variant.name} seed {seed}: {s['sessions_completed']}/"
+                f"{s['sessions_started']} sessions, {s['sessions_per_min']:.2f}/min simulated, "
+                f"recomputed {s['recomputed_prefill_tokens']:,}, wall "
+                f"{res['wall_summary'].get('wall_s', 0):.0f} s, load {res['load']['before'][0]}"
+            )
+    return {
+        "scenario": scenario.describe(),
+        "seeds": list(seeds),
+        "runs": {v: {str(k): r for k, r in per.items()} for v, per in runs.items()},
+        "medians": medians(runs),
+        "clock_overrun_share": clock_overrun_share(
+            [r for per in runs.values() for r in per.values()]
+        ),
+    }
+
+
+def medians(runs: Mapping[str, Mapping[Any, Mapping[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """Per configuration, the median over seeds of every numeric summary field."""
+    from kvproxy.lab.runner import median_row
+
+    return {
+        name: median_row([r["summary"] for r in per.values()]) for name, per in runs.items() if per
+    }
 
 
 # ------------------------------------------------------------------------- reporting
 
+# (key, label, format, higher is better)
+METRICS: tuple[tuple[str, str, str, bool], ...] = (
+    ("sessions_per_min", "sessions/min (simulated)", "{:.2f}", True),
+    ("makespan_s", "makespan (s)", "{:.0f}", False),
+    ("cache_hit_rate", "cache hit rate", "{:.1%}", True),
+    ("recompute_share", "recompute share", "{:.1%}", False),
+    ("recomputed_prefill_tokens", "recomputed prefill tokens", "{:,.0f}", False),
+    ("evicted_tokens", "evicted tokens", "{:,.0f}", False),
+    ("ttft_p99_continuing_s", "TTFT p99 continuing (s)", "{:.2f}", False),
+    ("ttft_p99_first_s", "TTFT p99 first turn (s)", "{:.2f}", False),
+    ("first_turn_wait_p99_s", "first-turn wait p99 (s)", "{:.2f}", False),
+    ("output_tokens_per_s", "output tokens/s", "{:.1f}", True),
+    ("retractions", "retractions", "{:,.0f}", False),
+    ("sessions_completed", "sessions completed", "{:.0f}", True),
+    ("sessions_failed", "sessions failed", "{:.0f}", False),
+)
 
-def _stat(stats: Mapping[str, Any] | None, key: str) -> float | None:
-    if not stats:
+
+def ratio(value: Any, base: Any) -> float | None:
+    if not isinstance(value, int | float) or not isinstance(base, int | float):
         return None
-    value = stats.get(key)
-    return float(value) if isinstance(value, int | float) else None
+    if base == 0:
+        return 1.0 if value == 0 else None
+    return float(value) / float(base)
 
 
-def bypasses(stats: Mapping[str, Any] | None) -> dict[str, float]:
-    """``agentic_kv/admission/bypass_<reason>`` counters by reason (non-zero only)."""
-    prefix = "agentic_kv/admission/bypass_"
-    out: dict[str, float] = {}
-    for key, value in (stats or {}).items():
-        if key.startswith(prefix) and isinstance(value, int | float) and value:
-            out[key[len(prefix) :]] = float(value)
-    return out
-
-
-def _fmt(value: Any, digits: int = 0) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, float):
-        if digits == 0:
-            return f"{value:,.0f}"
-        return f"{value:,.{digits}f}"
-    if isinstance(value, int):
-        return f"{value:,}"
-    return str(value)
-
-
-def table_rows(summaries: Mapping[str, Mapping[str, Any]]) -> list[tuple[str, list[str]]]:
-    rows: list[tuple[str, Callable[[Mapping[str, Any]], str]]] = [
-        ("sessions completed", lambda s: f"{s['sessions_completed']}/{s['sessions_started']}"),
-        ("sessions / min", lambda s: _fmt(s["sessions_per_min"], 1)),
-        ("wall time (s)", lambda s: _fmt(s["wall_s"], 1)),
-        ("prefill tokens", lambda s: _fmt(s["prefill_tokens"])),
-        ("recomputed prefill tokens", lambda s: _fmt(s["recomputed_prefill_tokens"])),
-        ("cache hit rate", lambda s: _fmt(s["cache_hit_rate"], 3)),
-        ("evicted tokens", lambda s: _fmt(s["evicted_tokens"])),
-        ("retractions", lambda s: _fmt(s["retractions"])),
-        ("TTFT p50 (ms)", lambda s: _ms(s["ttft_p50_s"])),
-        ("TTFT p99 (ms)", lambda s: _ms(s["ttft_p99_s"])),
-        ("admission wait p50 (ms)", lambda s: _fmt(s["admission_wait_p50_ms"], 1)),
-        ("admission wait p99 (ms)", lambda s: _fmt(s["admission_wait_p99_ms"], 1)),
-        (
-            "bypasses by reason",
-            lambda s: (
-                ", ".join(f"{k}={v:g}" for k, v in bypasses(s.get("proxy_stats")).items()) or "-"
-            ),
-        ),
-        (
-            "session closes / failures",
-            lambda s: _closes(s.get("proxy_stats")),
-        ),
-    ]
-    return [(label, [fn(s) for s in summaries.values()]) for label, fn in rows]
-
-
-def _ms(value: float | None) -> str:
-    return "-" if value is None else f"{value * 1000:,.0f}"
-
-
-def _closes(stats: Mapping[str, Any] | None) -> str:
-    close = _stat(stats, "agentic_kv/session/close")
-    fail = _stat(stats, "agentic_kv/session/close_failure")
-    if close is None and fail is None:
-        return "-"
-    return f"{_fmt(close)} / {_fmt(fail or 0.0)}"
-
-
-def format_table(summaries: Mapping[str, Mapping[str, Any]]) -> str:
-    """Side-by-side text table, one column per configuration."""
-    rows = table_rows(summaries)
-    headers = ["", *summaries.keys()]
-    widths = [max(len(headers[0]), *(len(label) for label, _ in rows))]
-    for i, name in enumerate(summaries):
-        widths.append(max(len(name), *(len(cells[i]) for _, cells in rows)))
+def format_table(meds: Mapping[str, Mapping[str, Any]], base: str = "off") -> str:
+    """Medians side by side, then each configuration's ratio to ``base``."""
+    names = list(meds)
+    others = [n for n in names if n != base and base in meds]
+    header = ["", *names, *(f"{n}/{base}" for n in others)]
+    body: list[list[str]] = []
+    for key, label, fmt, _ in METRICS:
+        cells = [label]
+        for n in names:
+            v = meds[n].get(key)
+            cells.append("-" if v is None else fmt.format(v))
+        for n in others:
+            r = ratio(meds[n].get(key), meds[base].get(key))
+            cells.append("-" if r is None else f"{r:.2f}x")
+        body.append(cells)
+    widths = [max(len(row[i]) for row in [header, *body]) for i in range(len(header))]
     lines = [
         "  ".join(
-            h.rjust(w) if j else h.ljust(w)
-            for j, (h, w) in enumerate(zip(headers, widths, strict=True))
+            c.rjust(w) if j else c.ljust(w)
+            for j, (c, w) in enumerate(zip(header, widths, strict=True))
         )
     ]
     lines.append("  ".join("-" * w for w in widths))
-    for label, cells in rows:
-        parts = [label.ljust(widths[0])] + [
-            c.rjust(w) for c, w in zip(cells, widths[1:], strict=True)
-        ]
-        lines.append("  ".join(parts))
+    for row in body:
+        lines.append(
+            "  ".join(
+                c.rjust(w) if j else c.ljust(w)
+                for j, (c, w) in enumerate(zip(row, widths, strict=True))
+            )
+        )
     return "\n".join(lines)
 
 
-CHART_METRICS: tuple[tuple[str, str, float], ...] = (
-    ("sessions_per_min", "completed sessions / min", 1.0),
-    ("recomputed_prefill_tokens", "recomputed prefill tokens", 1.0),
-    ("ttft_p99_s", "TTFT p99 (ms)", 1000.0),
+def verdict(name: str, med: Mapping[str, Any], base: Mapping[str, Any]) -> str:
+    """One line from the measured medians: throughput, recompute and the continuing-turn
+    tail against ``off``, and what they add up to."""
+    spm = ratio(med.get("sessions_per_min"), base.get("sessions_per_min"))
+    rec = ratio(med.get("recomputed_prefill_tokens"), base.get("recomputed_prefill_tokens"))
+    tail = ratio(med.get("ttft_p99_continuing_s"), base.get("ttft_p99_continuing_s"))
+
+    def x(v: float | None) -> str:
+        return "-" if v is None else f"{v:.2f}x"
+
+    if spm is None:
+        word = "no result"
+    elif spm >= 1.05 and (tail is None or tail <= 1.10):
+        word = "faster"
+    elif spm >= 1.05:
+        word = "faster, with a worse tail"
+    elif spm <= 0.95:
+        word = "slower"
+    elif rec is not None and rec <= 0.9:
+        word = "same throughput, less recompute"
+    else:
+        word = "no measurable difference"
+    return (
+        f"{name}: {x(spm)} sessions/min, {x(rec)} recompute, "
+        f"continuing-turn TTFT p99 {x(tail)} -> {word}"
+    )
+
+
+def report_lines(meds: Mapping[str, Mapping[str, Any]], base: str = "off") -> list[str]:
+    """The table and one verdict line per configuration other than ``base``."""
+    lines = [format_table(meds, base), ""]
+    if base in meds:
+        lines += [verdict(n, m, meds[base]) for n, m in meds.items() if n != base]
+    return lines
+
+
+CHART_METRICS: tuple[tuple[str, str], ...] = (
+    ("sessions_per_min", "sessions / min"),
+    ("recomputed_prefill_tokens", "recomputed prefill"),
+    ("ttft_p99_continuing_s", "continuing-turn TTFT p99"),
 )
 
 
@@ -518,8 +694,8 @@ def write_chart(
     names = list(summaries)
     colors = ["#9e9e9e", "#4c9be8", "#f2a93b", "#3bb273", "#7f6fd1"]
     fig, axes = plt.subplots(1, len(CHART_METRICS), figsize=(3.2 * len(CHART_METRICS), 2.8))
-    for ax, (key, label, scale) in zip(axes, CHART_METRICS, strict=True):
-        values = [float(summaries[n].get(key) or 0.0) * scale for n in names]
+    for ax, (key, label) in zip(axes, CHART_METRICS, strict=True):
+        values = [float(summaries[n].get(key) or 0.0) for n in names]
         ax.bar(names, values, color=[colors[i % len(colors)] for i in range(len(names))])
         ax.set_ylim(bottom=0, top=None if max(values, default=0.0) > 0 else 1)
         ax.set_title(label, fontsize=9)
@@ -533,23 +709,176 @@ def write_chart(
     plt.close(fig)
 
 
+def git_revision() -> str | None:
+    """The checkout's commit ("+dirty" when tracked files differ), for provenance."""
+    root = Path(__file__).resolve().parent.parent
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return head + ("+dirty" if dirty else "")
+
+
+# ------------------------------------------------------------------------------- lab
+
+# The lab's W1 at the calibrated size: 48 live sessions per engine, the preset's pool
+# (live working set about 2.05x the pool).
+LAB_W1: dict[str, Any] = {
+    "workload": "swe",
+    "engines": 2,
+    "sessions_per_engine": 48,
+    "token_scale": 16,
+}
+
+
+def lab_policies() -> list[str]:
+    """Every policy the lab runs, plus its ablation configurations when it has them.
+
+    Hook: an ablation set exported by the lab as ``kvproxy.lab.runner.ABLATIONS`` (names
+    ``run_matrix`` accepts as policies) is appended to the table automatically."""
+    from kvproxy.lab import runner
+
+    names = list(runner.POLICIES)
+    for extra in getattr(runner, "ABLATIONS", ()):
+        if extra not in names:
+            names.append(str(extra))
+    return names
+
+
+def gap_closed(
+    meds: Mapping[str, Mapping[str, Any]], key: str = "sessions_per_min"
+) -> dict[str, float]:
+    """(x - off) / (ceiling - off) of ``key`` per policy; {} without off and ceiling, or
+    when the ceiling is no better than off."""
+    off = meds.get("off", {}).get(key)
+    ceiling = meds.get("ceiling", {}).get(key)
+    if not isinstance(off, int | float) or not isinstance(ceiling, int | float) or ceiling <= off:
+        return {}
+    return {
+        n: (float(m[key]) - off) / (ceiling - off)
+        for n, m in meds.items()
+        if n not in ("off", "ceiling") and isinstance(m.get(key), int | float)
+    }
+
+
+def run_lab_table(
+    seeds: Sequence[int], *, quick: bool = False, policies: Sequence[str] | None = None
+) -> tuple[str, dict[str, Any]]:
+    """The lab's policy (and ablation) table for W1: (text, JSON document)."""
+    from kvproxy.lab.runner import LabConfig, run_matrix
+    from kvproxy.lab.runner import format_table as lab_table
+
+    if quick:
+        s = DEMO_W1
+        cfg = LabConfig(
+            workload=s.workload,
+            engines=s.engines,
+            sessions_per_engine=s.sessions_per_engine,
+            sessions=s.total_sessions,
+            token_scale=s.token_scale,
+            cost_model=s.cost_model,
+            engine_overrides={"max_total_tokens": s.pool()},
+            workload_overrides=dict(s.workload_overrides),
+        )
+    else:
+        cfg = LabConfig(**LAB_W1)
+    names = list(policies) if policies else lab_policies()
+    results = run_matrix(cfg, names, list(seeds))
+    meds = {name: r["median"] for name, r in results.items()}
+    lines = [lab_table(meds)]
+    if "off" in meds:
+        lines.append("")
+        lines += [verdict(n, m, meds["off"]) for n, m in meds.items() if n != "off"]
+        gap = gap_closed(meds)
+        if gap:
+            lines.append(
+                "gap to ceiling closed, (x - off) / (ceiling - off) in sessions/min: "
+                + ", ".join(f"{n} {g:.2f}" for n, g in gap.items())
+            )
+    doc = {
+        "lab_config": dataclasses.asdict(cfg),
+        "seeds": list(seeds),
+        "policies": {
+            name: {"median": r["median"], "per_seed": {str(k): v for k, v in r["per_seed"].items()}}
+            for name, r in results.items()
+        },
+    }
+    return "\n".join(lines), doc
+
+
 # ------------------------------------------------------------------------------- CLI
 
 
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers, got {text!r}"
+        ) from None
+    if not values:
+        raise argparse.ArgumentTypeError("expected at least one seed")
+    return values
+
+
+def parse_variants(text: str) -> list[Variant]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in VARIANTS_BY_NAME]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"configurations must be a comma-separated subset of {', '.join(VARIANTS_BY_NAME)}"
+        )
+    return [VARIANTS_BY_NAME[n] for n in names]
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--quick", action="store_true", help="small workload (about 20 s)")
+    parser.add_argument(
+        "--quick", action="store_true", help="smoke run of the real stack (about 20-30 s)"
+    )
+    parser.add_argument(
+        "--lab",
+        action="store_true",
+        help="print the lab's policy table for W1 (virtual time; no processes)",
+    )
     parser.add_argument(
         "--out", metavar="DIR", help="output directory (default results/demo-<time>)"
     )
-    parser.add_argument("--seed", type=int, help="workload seed (default 0)")
-    parser.add_argument("--sessions", type=int, help="number of agent sessions")
-    parser.add_argument("--concurrency", type=int, help="sessions running at once")
-    parser.add_argument("--json-only", action="store_true", help="skip the PNG chart")
+    parser.add_argument(
+        "--seeds",
+        type=_int_list,
+        default=None,
+        help=f"comma-separated seeds (default {','.join(map(str, DEMO_SEEDS))}; --quick "
+        f"{','.join(map(str, QUICK_SEEDS))}; --lab 0)",
+    )
     parser.add_argument(
         "--only",
+        type=parse_variants,
+        default=None,
         metavar="NAMES",
-        help="comma-separated subset of configurations (off,lifecycle,admission,both)",
+        help="configurations (default off,both): a subset of off,lifecycle,admission,both",
     )
+    parser.add_argument(
+        "--time-scale",
+        type=float,
+        default=None,
+        help=f"wall seconds per simulated second (default {DEMO_W1.time_scale:g})",
+    )
+    parser.add_argument("--json-only", action="store_true", help="skip the PNG chart")
 
 
 @contextlib.contextmanager
@@ -570,97 +899,104 @@ def sigterm_as_interrupt() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
-def _workload_from_args(preset: Preset, args: argparse.Namespace) -> WorkloadConfig:
-    """The preset's workload with --seed / --sessions / --concurrency applied, validated."""
-    changes: dict[str, Any] = {}
-    for arg, name in (
-        ("seed", "seed"),
-        ("sessions", "num_sessions"),
-        ("concurrency", "concurrency"),
-    ):
-        if getattr(args, arg) is not None:
-            changes[name] = getattr(args, arg)
-    workload = dataclasses.replace(preset.workload, **changes)
-    workload.validate()
-    return workload
+def _run_lab(args: argparse.Namespace) -> int:
+    from kvproxy.lab.runner import LabError
+
+    seeds = args.seeds or [0]
+    started = time.monotonic()
+    size = "the demo's scaled W1" if args.quick else "W1, 2 engines x 48 live sessions"
+    print(f"kvproxy demo --lab: {size}, K=16, seeds {seeds} (virtual time)", flush=True)
+    try:
+        text, doc = run_lab_table(seeds, quick=args.quick)
+    except LabError as exc:
+        print(f"kvproxy demo: {exc}", file=sys.stderr)
+        return 2
+    print(text)
+    elapsed = time.monotonic() - started
+    if args.out:
+        out_dir = Path(args.out)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        doc["elapsed_s"] = round(elapsed, 2)
+        (out_dir / "lab.json").write_text(json.dumps(doc, indent=2) + "\n")
+        print(f"results: {out_dir / 'lab.json'}")
+    print(f"({elapsed:.0f} s)")
+    return 0
 
 
-def _variants_from_args(only: str | None) -> list[Variant]:
-    """The configurations --only names (all of them without it); ValueError for unknown ones."""
-    if not only:
-        return list(VARIANTS)
-    wanted = [n.strip() for n in only.split(",") if n.strip()]
-    known = {v.name: v for v in VARIANTS}
-    unknown = [n for n in wanted if n not in known]
-    if unknown:
-        raise ValueError(f"unknown configuration(s): {', '.join(unknown)}")
-    return [known[n] for n in wanted]
+def _scenario_from_args(args: argparse.Namespace) -> Any:
+    """The scenario --quick and --time-scale name, checked; ValueError names the problem."""
+    scenario = QUICK_W1 if args.quick else DEMO_W1
+    if args.time_scale is not None:
+        if not 0 < args.time_scale <= 10:
+            raise ValueError("--time-scale must be in (0, 10]")
+        scenario = dataclasses.replace(scenario, time_scale=args.time_scale)
+    scenario.check()
+    return scenario
+
+
+def _report(
+    doc: Mapping[str, Any],
+    meds: Mapping[str, Any],
+    seeds: Sequence[int],
+    say: Callable[[str], None],
+) -> None:
+    """The medians table, the verdicts and the engines' clock overrun."""
+    say("")
+    say(f"medians over seeds {list(seeds)} (simulated time):")
+    for line in report_lines(meds):
+        say(line)
+    overrun = doc.get("clock_overrun_share")
+    if overrun is not None:
+        kept_up = (
+            "the simulator kept up"
+            if overrun < 0.05
+            else "the host was too slow: use a larger --time-scale"
+        )
+        say(f"engine clock overrun: at most {overrun:.1%} of a run's wall time ({kept_up})")
+    say("")
 
 
 def run(args: argparse.Namespace) -> int:
-    preset = presets()["quick" if args.quick else "default"]
+    if args.lab:
+        return _run_lab(args)
     try:
-        workload = _workload_from_args(preset, args)
-        variants = _variants_from_args(args.only)
+        scenario = _scenario_from_args(args)
     except ValueError as exc:
         print(f"kvproxy demo: {exc}", file=sys.stderr)
         return 2
-
+    seeds = args.seeds or list(QUICK_SEEDS if args.quick else DEMO_SEEDS)
+    variants = args.only or [VARIANTS_BY_NAME["off"], VARIANTS_BY_NAME["both"]]
     out_dir = Path(args.out or f"results/demo-{time.strftime('%Y%m%d-%H%M%S')}")
     out_dir.mkdir(parents=True, exist_ok=True)
 
     def say(line: str) -> None:
         print(line, flush=True)
 
-    pool = preset.stack.engines * preset.stack.max_total_tokens
-    ws_mean, ws_max = working_set_tokens(workload)
+    d = scenario.describe()
     say(
-        f"kvproxy demo ({'quick' if args.quick else 'default'}): {workload.num_sessions} sessions, "
-        f"{workload.concurrency} at once, {workload.turns_min}-{workload.turns_max} turns, "
-        f"{preset.stack.engines} engines x {preset.stack.max_total_tokens:,} KV tokens; live "
-        f"working set {ws_mean / pool:.1f}x the fleet's KV pool on average, up to "
-        f"{ws_max / pool:.1f}x; output in {out_dir}"
+        f"kvproxy demo ({'quick' if args.quick else 'W1'}): workload {scenario.workload} on "
+        f"{scenario.engines} x {scenario.cost_model} (K={scenario.token_scale}, "
+        f"{d['pool_tokens_per_engine']:,} KV tokens each), {scenario.concurrency} live sessions, "
+        f"{scenario.total_sessions} per run; live working set {d['working_set_over_pool']}x "
+        f"the pool; smg {scenario.router_policy}; time scale {scenario.time_scale:g}; "
+        f"{', '.join(v.name for v in variants)} x seeds {seeds}; load "
+        f"{os.getloadavg()[0]:.2f}; output in {out_dir}"
     )
     pids: list[int] = []
-    results: dict[str, Any] = {}
     doc: dict[str, Any] = {
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "command": ["kvproxy", "demo", *sys.argv[2:]] if len(sys.argv) > 1 else ["kvproxy", "demo"],
+        "command": ["kvproxy", "demo", *sys.argv[2:]],
+        "commit": git_revision(),
         "mode": "quick" if args.quick else "default",
-        "stack": dataclasses.asdict(preset.stack),
-        "proxy_tuning": dataclasses.asdict(preset.proxy),
-        "workload": workload.to_dict(),
-        "fleet_pool_tokens": pool,
-        "working_set_tokens": {"mean": ws_mean, "max": ws_max},
-        "configurations": results,
         "pids": pids,
     }
     status = 0
     started = time.monotonic()
     try:
         with sigterm_as_interrupt():
-            for i, variant in enumerate(variants, start=1):
-                say(
-                    f"[{i}/{len(variants)}] {variant.name}: starting {preset.stack.engines} "
-                    "engines, router, kvproxy"
-                )
-                res = run_variant(
-                    variant,
-                    stack=preset.stack,
-                    workload=workload,
-                    tuning=preset.proxy,
-                    out_dir=out_dir,
-                    pids=pids,
-                    progress=say,
-                )
-                results[variant.name] = res
-                s = res["summary"]
-                say(
-                    f"[{i}/{len(variants)}] {variant.name}: {s['sessions_completed']}/"
-                    f"{s['sessions_started']} sessions in {s['wall_s']:.1f} s, "
-                    f"{s['sessions_per_min']:.1f}/min, recomputed prefill "
-                    f"{s['recomputed_prefill_tokens']:,} tokens"
-                )
+            doc.update(
+                run_scenario(scenario, variants, seeds, out_dir=out_dir, pids=pids, progress=say)
+            )
     except KeyboardInterrupt:
         say("interrupted: every process started has been stopped")
         status = 130
@@ -669,17 +1005,13 @@ def run(args: argparse.Namespace) -> int:
         status = 1
     doc["elapsed_s"] = round(time.monotonic() - started, 2)
     doc["status"] = status
-    (out_dir / "results.json").write_text(json.dumps(doc, indent=2, sort_keys=False) + "\n")
-    summaries = {name: r["summary"] for name, r in results.items()}
-    if summaries:
-        say("")
-        say(format_table(summaries))
-        say("")
+    (out_dir / "results.json").write_text(json.dumps(doc, indent=2) + "\n")
+    meds = doc.get("medians") or {}
+    if meds:
+        _report(doc, meds, seeds, say)
         if not args.json_only:
             try:
-                write_chart(
-                    summaries, out_dir / "chart.png", title="kvproxy demo (simulated engines)"
-                )
+                write_chart(meds, out_dir / "chart.png", title=f"kvproxy demo: {scenario.name}")
                 say(f"chart:   {out_dir / 'chart.png'}")
             except ImportError:
                 say("chart skipped: matplotlib is not installed (pip install -e '.[demo]')")

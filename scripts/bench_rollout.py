@@ -1,20 +1,22 @@
 #!/usr/bin/env python3
-"""Rollout benchmark: the agentic workload through the real stack, by scenario, seed and
-configuration, with medians and ratios to "off".
+"""Real-stack confirmation of issue #12's headline cells: simulated engines over HTTP
+(calibrated presets), the real router (smg ``consistent_hashing``, the deployment
+contract) and kvproxy with its documented defaults, each cell ``off`` vs ``both``
+(optionally ``lifecycle`` / ``admission``) over seeds on a freshly started stack.
 
-Scenarios:
-  kv-bound      the sessions' live working set is several times the fleet's KV pool
-  not-kv-bound  the same workload with a pool well above the working set
+Cells (live working set / fleet pool, per engine: live sessions x mean context per call):
+  w1            W1 swe on qwen3-8b-h100, ~2x the pool
+  w2            W2 rl on qwen3-32b-h200, ~3.6x the pool
+  w3            W3 subagents on qwen3-8b-h100, ~2x the pool (main sessions' context)
+  not-kv-bound  W1 swe at 0.5x the pool (every configuration should match off)
 
-Configurations: off, lifecycle, admission, both (all through kvproxy) and direct (the
-driver talks to the router; no proxy process), each on a freshly started stack.
+    python scripts/bench_rollout.py --cells w1 --seeds 0,1          # docs/benchmarks.md
+    python scripts/bench_rollout.py                                  # every cell, seeds 0,1
+    python scripts/bench_rollout.py --cells w1 --variants off,lifecycle,admission,both
 
-    python scripts/bench_rollout.py                       # full run (see docs/benchmarks.md)
-    python scripts/bench_rollout.py --seeds 0 --scenarios kv-bound --variants off,both
-    python scripts/bench_rollout.py --png docs/img/rollout.png
-
-Writes ``<out>/bench.json`` (every run's summary), ``<out>/bench.md`` (tables) and a
-chart; prints the tables.
+Writes ``<out>/bench.json`` (every run, with provenance: commit, command, seeds, host
+load, the engines' clock overrun) and ``<out>/bench.md`` (a table per cell), and prints
+the markdown. The machinery is kvproxy.demo's (the same code as ``kvproxy demo``).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import statistics
+import os
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -30,345 +32,195 @@ from pathlib import Path
 from typing import Any
 
 from kvproxy.demo import (
-    DIRECT,
-    VARIANTS,
-    Preset,
-    ProxyTuning,
-    StackSpec,
+    METRICS,
+    VARIANTS_BY_NAME,
+    Scenario,
     Variant,
+    git_revision,
+    parse_variants,
     pid_alive,
-    rollout_workload,
-    run_variant,
+    ratio,
+    run_scenario,
     sigterm_as_interrupt,
-    working_set_tokens,
+    verdict,
 )
 
-ALL_VARIANTS: dict[str, Variant] = {v.name: v for v in (*VARIANTS, DIRECT)}
-
-# Metrics reported per (scenario, configuration); (key, label, higher_is_better).
-METRICS: tuple[tuple[str, str, bool], ...] = (
-    ("sessions_per_min", "sessions/min", True),
-    ("recomputed_prefill_tokens", "recomputed prefill", False),
-    ("prefill_tokens", "prefill tokens", False),
-    ("cache_hit_rate", "cache hit rate", True),
-    ("evicted_tokens", "evicted tokens", False),
-    ("retractions", "retractions", False),
-    ("ttft_p50_s", "TTFT p50", False),
-    ("ttft_p99_s", "TTFT p99", False),
-    ("ttft_first_turn_p99_s", "TTFT p99, first turns", False),
-    ("ttft_later_turns_p99_s", "TTFT p99, later turns", False),
-    ("latency_p99_s", "request latency p99", False),
-    ("admission_wait_p99_ms", "adm. wait p99 (ms)", False),
-)
-
-
-def scenarios() -> dict[str, Preset]:
-    """One workload, three fleet sizes (see docs/benchmarks.md, "Rollout"). Working
-    sets count the shared system prompt once (``working_set_tokens``)."""
-    workload = rollout_workload(run_timeout_s=300.0)
-    tuning = ProxyTuning(max_wait_s=30.0)
-
-    def preset(kv_tokens_per_engine: int) -> Preset:
-        stack = StackSpec(engines=2, max_total_tokens=kv_tokens_per_engine, sim_time_scale=0.5)
-        return Preset(stack=stack, workload=workload, proxy=tuning)
-
-    return {
-        # live working set ~2.6x the fleet's KV pool on average, up to ~8x
-        "kv-bound": preset(12_000),
-        # ~1.3x on average, up to ~4x (the demo's default)
-        "near-pool": preset(24_000),
-        # ~0.1x on average, at most ~0.4x
-        "not-kv-bound": preset(256_000),
-    }
+# Concurrency is scaled down from the presets' (48, 64 and 24 sessions per engine) and
+# the pool with it, so the working set / pool ratio is the calibrated one and a run takes
+# minutes at time scale 0.25.
+CELLS: dict[str, Scenario] = {
+    "w1": Scenario(name="w1", workload="swe", sessions_per_engine=16, pool_ratio=2.0),
+    "w2": Scenario(
+        name="w2",
+        workload="rl",
+        cost_model="qwen3-32b-h200",
+        sessions_per_engine=16,
+        pool_ratio=3.6,
+    ),
+    "w3": Scenario(name="w3", workload="subagents", sessions_per_engine=8, pool_ratio=2.0),
+    "not-kv-bound": Scenario(
+        name="not-kv-bound", workload="swe", sessions_per_engine=16, pool_ratio=0.5
+    ),
+}
+# A cell's headline metric and its issue #12 target for both / off (None: >= 0.98x).
+HEADLINE: dict[str, tuple[str, float]] = {
+    "w1": ("sessions_per_min", 2.0),
+    "w2": ("output_tokens_per_s", 1.5),
+    "w3": ("sessions_per_min", 1.3),
+    "not-kv-bound": ("sessions_per_min", 0.98),
+}
 
 
-def git_revision() -> str | None:
-    """The checkout's commit (with "+dirty" when files differ from it), for provenance."""
-    import subprocess
-
-    root = Path(__file__).resolve().parent.parent
+def _int_list(text: str) -> list[int]:
     try:
-        head = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            cwd=root,
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=True,
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
-            cwd=root,
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=True,
-        ).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return head + ("+dirty" if dirty else "")
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers, got {text!r}"
+        ) from None
+    if not values:
+        raise argparse.ArgumentTypeError("expected at least one seed")
+    return values
 
 
-def _parse_value(raw: str) -> Any:
-    low = raw.strip().lower()
-    if low in ("true", "false"):
-        return low == "true"
-    if low in ("none", "null"):
-        return None
-    for cast in (int, float):
-        try:
-            return cast(raw)
-        except ValueError:
-            pass
-    return raw
+def _cells(text: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if names == ["all"]:
+        return list(CELLS)
+    bad = [n for n in names if n not in CELLS]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"cells: 'all' or a subset of {', '.join(CELLS)}")
+    return names
 
 
-def median(values: Sequence[float | None]) -> float | None:
-    data = [float(v) for v in values if v is not None]
-    return statistics.median(data) if data else None
-
-
-def aggregate(runs: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, dict[str, Any]]]:
-    """{scenario: {variant: {metric: median over seeds, "<metric>_vs_off": ratio}}}."""
-    grouped: dict[str, dict[str, list[Mapping[str, Any]]]] = {}
-    for r in runs:
-        grouped.setdefault(r["scenario"], {}).setdefault(r["variant"], []).append(r["summary"])
-    out: dict[str, dict[str, dict[str, Any]]] = {}
-    for scen, by_variant in grouped.items():
-        out[scen] = {}
-        for var, summaries in by_variant.items():
-            row: dict[str, Any] = {"runs": len(summaries)}
-            row["failed_sessions"] = sum(s["sessions_failed"] for s in summaries)
-            for key, _, _ in METRICS:
-                row[key] = median([s.get(key) for s in summaries])
-            spm = [s["sessions_per_min"] for s in summaries]
-            row["sessions_per_min_range"] = [min(spm), max(spm)]
-            out[scen][var] = row
-        base = out[scen].get("off")
-        if base is None:
-            continue
-        for row in out[scen].values():
-            for key, _, _ in METRICS:
-                a, b = row.get(key), base.get(key)
-                row[f"{key}_vs_off"] = (a / b) if a is not None and b else None
-    return out
-
-
-def _cell(value: Any, key: str) -> str:
-    if value is None:
-        return "-"
-    if key.endswith("_s"):
-        return f"{value * 1000:,.0f} ms"
-    if key == "cache_hit_rate":
-        return f"{value:.3f}"
-    if key in ("sessions_per_min", "admission_wait_p99_ms"):
-        return f"{value:,.1f}" if abs(value) < 100 else f"{value:,.0f}"
-    return f"{value:,.0f}"
-
-
-def markdown(agg: Mapping[str, Mapping[str, Mapping[str, Any]]]) -> str:
-    lines: list[str] = []
-    for scen, by_variant in agg.items():
-        names = list(by_variant)
-        lines.append(f"#### {scen}")
-        lines.append("")
-        lines.append("| metric (median) | " + " | ".join(names) + " |")
-        lines.append("|---|" + "---:|" * len(names))
-        for key, label, _ in METRICS:
-            cells = []
-            for n in names:
-                row = by_variant[n]
-                cell = _cell(row.get(key), key)
-                ratio = row.get(f"{key}_vs_off")
-                if n != "off" and ratio is not None:
-                    cell += f" ({ratio:.2f}x)"
-                cells.append(cell)
-            lines.append(f"| {label} | " + " | ".join(cells) + " |")
-        lines.append(
-            "| sessions/min, min-max | "
-            + " | ".join(
-                "{:.0f}-{:.0f}".format(*by_variant[n]["sessions_per_min_range"]) for n in names
-            )
-            + " |"
-        )
-        lines.append(
-            "| failed sessions (all runs) | "
-            + " | ".join(str(by_variant[n]["failed_sessions"]) for n in names)
-            + " |"
-        )
-        lines.append("")
+def markdown(cell: str, result: Mapping[str, Any], base: str = "off") -> str:
+    """One cell as a markdown table: medians, ratios to ``base``, verdicts, provenance."""
+    meds = result["medians"]
+    names = list(meds)
+    others = [n for n in names if n != base]
+    sc = result["scenario"]
+    lines = [
+        f"#### {cell}: {sc['workload']} on {sc['engines']} x {sc['cost_model']} "
+        f"(K={sc['token_scale']}), {sc['concurrency']} live sessions, {sc['total_sessions']} a "
+        f"run, live working set {sc['working_set_over_pool']}x the pool "
+        f"({sc['pool_tokens_per_engine']:,} tokens per engine), time scale {sc['time_scale']:g}",
+        "",
+        "| metric (median, simulated time) | "
+        + " | ".join(names)
+        + "".join(f" | {n}/{base}" for n in others)
+        + " |",
+        "|---" * (1 + len(names) + len(others)) + "|",
+    ]
+    for key, label, fmt, _ in METRICS:
+        cells = ["-" if meds[n].get(key) is None else fmt.format(meds[n][key]) for n in names]
+        for n in others:
+            r = ratio(meds[n].get(key), meds[base].get(key))
+            cells.append("-" if r is None else f"{r:.2f}x")
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    lines.append("")
+    if base in meds:
+        for n in others:
+            lines.append(f"- {verdict(n, meds[n], meds[base])}")
+        key, target = HEADLINE.get(cell, ("sessions_per_min", 1.0))
+        for n in others:
+            r = ratio(meds[n].get(key), meds[base].get(key))
+            if r is not None:
+                met = "met" if r >= target else "missed"
+                lines.append(f"- {n}: {key} {r:.2f}x of off (target {target:g}x: {met})")
+    overrun = result.get("clock_overrun_share")
+    loads = [
+        run["load"]["before"][0]
+        for per in result["runs"].values()
+        for run in per.values()
+        if run.get("load")
+    ]
+    lines.append(
+        f"- seeds {result['seeds']}; host load (1-min) {min(loads, default=0):.2f}-"
+        f"{max(loads, default=0):.2f} at the runs' starts; engines' clock overrun at most "
+        f"{'-' if overrun is None else f'{overrun:.1%}'} of a run's wall time"
+    )
     return "\n".join(lines)
 
 
-def write_chart(agg: Mapping[str, Mapping[str, Mapping[str, Any]]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    panels = (
-        ("sessions_per_min", "completed sessions / min"),
-        ("recomputed_prefill_tokens", "recomputed prefill tokens"),
-        ("ttft_p99_s", "TTFT p99 (s)"),
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument(
+        "--cells", type=_cells, default=list(CELLS), help="'all' or w1,w2,w3,not-kv-bound"
     )
-    scen_names = list(agg)
-    fig, axes = plt.subplots(
-        len(scen_names), len(panels), figsize=(9.6, 2.5 * len(scen_names)), squeeze=False
+    p.add_argument(
+        "--variants",
+        type=parse_variants,
+        default=[VARIANTS_BY_NAME["off"], VARIANTS_BY_NAME["both"]],
+        help="configurations (default off,both; also lifecycle, admission)",
     )
-    colors = {
-        "off": "#9e9e9e",
-        "lifecycle": "#4c9be8",
-        "admission": "#f2a93b",
-        "both": "#3bb273",
-        "direct": "#7f6fd1",
-    }
-    for i, scen in enumerate(scen_names):
-        names = list(agg[scen])
-        for j, (key, label) in enumerate(panels):
-            ax = axes[i][j]
-            values = [float(agg[scen][n].get(key) or 0.0) for n in names]
-            ax.bar(names, values, color=[colors.get(n, "#555555") for n in names])
-            ax.set_ylim(bottom=0, top=None if max(values) > 0 else 1)
-            ax.set_title(f"{scen}: {label}", fontsize=8)
-            ax.tick_params(axis="x", labelsize=7, rotation=20)
-            ax.tick_params(axis="y", labelsize=7)
-            ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=72)
-    plt.close(fig)
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", help="output directory (default results/bench-<time>)")
-    parser.add_argument("--seeds", default="0,1,2", help="comma-separated workload seeds")
-    parser.add_argument("--scenarios", default=",".join(scenarios()), help="comma-separated")
-    parser.add_argument(
-        "--variants", default=",".join(ALL_VARIANTS), help="comma-separated configurations"
+    p.add_argument("--seeds", type=_int_list, default=[0, 1], help="seeds (default 0,1)")
+    p.add_argument(
+        "--time-scale",
+        type=float,
+        default=None,
+        help="wall seconds per simulated second (default: each cell's, 0.25)",
     )
-    parser.add_argument("--sessions", type=int, help="override the number of sessions")
-    parser.add_argument("--concurrency", type=int, help="override sessions at once")
-    parser.add_argument("--png", help="also write the chart here (e.g. docs/img/rollout.png)")
-    parser.add_argument(
-        "--proxy-set",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a proxy tuning field for every scenario (e.g. pressure_threshold=1.0)",
-    )
-    args = parser.parse_args(argv)
-    tuning_changes: dict[str, Any] = {}
-    fields_ = {f.name: f for f in dataclasses.fields(ProxyTuning)}
-    for item in args.proxy_set:
-        key, sep, raw = item.partition("=")
-        if not sep or key not in fields_:
-            parser.error(f"--proxy-set {item!r}: expected KEY=VALUE with KEY in {sorted(fields_)}")
-        tuning_changes[key] = _parse_value(raw)
-
-    seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
-    all_scen = scenarios()
-    scen_names = [s.strip() for s in args.scenarios.split(",") if s.strip()]
-    var_names = [v.strip() for v in args.variants.split(",") if v.strip()]
-    for s in scen_names:
-        if s not in all_scen:
-            parser.error(f"unknown scenario {s!r} (known: {', '.join(all_scen)})")
-    for v in var_names:
-        if v not in ALL_VARIANTS:
-            parser.error(f"unknown configuration {v!r} (known: {', '.join(ALL_VARIANTS)})")
-
-    out_dir = Path(args.out or f"results/bench-{time.strftime('%Y%m%d-%H%M%S')}")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    runs: list[dict[str, Any]] = []
-    pids: list[int] = []
+    p.add_argument("--out", type=Path, default=None, help="default results/rollout-<time>")
+    a = p.parse_args(argv)
+    out = a.out or Path("results") / f"rollout-{time.strftime('%Y%m%d-%H%M%S')}"
+    out.mkdir(parents=True, exist_ok=True)
+    variants: list[Variant] = a.variants
+    if "off" not in {v.name for v in variants}:
+        variants = [VARIANTS_BY_NAME["off"], *variants]
     doc: dict[str, Any] = {
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "git": git_revision(),
-        "command": ["python", "scripts/bench_rollout.py", *(argv or sys.argv[1:])],
-        "scenarios": {},
-        "runs": runs,
+        "commit": git_revision(),
+        "command": [
+            "python",
+            "scripts/bench_rollout.py",
+            *(argv if argv is not None else sys.argv[1:]),
+        ],
+        "seeds": a.seeds,
+        "variants": [v.name for v in variants],
+        "host": {"cpus": os.cpu_count(), "load_at_start": [round(x, 2) for x in os.getloadavg()]},
+        "cells": {},
+        "pids": [],
     }
-    total = len(scen_names) * len(seeds) * len(var_names)
-    n = 0
-    t0 = time.monotonic()
+    pids: list[int] = doc["pids"]
+
+    def say(line: str) -> None:
+        print(line, flush=True)
+
+    sections: list[str] = []
     status = 0
     try:
         with sigterm_as_interrupt():
-            for scen in scen_names:
-                preset = all_scen[scen]
-                changes: dict[str, Any] = {}
-                if args.sessions is not None:
-                    changes["num_sessions"] = args.sessions
-                if args.concurrency is not None:
-                    changes["concurrency"] = args.concurrency
-                base_workload = dataclasses.replace(preset.workload, **changes)
-                preset = dataclasses.replace(
-                    preset, proxy=dataclasses.replace(preset.proxy, **tuning_changes)
+            for cell in a.cells:
+                sc = CELLS[cell]
+                if a.time_scale is not None:
+                    sc = dataclasses.replace(sc, time_scale=a.time_scale)
+                sc.check()
+                say(f"== {cell}: {sc.describe()['working_set_over_pool']}x the pool")
+                result = run_scenario(
+                    sc, variants, a.seeds, out_dir=out / cell, pids=pids, progress=say
                 )
-                pool = preset.stack.engines * preset.stack.max_total_tokens
-                ws_mean, ws_max = working_set_tokens(base_workload)
-                doc["scenarios"][scen] = {
-                    "stack": dataclasses.asdict(preset.stack),
-                    "workload": base_workload.to_dict(),
-                    "proxy_tuning": dataclasses.asdict(preset.proxy),
-                    "fleet_pool_tokens": pool,
-                    "working_set_tokens": {"mean": ws_mean, "max": ws_max},
-                }
-                print(
-                    f"== {scen}: live working set {ws_mean:,} tokens on average, up to {ws_max:,}; "
-                    f"fleet pool {pool:,} tokens",
-                    flush=True,
-                )
-                for seed in seeds:
-                    workload = dataclasses.replace(base_workload, seed=seed)
-                    for var in var_names:
-                        n += 1
-                        res = run_variant(
-                            ALL_VARIANTS[var],
-                            stack=preset.stack,
-                            workload=workload,
-                            tuning=preset.proxy,
-                            out_dir=out_dir / scen / f"seed{seed}",
-                            pids=pids,
-                            progress=None,
-                        )
-                        s = res["summary"]
-                        runs.append(
-                            {
-                                "scenario": scen,
-                                "seed": seed,
-                                "variant": var,
-                                "summary": s,
-                                "engine_deltas": res.get("engine_deltas"),
-                                "sim_overrun_s": res.get("sim_overrun_s"),
-                            }
-                        )
-                        print(
-                            f"[{n}/{total}] {scen} seed={seed} {var:9s} "
-                            f"{s['sessions_completed']}/{s['sessions_started']} sessions "
-                            f"{s['sessions_per_min']:.1f}/min recomputed={s['recomputed_prefill_tokens']:,} "
-                            f"hit={s['cache_hit_rate']:.3f} ttft_p99={s['ttft_p99_s']}s "
-                            f"({time.monotonic() - t0:.0f} s)",
-                            flush=True,
-                        )
+                doc["cells"][cell] = result
+                sections.append(markdown(cell, result))
+                (out / "bench.json").write_text(json.dumps(doc, indent=2) + "\n")
     except KeyboardInterrupt:
-        print("interrupted: every process started has been stopped", file=sys.stderr)
+        say("interrupted: every process started has been stopped")
         status = 130
-    agg = aggregate(runs)
-    doc["aggregate"] = agg
-    doc["pids_alive_after"] = [p for p in pids if pid_alive(p)]
-    (out_dir / "bench.json").write_text(json.dumps(doc, indent=2) + "\n")
-    md = markdown(agg)
-    (out_dir / "bench.md").write_text(md + "\n")
-    print()
-    print(md)
-    if agg:
-        write_chart(agg, out_dir / "rollout.png")
-        if args.png:
-            write_chart(agg, Path(args.png))
-    print(f"results: {out_dir}")
+    except ValueError as exc:
+        print(f"bench_rollout: {exc}", file=sys.stderr)
+        status = 2
+    doc["host"]["load_at_end"] = [round(x, 2) for x in os.getloadavg()]
+    doc["leaked_pids"] = [pid for pid in pids if pid_alive(pid)]
+    (out / "bench.json").write_text(json.dumps(doc, indent=2) + "\n")
+    cmd = " ".join(doc["command"])
+    md = "\n\n".join(
+        [f"Commit {doc['commit']}, `{cmd}`, seeds {a.seeds}, {os.cpu_count()} CPUs.", *sections]
+    )
+    (out / "bench.md").write_text(md + "\n")
+    say("")
+    say(md)
+    say(f"\nresults: {out / 'bench.json'}, {out / 'bench.md'}")
     return status
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
-# Run the kvproxy demo from a fresh clone: two simulated engines, the real router
-# (smg) and kvproxy, the agentic workload four ways, a table, results.json and a chart.
+# Run the kvproxy demo from a fresh clone: two calibrated simulated engines, the real
+# router (smg, consistent hashing) and kvproxy, the W1 (swe) workload at twice the KV
+# pool with kvproxy's features off and on over three seeds: medians, ratios to off, a
+# verdict per feature, results.json and a chart.
 #
-#   scripts/demo.sh            # about two minutes
-#   scripts/demo.sh --quick    # about 20 seconds
+#   scripts/demo.sh            # about two to three minutes on 2 cores
+#   scripts/demo.sh --quick    # smoke run, about 30 seconds
+#   scripts/demo.sh --lab      # the lab's policy table (virtual time)
 #
 # Creates .venv (if absent) and installs kvproxy with its demo extra into it.
 set -euo pipefail

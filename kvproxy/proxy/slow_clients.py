@@ -193,8 +193,12 @@ class GuardedRequestHandler(RequestHandler):
                 payload.on_eof(self._body_done)
             else:
                 self._disarm()
-        elif self._phase is None and not in_body and self._body is None:
-            self._arm(PHASE_HEADER)  # the first bytes of a keep-alive request's head
+        elif data and self._phase is None and not in_body and self._body is None:
+            # The first bytes of a keep-alive request's head. Only real bytes: aiohttp
+            # (3.14: web_protocol._resume_reading_if_drained, base_protocol.resume_reading)
+            # calls data_received(b"") to reparse buffered input while a request is being
+            # handled; arming then answered 408 to any request slower than the bound.
+            self._arm(PHASE_HEADER)
 
     def connection_lost(self, exc: BaseException | None) -> None:
         self._disarm()

@@ -1,5 +1,6 @@
-"""Smoke test of ``kvproxy demo --quick``: the real stack (simulated engines, smg,
-kvproxy) four ways, every process cleaned up, consistent results."""
+"""``kvproxy demo``: the pure parts (configs, scenario sizing, ratios and verdicts, the
+lab table) and a smoke run of ``--quick`` through the real stack (simulated engines,
+smg consistent_hashing, kvproxy) that checks what reached the engines."""
 
 from __future__ import annotations
 
@@ -14,104 +15,153 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kvproxy.config import from_mapping
+from kvproxy.config import AdmissionConfig, SessionLifecycleConfig, from_mapping
 from kvproxy.demo import (
+    DEMO_W1,
+    QUICK_W1,
     VARIANTS,
-    ProxyTuning,
-    bypasses,
     format_table,
+    gap_closed,
+    lab_policies,
     pid_alive,
-    presets,
     proxy_config,
-    working_set_tokens,
+    ratio,
+    report_lines,
+    run_lab_table,
+    to_simulated,
+    verdict,
 )
+from kvproxy.lab.runner import POLICIES
 
 needs_smg = pytest.mark.skipif(
     importlib.util.find_spec("smg") is None, reason="the real router (smg) is not installed"
 )
 
-TIMEOUT_S = 90
+TIMEOUT_S = 300  # two runs of at most 100 s (run_timeout_sim_s x time scale)
 
 
 # ------------------------------------------------------------- pure parts (fast)
 
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: v.name)
-def test_proxy_config_is_a_valid_kvproxy_config(variant, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    preset = presets()["default"]
+def test_proxy_config_is_the_documented_defaults_plus_three_keys(variant) -> None:  # type: ignore[no-untyped-def]
     doc = proxy_config(
         variant,
         port=18100,
         router_url="http://127.0.0.1:18000",
         engine_urls=["http://127.0.0.1:18001", "http://127.0.0.1:18002"],
-        tuning=ProxyTuning(session_idle_s=5.0),
-        workload=preset.workload,
+        router_policy="consistent_hashing",
+        time_scale=0.2,
     )
     cfg = from_mapping(yaml.safe_load(yaml.safe_dump(doc)))
-    assert cfg.session_lifecycle.enabled is variant.lifecycle
-    assert cfg.admission.enabled is variant.admission
-    assert cfg.admission.expected_decode_cap == preset.workload.max_new_tokens
-    assert cfg.admission.session_idle_s == 5.0
+    # Nothing but the features' switches differs from the documented defaults.
+    assert cfg.admission == dataclasses.replace(AdmissionConfig(), enabled=variant.admission)
+    assert cfg.session_lifecycle == dataclasses.replace(
+        SessionLifecycleConfig(), enabled=variant.lifecycle
+    )
+    assert cfg.router.policy == "consistent_hashing"
+    assert cfg.server.time_scale == 0.2
     assert cfg.router.engines == ("http://127.0.0.1:18001", "http://127.0.0.1:18002")
-    assert cfg.server.host == "127.0.0.1"
+    assert set(doc["admission"]) == {"enabled"}
+    assert set(doc["session_lifecycle"]) == {"enabled"}
 
 
-def test_presets_are_kv_bound() -> None:
-    for name, preset in presets().items():
-        mean, peak = working_set_tokens(preset.workload)
-        pool = preset.stack.engines * preset.stack.max_total_tokens
-        assert peak >= 1.5 * pool, name  # the live working set does not fit
-        if name == "default":
-            assert mean >= pool, name
-        assert preset.stack.engines == 2
-        assert preset.stack.mode == "session-radix"
-        assert preset.stack.eviction_policy == "priority"
+@pytest.mark.parametrize("scenario", [DEMO_W1, QUICK_W1], ids=lambda s: s.name)
+def test_demo_scenarios_are_w1_at_twice_the_pool(scenario) -> None:  # type: ignore[no-untyped-def]
+    scenario.check()
+    d = scenario.describe()
+    assert 1.8 <= d["working_set_over_pool"] <= 2.2
+    assert scenario.workload == "swe"
+    assert scenario.cost_model == "qwen3-8b-h100"
+    assert scenario.token_scale == 16
+    assert scenario.engines == 2
+    assert scenario.router_policy == "consistent_hashing"
+    # A request can never be larger than the pool.
+    assert scenario.spec().context_length <= scenario.pool()
 
 
-def test_working_set_counts_the_shared_prefix_once() -> None:
-    w = presets()["default"].workload
-    mean, peak = working_set_tokens(w)
-    wider = working_set_tokens(dataclasses.replace(w, concurrency=2 * w.concurrency))
-    prefix = w.system_prefix_tokens
-    assert wider[1] - prefix == 2 * (peak - prefix)
-    assert wider[0] - prefix == pytest.approx(2 * (mean - prefix), abs=2)
-    longer = working_set_tokens(dataclasses.replace(w, system_prefix_tokens=prefix + 100))
-    assert longer == (mean + 100, peak + 100)
+def test_scenario_sizing_and_checks() -> None:
+    half = dataclasses.replace(DEMO_W1, pool_ratio=1.0)
+    assert half.pool() == pytest.approx(2 * DEMO_W1.pool(), abs=2)
+    assert dataclasses.replace(DEMO_W1, pool_tokens=5000).pool() == 5000
+    # Context larger than the pool: a clear error, not failed sessions.
+    too_small = dataclasses.replace(DEMO_W1, workload_overrides={}, pool_tokens=1000)
+    with pytest.raises(ValueError, match="context length"):
+        too_small.check()
+    with pytest.raises(ValueError, match="time scale"):
+        dataclasses.replace(DEMO_W1, time_scale=0).check()
 
 
-def test_table_and_bypasses() -> None:
-    base = {
-        "sessions_completed": 4,
-        "sessions_started": 4,
-        "sessions_per_min": 12.5,
-        "wall_s": 19.2,
-        "prefill_tokens": 1000,
-        "recomputed_prefill_tokens": 10,
+def test_to_simulated_divides_durations_and_multiplies_rates() -> None:
+    wall = {
+        "makespan_s": 10.0,
+        "ttft_p99_continuing_s": 0.5,
+        "admission_wait_p99_ms": 100.0,
+        "sessions_per_min": 30.0,
+        "output_tokens_per_s": 8.0,
+        "recomputed_prefill_tokens": 123,
         "cache_hit_rate": 0.5,
-        "evicted_tokens": 0.0,
-        "retractions": None,
-        "ttft_p50_s": 0.012,
-        "ttft_p99_s": 0.2,
-        "admission_wait_p50_ms": None,
-        "admission_wait_p99_ms": None,
     }
-    stats = {
-        "agentic_kv/admission/bypass_aged": 2.0,
-        "agentic_kv/admission/bypass_degraded": 0.0,
-        "agentic_kv/session/close": 4.0,
-        "agentic_kv/session/close_failure": 1.0,
+    sim = to_simulated(wall, 0.25)
+    assert sim["makespan_s"] == 40.0
+    assert sim["ttft_p99_continuing_s"] == 2.0
+    assert sim["admission_wait_p99_ms"] == 400.0
+    assert sim["sessions_per_min"] == 7.5
+    assert sim["output_tokens_per_s"] == 2.0
+    assert sim["recomputed_prefill_tokens"] == 123
+    assert sim["cache_hit_rate"] == 0.5
+
+
+def _row(spm: float, rec: float, tail: float) -> dict[str, float]:
+    return {
+        "sessions_per_min": spm,
+        "recomputed_prefill_tokens": rec,
+        "ttft_p99_continuing_s": tail,
     }
-    assert bypasses(stats) == {"aged": 2.0}
-    assert bypasses(None) == {}
-    table = format_table({"off": base, "both": {**base, "proxy_stats": stats}})
-    lines = table.splitlines()
-    assert lines[0].split() == ["off", "both"]
-    row = next(line for line in lines if line.startswith("bypasses by reason"))
-    assert row.split()[-2:] == ["-", "aged=2"]
-    row = next(line for line in lines if line.startswith("session closes / failures"))
-    assert row.endswith("4 / 1")
-    row = next(line for line in lines if line.startswith("TTFT p99 (ms)"))
-    assert row.split()[-2:] == ["200", "200"]
+
+
+def test_verdicts_come_from_the_numbers() -> None:
+    off = _row(10.0, 1000.0, 2.0)
+    assert verdict("admission", _row(23.0, 200.0, 1.6), off) == (
+        "admission: 2.30x sessions/min, 0.20x recompute, continuing-turn TTFT p99 0.80x -> faster"
+    )
+    assert verdict("both", _row(7.0, 300.0, 3.0), off).endswith(
+        "0.70x sessions/min, 0.30x recompute, continuing-turn TTFT p99 1.50x -> slower"
+    )
+    assert verdict("x", _row(12.0, 900.0, 4.0), off).endswith("-> faster, with a worse tail")
+    assert verdict("x", _row(10.0, 500.0, 2.0), off).endswith("-> same throughput, less recompute")
+    assert verdict("x", _row(10.1, 1000.0, 2.0), off).endswith("-> no measurable difference")
+    assert ratio(0, 0) == 1.0
+    assert ratio(1, 0) is None
+    assert ratio(None, 1) is None
+
+
+def test_table_has_a_ratio_column_and_a_verdict_per_feature() -> None:
+    meds = {"off": _row(10.0, 1000.0, 2.0), "both": _row(20.0, 100.0, 1.0)}
+    table = format_table(meds)
+    header = table.splitlines()[0].split()
+    assert header == ["off", "both", "both/off"]
+    spm = next(line for line in table.splitlines() if line.startswith("sessions/min"))
+    assert spm.split()[-3:] == ["10.00", "20.00", "2.00x"]
+    lines = report_lines(meds)
+    assert lines[-1].startswith("both: 2.00x sessions/min, 0.10x recompute")
+
+
+def test_gap_closed() -> None:
+    meds = {"off": _row(4.0, 0, 0), "both": _row(7.0, 0, 0), "ceiling": _row(8.0, 0, 0)}
+    assert gap_closed(meds) == {"both": 0.75}
+    assert gap_closed({"off": _row(4.0, 0, 0), "both": _row(7.0, 0, 0)}) == {}
+    assert gap_closed({**meds, "ceiling": _row(4.0, 0, 0)}) == {}
+
+
+def test_lab_table_runs_every_policy_of_the_lab() -> None:
+    assert lab_policies()[: len(POLICIES)] == list(POLICIES)
+    text, doc = run_lab_table([0], quick=True, policies=["off", "both"])
+    assert text.splitlines()[0].split() == ["off", "both"]
+    assert "both:" in text and "sessions/min" in text
+    assert set(doc["policies"]) == {"off", "both"}
+    # --lab --quick runs the demo's own scaled W1 in the lab.
+    assert doc["policies"]["off"]["median"]["sessions"] == DEMO_W1.total_sessions
 
 
 def test_pid_alive() -> None:
@@ -125,7 +175,7 @@ def test_pid_alive() -> None:
 
 
 @needs_smg
-def test_quick_demo_runs_clean(tmp_path: Path) -> None:
+def test_quick_demo_runs_clean_and_both_features_reach_the_engines(tmp_path: Path) -> None:
     out = tmp_path / "demo"
     has_mpl = importlib.util.find_spec("matplotlib") is not None
     cmd = [sys.executable, "-m", "kvproxy", "demo", "--quick", "--out", str(out)]
@@ -142,55 +192,56 @@ def test_quick_demo_runs_clean(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     doc = json.loads((out / "results.json").read_text())
 
-    # Every process the demo started is gone.
-    pids = doc["pids"]
-    expected_procs = len(VARIANTS) * (doc["stack"]["engines"] + 2)
-    assert len(pids) == expected_procs
-    assert [p for p in pids if pid_alive(p)] == []
+    # Every process the demo started (2 engines, smg, kvproxy per run) is gone.
+    runs = doc["runs"]
+    assert list(runs) == ["off", "both"]
+    assert len(doc["pids"]) == 2 * (QUICK_W1.engines + 2)
+    assert [p for p in doc["pids"] if pid_alive(p)] == []
 
-    # Progress lines and the side-by-side table were printed.
-    assert "sessions" in proc.stdout
-    for v in VARIANTS:
-        assert v.name in proc.stdout
-    assert "recomputed prefill tokens" in proc.stdout
+    # The medians, the ratio column and a verdict for "both" were printed.
+    assert "both/off" in proc.stdout
+    assert "both: " in proc.stdout and "x sessions/min" in proc.stdout
+    assert "engine clock overrun" in proc.stdout
 
-    configs = doc["configurations"]
-    assert list(configs) == [v.name for v in VARIANTS]
-    num_sessions = doc["workload"]["num_sessions"]
-    for name, res in configs.items():
+    sessions = QUICK_W1.total_sessions
+    for name, per in runs.items():
+        (res,) = per.values()
         s = res["summary"]
-        assert s["sessions_started"] == num_sessions, name
-        assert s["sessions_completed"] == s["sessions_started"], (name, s["errors"])
-        assert s["sessions_failed"] == 0, name
-        assert s["requests_failed"] == 0, name
-        for key in (
-            "prompt_tokens",
-            "cached_tokens",
-            "prefill_tokens",
-            "recomputed_prefill_tokens",
-            "completion_tokens",
-        ):
-            assert s[key] >= 0, (name, key)
+        assert s["sessions_started"] == sessions, name
+        assert s["sessions_failed"] == 0, (name, s["errors"])
         assert s["cached_tokens"] <= s["prompt_tokens"], name
-        assert s["prefill_tokens"] == s["prompt_tokens"] - s["cached_tokens"], name
-        assert s["recomputed_prefill_tokens"] <= s["prefill_tokens"], name
+        assert 0 <= s["recomputed_prefill_tokens"] <= s["prefill_tokens"] <= s["prompt_tokens"]
         assert 0.0 <= s["cache_hit_rate"] <= 1.0, name
-        assert s["sessions_per_min"] > 0, name
-        for key in ("evicted_tokens", "retractions", "engine_prompt_tokens"):
-            assert s[key] is None or s[key] >= 0, (name, key)
-        # The engines saw at least the prompts the driver sent.
-        assert s["engine_prompt_tokens"] is not None and s["engine_prompt_tokens"] > 0, name
-        # The proxy answered /kvproxy/stats after the run.
-        assert isinstance(s.get("proxy_stats"), dict), name
-        assert (out / f"kvproxy-{name}.yaml").is_file()
+        # Every configuration used the same router policy and time scale.
+        cfg = res["proxy_config"]
+        assert cfg["router"]["policy"] == "consistent_hashing", name
+        assert cfg["server"]["time_scale"] == QUICK_W1.time_scale, name
+        clock = res["engine_clock"]
+        assert len(clock) == QUICK_W1.engines and all(c is not None for c in clock), name
+        seen = res["reached_engines"]
+        assert seen["generate"] == s["requests"], name
+        # The routing key reached the engines on every request, and consistent hashing
+        # kept every session on one engine.
+        assert seen["routing_key"] == seen["generate"], name
+        assert seen["sessions_seen"] == sessions, name
+        assert seen["sessions_on_two_engines"] == 0, name
 
-    # Lifecycle on: every session close went through the proxy and was fanned out.
-    for name in ("lifecycle", "both"):
-        stats = configs[name]["summary"]["proxy_stats"]
-        assert stats.get("agentic_kv/session/close") == num_sessions, stats
-        assert stats.get("agentic_kv/session/close_failure", 0) == 0, stats
-    for name in ("off", "admission"):
-        assert not configs[name]["summary"]["proxy_stats"].get("agentic_kv/session/close")
+    off = runs["off"]["0"]["reached_engines"]
+    both = runs["both"]["0"]["reached_engines"]
+    # Features off: kvproxy adds nothing to the body and no close reaches an engine.
+    assert off["session_id"] == 0 and off["priority"] == 0
+    assert off["close_session"] == 0
+    # Both on: every request tagged with its session, priority steering on (the engines
+    # run priority eviction), and every session closed on every engine (fan-out).
+    assert both["session_id"] == both["generate"] > 0
+    assert both["priority"] == both["generate"]
+    assert both["close_session"] == sessions * QUICK_W1.engines
+    stats = runs["both"]["0"]["summary"]["proxy_stats"]
+    assert stats.get("agentic_kv/session/close") == sessions, stats
+    assert not stats.get("agentic_kv/session/close_failure"), stats
+    # Admission ran in program mode (placement mirrored from consistent_hashing).
+    assert stats.get("agentic_kv/admission/program_active") == 1, stats
+    assert stats.get("agentic_kv/admission/decision_continuing_forwarded", 0) > 0, stats
 
     if has_mpl:
         assert (out / "chart.png").stat().st_size > 1000

@@ -21,7 +21,7 @@ from aiohttp.test_utils import TestServer
 
 from kvproxy.app import create_app, slow_client_guard
 from kvproxy.config import from_mapping
-from kvproxy.proxy.slow_clients import GuardedAppRunner, RateLimitedLog
+from kvproxy.proxy.slow_clients import GuardedAppRunner, RateLimitedLog, SlowClientGuard
 
 HEADER_S = 0.6
 BODY_S = 0.8
@@ -197,6 +197,38 @@ async def test_idle_keep_alive_and_prompt_requests_are_not_dropped(proxy: Proxy)
         assert status.startswith(b"HTTP/1.1 200"), status
     finally:
         writer.close()
+
+
+async def test_a_request_slower_than_the_header_bound_is_answered() -> None:
+    """A handler that takes longer than header_read_timeout_s (a held admission, a long
+    decode) is not cut off: the head arrived long before."""
+    header_s = 0.3
+
+    async def slow(request: web.Request) -> web.Response:
+        await request.read()
+        await asyncio.sleep(3 * header_s)  # the handler's own work, not synchronisation
+        return web.Response(text="ok")
+
+    app = web.Application()
+    app.router.add_post("/slow", slow)
+    drops: list[str] = []
+    runner = GuardedAppRunner(
+        app, guard=SlowClientGuard(lambda: (header_s, 5.0), on_drop=drops.append)
+    )
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    try:
+        async with aiohttp.ClientSession() as http:
+            # Twice on one keep-alive connection, with a small and a larger body.
+            for body in (b"x" * 100, b"x" * 70_000):
+                async with http.post(f"http://127.0.0.1:{port}/slow", data=body) as resp:
+                    assert resp.status == 200
+                    assert await resp.text() == "ok"
+    finally:
+        await runner.cleanup()
+    assert drops == []
 
 
 def test_rate_limited_log(caplog: pytest.LogCaptureFixture) -> None:
