@@ -127,6 +127,7 @@ async def _admission_ctx(app: web.Application) -> AsyncIterator[None]:
         router_policy=rt.config.router.policy,
         workers=rt.fleet.ring_workers,
         time_scale=rt.config.server.time_scale,
+        token_scale=rt.config.server.token_scale,
         router_metrics_url=rt.config.router.metrics_url,
     )
     await rt.admission.start()

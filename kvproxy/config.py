@@ -53,6 +53,12 @@ class ServerConfig:
     # production; a benchmark against simulated engines running faster than real time
     # sets it below 1 so the dynamics stay the same.
     time_scale: float = 1.0
+    # Real tokens per token of the engines: 1 in production. Simulated engines run at a
+    # token scale K (docs/simulator.md) where one token stands for K; kvproxy's
+    # token-valued admission settings (default_completion_tokens, expected_decode_cap,
+    # priority_unit_tokens, session_buffer_tokens) are then divided by K, as time_scale
+    # multiplies its durations, so the dynamics stay the same.
+    token_scale: int = 1
     # Slow clients: a request head must arrive within header_read_timeout_s (else 408
     # and the connection is closed), a request body within body_read_timeout_s of the
     # head's end (else the connection is closed). 0 disables a bound.
@@ -175,11 +181,12 @@ class AdmissionConfig:
     # (false, the default: a continuing turn is forwarded at once, never held).
     hold_continuing: bool = False
     # Pause idle sessions under growth pressure; a paused session's next turn waits at
-    # most paused_max_wait_s (then goes anyway), ahead of new sessions. 60 s: chosen in
+    # most paused_max_wait_s (then goes anyway), ahead of new sessions. 30 s: chosen in
     # the lab (docs/admission.md#defaults): the bound is the lever of the gain and sets
-    # the continuing-turn TTFT tail (8 s gains nothing on W1).
+    # the continuing-turn TTFT tail; 30 s is the largest that keeps that tail no worse
+    # than without kvproxy on W1 (8 s gains nothing; 60 s more throughput, worse tail).
     pause: bool = True
-    paused_max_wait_s: float = 60.0
+    paused_max_wait_s: float = 30.0
     # A new session waits in its engine's FIFO at most this long, then goes anyway.
     new_session_max_wait_s: float = 600.0
     # Inject a size-based top-level priority when every engine evicts by priority. Off by
@@ -409,6 +416,10 @@ def validate(cfg: Config) -> None:
         "server.admin_token: must be null or a non-empty string without surrounding spaces",
     )
     _check(0 < s.time_scale <= 100, f"server.time_scale: must be in (0, 100] (got {s.time_scale})")
+    _check(
+        1 <= s.token_scale <= 1024,
+        f"server.token_scale: must be an integer in [1, 1024] (got {s.token_scale})",
+    )
     _check(
         bool(re.match(r"^[a-z_]+$", r.policy)),
         f"router.policy: must be a policy name such as consistent_hashing (got {r.policy!r})",

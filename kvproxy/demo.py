@@ -209,15 +209,17 @@ def proxy_config(
     engine_urls: Sequence[str],
     router_policy: str,
     time_scale: float,
+    token_scale: int = 1,
 ) -> dict[str, Any]:
     """kvproxy's YAML document (as a dict): the documented defaults with only the two
-    features, the router's policy and the time scale set."""
+    features, the router's policy and the engines' time and token scales set."""
     return {
         "server": {
             "host": "127.0.0.1",
             "port": port,
             "log_level": "WARNING",
             "time_scale": time_scale,
+            "token_scale": token_scale,
         },
         "router": {"url": router_url, "engines": list(engine_urls), "policy": router_policy},
         "session_lifecycle": {"enabled": variant.lifecycle},
@@ -459,6 +461,7 @@ def run_config(
             engine_urls=engine_urls,
             router_policy=scenario.router_policy,
             time_scale=ts,
+            token_scale=scenario.token_scale,
         )
         cfg_path = out_dir / f"kvproxy-{tag}.yaml"
         _write_yaml(cfg_path, doc)

@@ -24,6 +24,7 @@ RESTART_ONLY = (
     "router.url",
     "router.max_connections",
     "server.time_scale",
+    "server.token_scale",
 )
 
 
@@ -54,6 +55,7 @@ async def reload_config(rt: Runtime) -> dict[str, Any]:
             max_body_bytes=rt.config.server.max_body_bytes,
             backlog=rt.config.server.backlog,
             time_scale=rt.config.server.time_scale,
+            token_scale=rt.config.server.token_scale,
         ),
         router=dataclasses.replace(
             new.router, url=rt.config.router.url, max_connections=rt.config.router.max_connections

@@ -383,6 +383,7 @@ class AdmissionController:
         workers: Callable[[], tuple[Sequence[str], Sequence[str]]] | None = None,
         server_info: Mapping[str, Mapping[str, Any]] | None = None,
         time_scale: float = 1.0,
+        token_scale: int = 1,
         router_metrics_url: str | None = None,
     ) -> None:
         """``healthy_engines``: engine base URLs to poll. Program mode (docs/admission.md):
@@ -390,12 +391,15 @@ class AdmissionController:
         accounting); ``workers`` returns (the worker URLs exactly as the router registered
         them, the available ones) for the ring mirror (default: the healthy engines);
         ``server_info`` seeds the engines' ``/server_info`` documents (else they are
-        read over ``http``); ``time_scale`` multiplies every duration of ``cfg``. Time
+        read over ``http``); ``time_scale`` multiplies every duration of ``cfg`` and
+        ``token_scale`` divides its token counts (``server.token_scale``). Time
         is the running loop's (``loop.time()``) unless ``clock`` is given."""
         if http is None and fetch_metrics is None:
             raise ValueError("AdmissionController needs http or fetch_metrics")
+        cfg = token_scaled(cfg, token_scale)
         self._raw_cfg = cfg
         self._time_scale = time_scale
+        self._token_scale = token_scale
         cfg = _scaled(cfg, time_scale)
         self._cfg = cfg
         self._healthy_engines = healthy_engines
@@ -471,6 +475,7 @@ class AdmissionController:
     async def reconfigure(self, cfg: AdmissionConfig) -> None:
         """Hot reload. Thresholds apply to the next decision; toggling starts or stops."""
         was_enabled = self._cfg.enabled
+        cfg = token_scaled(cfg, self._token_scale)
         self._raw_cfg = cfg
         self.program.configure(ProgramParams.from_config(cfg, self._time_scale))
         cfg = _scaled(cfg, self._time_scale)
@@ -1487,6 +1492,21 @@ def _loop_time() -> float:
 
 def _residency_of(cfg: AdmissionConfig) -> bool:
     return cfg.session_residency and cfg.mode != "request"
+
+
+def token_scaled(cfg: AdmissionConfig, k: int) -> AdmissionConfig:
+    """``cfg`` with its token counts divided by the engines' token scale ``k`` (1: as is)."""
+    if k == 1:
+        return cfg
+    return dataclasses.replace(
+        cfg,
+        default_completion_tokens=max(1, round(cfg.default_completion_tokens / k)),
+        expected_decode_cap=(
+            None if cfg.expected_decode_cap is None else max(1, round(cfg.expected_decode_cap / k))
+        ),
+        priority_unit_tokens=max(1, round(cfg.priority_unit_tokens / k)),
+        session_buffer_tokens=max(0, round(cfg.session_buffer_tokens / k)),
+    )
 
 
 def _scaled(cfg: AdmissionConfig, k: float) -> AdmissionConfig:

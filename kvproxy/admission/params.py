@@ -17,7 +17,7 @@ class ProgramParams:
     headroom: float = 0.90
     hold_continuing: bool = False
     pause: bool = True
-    paused_max_wait_s: float = 60.0
+    paused_max_wait_s: float = 30.0
     new_session_max_wait_s: float = 600.0
     priority_steering: bool = False
     priority_unit_tokens: int = 4096

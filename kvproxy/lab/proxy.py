@@ -141,6 +141,7 @@ class LabProxy:
             router_policy=self.placement.policy,
             workers=lambda: ring,
             server_info={url: e.server_info() for url, e in self.engines.items()},
+            token_scale=cfg.server.token_scale,
         )
         self.admission._scrape = self._scrape  # type: ignore[method-assign]
         await self.sessions.start()

@@ -24,7 +24,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvproxy.config import AdmissionConfig, Config, SessionLifecycleConfig
+from kvproxy.config import AdmissionConfig, Config, ServerConfig, SessionLifecycleConfig
 from kvproxy.lab.engines import LabEngine
 from kvproxy.lab.proxy import LabProxy
 from kvproxy.lab.router import ROUTER_POLICIES, Placement
@@ -125,7 +125,7 @@ def engine_urls(cfg: LabConfig) -> tuple[str, ...]:
 def proxy_config(
     policy: str,
     tuning: LabTuning,
-    completion_tokens: int,
+    token_scale: int = 1,
     admission_overrides: Mapping[str, Any] | None = None,
 ) -> Config:
     """The proxy's configuration for a policy (both features off for off/ceiling)."""
@@ -136,7 +136,6 @@ def proxy_config(
         headroom=tuning.headroom,
         pressure_threshold=tuning.pressure_threshold,
         max_wait_s=tuning.max_wait_s,
-        default_completion_tokens=completion_tokens,
         poll_interval_s=tuning.poll_interval_s,
         scope=tuning.scope,
         session_residency=tuning.session_residency,
@@ -148,7 +147,10 @@ def proxy_config(
         if bad:
             raise LabError(f"unknown admission keys: {', '.join(bad)}")
         adm = dataclasses.replace(adm, **dict(admission_overrides))
+    # The engines' token scale, as the demo's kvproxy gets it: admission's token-valued
+    # defaults are divided by it (server.token_scale).
     return Config(
+        server=ServerConfig(token_scale=token_scale),
         session_lifecycle=SessionLifecycleConfig(
             enabled=lifecycle,
             on_close=tuning.on_close,
@@ -157,16 +159,6 @@ def proxy_config(
         ),
         admission=adm,
     )
-
-
-def scaled_token_knobs(token_scale: int) -> dict[str, int]:
-    """kvproxy's token-valued admission defaults at token scale K (every token count of
-    a lab run is divided by K, so these are too: same dynamics, fewer tokens)."""
-    d = AdmissionConfig()
-    return {
-        "priority_unit_tokens": max(1, round(d.priority_unit_tokens / token_scale)),
-        "session_buffer_tokens": max(0, round(d.session_buffer_tokens / token_scale)),
-    }
 
 
 def build(cfg: LabConfig) -> tuple[Any, Any, int, int]:
@@ -208,14 +200,8 @@ async def _run(cfg: LabConfig) -> LabResult:
     loop = asyncio.get_running_loop()
     urls = engine_urls(cfg)
     engines = [LabEngine(url, sched_cfg) for url in urls]
-    completion = max(1, round(4096 / cfg.token_scale))  # the admission clip, scaled
     proxy = LabProxy(
-        proxy_config(
-            cfg.policy,
-            cfg.tuning,
-            completion,
-            {**scaled_token_knobs(cfg.token_scale), **dict(cfg.admission_overrides)},
-        ),
+        proxy_config(cfg.policy, cfg.tuning, cfg.token_scale, cfg.admission_overrides),
         engines,
         Placement(cfg.router_policy, urls),
     )

@@ -52,6 +52,7 @@ def test_proxy_config_is_the_documented_defaults_plus_three_keys(variant) -> Non
         engine_urls=["http://127.0.0.1:18001", "http://127.0.0.1:18002"],
         router_policy="consistent_hashing",
         time_scale=0.2,
+        token_scale=16,
     )
     cfg = from_mapping(yaml.safe_load(yaml.safe_dump(doc)))
     # Nothing but the features' switches differs from the documented defaults.
@@ -60,7 +61,7 @@ def test_proxy_config_is_the_documented_defaults_plus_three_keys(variant) -> Non
         SessionLifecycleConfig(), enabled=variant.lifecycle
     )
     assert cfg.router.policy == "consistent_hashing"
-    assert cfg.server.time_scale == 0.2
+    assert (cfg.server.time_scale, cfg.server.token_scale) == (0.2, 16)
     assert cfg.router.engines == ("http://127.0.0.1:18001", "http://127.0.0.1:18002")
     assert set(doc["admission"]) == {"enabled"}
     assert set(doc["session_lifecycle"]) == {"enabled"}

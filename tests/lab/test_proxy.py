@@ -26,7 +26,7 @@ def _lab(policy: str, **admission: Any) -> tuple[LabProxy, list[LabEngine]]:
     )
     engines = [LabEngine(u, cfg) for u in URLS]
     proxy = LabProxy(
-        proxy_config(policy, LabTuning(), 256, admission),
+        proxy_config(policy, LabTuning(), 16, admission),
         engines,
         Placement("consistent_hashing", URLS),
     )

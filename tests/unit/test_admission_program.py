@@ -423,11 +423,28 @@ def test_params_scale_every_duration_by_the_time_scale() -> None:
     p = ProgramParams.from_config(cfg, time_scale=0.5)
     assert (p.tick_s, p.paused_max_wait_s, p.idle_lease_s, p.idle_half_life_s) == (
         0.5,
-        30.0,
+        15.0,
         2.5,
         5.0,
     )
     assert p.new_session_max_wait_s == 300.0 and p.idle_ttl_s == 300.0
+
+
+def test_the_token_scale_divides_every_token_valued_setting() -> None:
+    from kvproxy.admission.coordinator import token_scaled
+
+    cfg = AdmissionConfig(enabled=True, expected_decode_cap=2048)
+    assert token_scaled(cfg, 1) is cfg
+    scaled = token_scaled(cfg, 16)
+    assert (
+        scaled.default_completion_tokens,
+        scaled.expected_decode_cap,
+        scaled.priority_unit_tokens,
+        scaled.session_buffer_tokens,
+    ) == (256, 128, 256, 6)
+    # Durations and ratios are the time scale's business, not the token scale's.
+    assert (scaled.paused_max_wait_s, scaled.headroom) == (cfg.paused_max_wait_s, cfg.headroom)
+    assert token_scaled(AdmissionConfig(), 16).expected_decode_cap is None
 
 
 def test_the_same_attempt_asked_twice_is_one_running_turn() -> None:
