@@ -151,8 +151,14 @@ async def one_run(name: str, seed: int, args: argparse.Namespace) -> dict[str, A
             "fallback_pool_share": counters.total(
                 "agentic_kv/dynamo/streaming_fallback_pool_share"
             ),
+            "released_for_room": counters.total(
+                "agentic_kv/dynamo/streaming_fallback_released_for_room"
+            ),
             "prefill_sent": counters.total("agentic_kv/dynamo/speculative_prefill_sent"),
             "errors": s["errors"],
+            "failed_turns": [
+                [t.role, t.turn, t.prompt_tokens, t.error] for t in run.result.turns if not t.ok
+            ][:5],
         }
     finally:
         if server is not None:

@@ -251,12 +251,39 @@ class AgentControl:
         turn.plan = plan
         return plan
 
-    async def settle(self, turn: Turn) -> None:
-        """Before a fall-back's ordinary request: the slot's pinned KV is freed first
-        (else a full pool cannot admit it)."""
+    async def settle(self, turn: Turn, body: Mapping[str, Any], routing_key: str) -> None:
+        """Before a session's ordinary request: a fall-back's own slot is closed first,
+        and idle slots on its engine are closed when their pinned KV would leave no room
+        for it (:func:`~kvproxy.sessions.streaming.slots_to_release`)."""
         if turn.closing is not None and not turn.closing.done():
             with contextlib.suppress(TimeoutError, asyncio.CancelledError):
                 await asyncio.wait_for(asyncio.shield(turn.closing), _CONTROL_TIMEOUT_S)
+        if len(self.slots) == 0:
+            return
+        engine = self._owner(routing_key)
+        if engine is None:
+            return
+        release = st.slots_to_release(
+            self.slots.items(),
+            engine=engine,
+            footprint=st.turn_footprint(body),
+            capacity=self._known_capacity(engine),
+        )
+        for slot in release:
+            self.counters.inc(STREAM_FALLBACK + st.R_RELEASED)
+            self.slots.pop(slot.session_id)
+        if release:
+            await asyncio.gather(
+                *(
+                    asyncio.wait_for(self._close_on(s.engine, s.session_id), _CONTROL_TIMEOUT_S)
+                    for s in release
+                ),
+                return_exceptions=True,
+            )
+
+    def _known_capacity(self, engine: str) -> int | None:
+        cap = self._engine_kv(engine)[0] if self._engine_kv is not None else None
+        return cap if cap is not None else self._capacity.get(engine)
 
     async def _pool_share(self, engine: str, sid: str, body: Mapping[str, Any]) -> str | None:
         """:func:`~kvproxy.sessions.streaming.pool_share_check` for this turn."""

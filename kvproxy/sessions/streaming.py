@@ -58,6 +58,7 @@ R_ENGINE_ERROR = "engine_error"
 R_OPEN_FAILED = "open_failed"
 R_CONTEXT_CHECK = "context_check"
 R_POOL_SHARE = "pool_share"
+R_RELEASED = "released_for_room"
 
 # SGLang's default max_new_tokens (sampling_params.py), for a turn that sets none.
 DEFAULT_MAX_NEW_TOKENS = 128
@@ -213,6 +214,33 @@ def pool_share_check(
     return None
 
 
+def slots_to_release(
+    slots: Sequence[Slot], *, engine: str, footprint: int, capacity: int | None
+) -> list[Slot]:
+    """Idle slots on ``engine`` to close, least recently used first, so that an ordinary
+    request of ``footprint`` tokens can be admitted there: pinned KV is never evicted,
+    so a request larger than the pool's unpinned part would otherwise wait for ever
+    (and block the queue behind it, including the turns that would free the slots).
+
+    ``slots`` in least-recently-used order. Releases until the KV the engine's slots
+    still pin plus ``footprint`` fits ``capacity``; every idle slot when even that is not
+    enough; none when the capacity is unknown. Slots with a turn in flight are kept.
+    """
+    if capacity is None or capacity <= 0:
+        return []
+    mine = [s for s in slots if s.engine == engine]
+    pinned = sum(s.held for s in mine)
+    out: list[Slot] = []
+    for s in mine:
+        if pinned + footprint <= capacity:
+            break
+        if s.in_flight:
+            continue
+        out.append(s)
+        pinned -= s.held
+    return out
+
+
 def session_body(
     body: Mapping[str, Any], fields: Mapping[str, Any], input_ids: Sequence[int], sid: str
 ) -> dict[str, Any]:
@@ -318,5 +346,6 @@ __all__ = [
     "read_generate_result",
     "request_shape",
     "session_body",
+    "slots_to_release",
     "turn_footprint",
 ]

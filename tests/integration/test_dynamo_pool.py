@@ -128,3 +128,43 @@ async def test_sessions_that_would_overfill_the_pool_go_as_bind_and_all_finish(
     # kvproxy's view of what each engine pins stays within the share of its pool.
     assert peaks and max(peaks.values()) <= SHARE * POOL
     assert len(agents.slots) == 0
+
+
+async def test_idle_slots_are_released_when_an_ordinary_request_needs_the_room(
+    proxy: TestServer,
+) -> None:
+    agents = proxy.app[RUNTIME].agents
+    url = str(proxy.make_url("")).rstrip("/")
+    candidates = [f"room-{i}" for i in range(64)]
+    engine = agents._owner(candidates[0])
+    same = [s for s in candidates if agents._owner(s) == engine]
+    assert len(same) >= 3
+    first, second, big = same[:3]
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20)) as http:
+        for k, sid in enumerate((first, second)):
+            body = {
+                "rid": f"{sid}-t0",
+                "input_ids": [5000 + 1000 * k + i for i in range(900)],
+                "sampling_params": {"max_new_tokens": 50, "temperature": 0},
+                "nvext": {"session_control": {"session_id": sid, "action": "open"}},
+            }
+            async with http.post(f"{url}/generate", json=body) as resp:
+                assert resp.status == 200, await resp.text()
+        assert {s.session_id for s in agents.slots.items()} == {first, second}
+        # An ordinary session request too big for the pool's unpinned part.
+        body = {
+            "rid": f"{big}-t0",
+            "input_ids": [20000 + i for i in range(2900)],
+            "sampling_params": {"max_new_tokens": 50, "temperature": 0},
+            "session_id": big,
+        }
+        async with http.post(f"{url}/generate", json=body) as resp:
+            doc = orjson.loads(await resp.read())
+            assert resp.status == 200, doc
+        assert doc["meta_info"]["prompt_tokens"] == 2900
+        # The least recently used idle slot was closed for it; the other one kept.
+        assert {s.session_id for s in agents.slots.items()} == {second}
+        assert agents.counters.total(dynamo.STREAM_FALLBACK + "released_for_room") == 1
+        for sid in (second, big):
+            async with http.post(f"{url}/close_session", json={"session_id": sid}) as resp:
+                await resp.read()

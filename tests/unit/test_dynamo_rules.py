@@ -455,3 +455,37 @@ def test_pool_share_config_is_validated(share: float) -> None:
 
     with pytest.raises(ConfigError, match="streaming_max_pool_share"):
         from_mapping({"session_lifecycle": {"enabled": True, "streaming_max_pool_share": share}})
+
+
+def _slots(*specs: tuple[str, str, int, bool]) -> list[st.Slot]:
+    return [
+        st.Slot(sid, eng, context=tuple(range(n)), in_flight=busy) for sid, eng, n, busy in specs
+    ]
+
+
+@pytest.mark.parametrize(
+    ("slots", "footprint", "capacity", "released"),
+    [
+        # Fits beside the pinned KV: nothing released.
+        (_slots(("a", "e1", 1000, False), ("b", "e1", 1000, False)), 2000, 4000, []),
+        # Least recently used first, only as many as needed.
+        (_slots(("a", "e1", 1000, False), ("b", "e1", 1000, False)), 2500, 4000, ["a"]),
+        (_slots(("a", "e1", 1000, False), ("b", "e1", 1000, False)), 3500, 4000, ["a", "b"]),
+        # A slot with a turn in flight is kept; other engines are not touched.
+        (
+            _slots(("a", "e1", 1000, True), ("x", "e2", 3000, False), ("b", "e1", 1000, False)),
+            2500,
+            4000,
+            ["b"],
+        ),
+        # Even all idle ones are not enough: release them all.
+        (_slots(("a", "e1", 1000, True), ("b", "e1", 1000, False)), 3900, 4000, ["b"]),
+        # Unknown capacity: nothing.
+        (_slots(("a", "e1", 1000, False)), 10**6, None, []),
+    ],
+)
+def test_slots_to_release(
+    slots: list[st.Slot], footprint: int, capacity: int | None, released: list[str]
+) -> None:
+    got = st.slots_to_release(slots, engine="e1", footprint=footprint, capacity=capacity)
+    assert [s.session_id for s in got] == released
