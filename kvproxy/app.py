@@ -104,6 +104,15 @@ async def _agents_ctx(app: web.Application) -> AsyncIterator[None]:
             usage = rt.admission.engine_usage(engine)
         return usage is not None and usage >= rt.config.admission.pressure_threshold
 
+    def engine_kv(engine: str) -> tuple[int | None, int | None]:
+        # What program admission's scrape last read of the engine (capacity, and the
+        # KV its streaming sessions hold); nothing when it does not run.
+        program = rt.admission.program if rt.config.admission.enabled else None
+        eng = program.ledger.engines.get(engine.rstrip("/")) if program else None
+        if eng is None:
+            return None, None
+        return eng.max_total_num_tokens, eng.streaming_held
+
     rt.agents = AgentControl(
         rt.config,
         http=rt.http,
@@ -112,6 +121,7 @@ async def _agents_ctx(app: web.Application) -> AsyncIterator[None]:
         close_session=close,
         session_open=session_open,
         pressure=pressure,
+        engine_kv=engine_kv,
     )
     await rt.agents.start()
     yield

@@ -128,6 +128,10 @@ class SessionLifecycleConfig:
     # session_control open on /generate with input_ids: SGLang streaming sessions.
     streaming_sessions: bool = True
     max_streaming_sessions: int = 10_000
+    # A streaming session is opened (and kept) only while the KV the engine's streaming
+    # sessions hold plus this session's next turn stays within this share of the
+    # engine's max_total_num_tokens; past it the session behaves as bind.
+    streaming_max_pool_share: float = 0.5
     # agent_hints.speculative_prefill: warm the next turn's prefix after the response.
     speculative_prefill: bool = True
     speculative_prefill_max_in_flight: int = 4
@@ -495,6 +499,11 @@ def validate(cfg: Config) -> None:
             sl.max_streaming_sessions >= 1,
             "session_lifecycle.max_streaming_sessions: must be >= 1 "
             f"(got {sl.max_streaming_sessions})",
+        )
+        _check(
+            0 < sl.streaming_max_pool_share <= 1,
+            "session_lifecycle.streaming_max_pool_share: must be in (0, 1] "
+            f"(got {sl.streaming_max_pool_share})",
         )
         _check(
             1 <= sl.speculative_prefill_max_in_flight <= 1024,

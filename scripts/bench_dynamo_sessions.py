@@ -59,7 +59,11 @@ async def _run(router: str, mode: str, args: argparse.Namespace) -> dict[str, An
     doc = {
         "server": {"log_level": "WARNING"},
         "router": {"url": router, "policy": "consistent_hashing", "discovery_interval_s": 0.5},
-        "session_lifecycle": {"enabled": True, "check_engines": False},
+        "session_lifecycle": {
+            "enabled": True,
+            "check_engines": False,
+            "streaming_max_pool_share": args.pool_share,
+        },
     }
     server = TestServer(create_app(from_mapping(doc)), host="127.0.0.1")
     await server.start_server()
@@ -93,6 +97,12 @@ async def _run(router: str, mode: str, args: argparse.Namespace) -> dict[str, An
             "turns_extended": rt.agents.counters.total(
                 "agentic_kv/dynamo/streaming_turns_extended"
             ),
+            "fallback_pool_share": rt.agents.counters.total(
+                "agentic_kv/dynamo/streaming_fallback_pool_share"
+            ),
+            "fallback_engine_error": rt.agents.counters.total(
+                "agentic_kv/dynamo/streaming_fallback_engine_error"
+            ),
         }
     finally:
         await server.close()
@@ -119,7 +129,13 @@ async def main_async(args: argparse.Namespace) -> None:
             log_dir=logs,
         )
         for mode in ("bind", "open"):
-            print(orjson.dumps(await _run(router.url, mode, args)).decode())
+            try:
+                # Bounded: a run that does not finish in --run-timeout s is reported as
+                # timed out instead of hanging.
+                result = await asyncio.wait_for(_run(router.url, mode, args), args.run_timeout)
+            except TimeoutError:
+                result = {"mode": mode, "timed_out": True, "run_timeout_s": args.run_timeout}
+            print(orjson.dumps(result).decode(), flush=True)
     finally:
         if router is not None:
             router.stop()
@@ -137,7 +153,11 @@ def main() -> None:
     ap.add_argument("--pool", type=int, default=12_000, help="KV tokens per engine")
     ap.add_argument("--time-scale", type=float, default=0.02)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument(
+        "--pool-share", type=float, default=0.5, help="session_lifecycle.streaming_max_pool_share"
+    )
     ap.add_argument("--request-timeout", type=float, default=20.0)
+    ap.add_argument("--run-timeout", type=float, default=120.0, help="bound on one mode's run")
     asyncio.run(main_async(ap.parse_args()))
 
 

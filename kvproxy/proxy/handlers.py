@@ -345,6 +345,7 @@ class ProxyHandlers:
                             turn, body, forward_request_headers(request, extra_headers)
                         )
                         return self._count(path, served)
+                await rt.agents.settle(turn, body, key)
             if lifecycle_on and path in cfg.session_lifecycle.strip_nvext_paths and "nvext" in body:
                 out = orjson.dumps({**{k: v for k, v in body.items() if k != "nvext"}, **fields})
             elif not fields:

@@ -22,6 +22,7 @@ from aiohttp import web
 from prometheus_client.core import Metric
 
 from kvproxy.config import Config
+from kvproxy.fleet.engine_metrics import parse_engine_metrics
 from kvproxy.fleet.placement import Placement
 from kvproxy.observability import WindowedCounters, counter_families, gauge_families
 from kvproxy.proxy.upstream import forward_response_headers
@@ -33,6 +34,9 @@ from kvproxy.sessions.prefill import prefill_body
 from kvproxy.sse import StreamState, parse_sse_line
 
 log = logging.getLogger(__name__)
+
+# Bound on one control-plane call (/close_session, /metrics) awaited on a turn's path.
+_CONTROL_TIMEOUT_S = 5.0
 
 _P = "agentic_kv/dynamo/"
 PREFILL_SENT = _P + "speculative_prefill_sent"
@@ -73,6 +77,8 @@ class Turn:
     close_after: bool
     bind_timeout_s: float | None = None
     plan: st.Plan | None = None
+    # A streaming slot's /close_session, awaited before the ordinary request is sent.
+    closing: asyncio.Task[None] | None = None
     response: bytes | None = None  # a buffered 200 body, for the speculative prefill
 
     @property
@@ -97,6 +103,7 @@ class AgentControl:
         close_session: Callable[[str], Any],
         session_open: Callable[[str], bool],
         pressure: Callable[[str | None], bool],
+        engine_kv: Callable[[str], tuple[int | None, int | None]] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config
@@ -106,6 +113,10 @@ class AgentControl:
         self._close_session = close_session
         self._session_open = session_open
         self._pressure = pressure
+        # (max_total_num_tokens, streaming held tokens) of an engine from admission's
+        # scrape, when it runs; otherwise the capacity is read once from the engine.
+        self._engine_kv = engine_kv
+        self._capacity: dict[str, int] = {}
         self._clock = clock
         sl = config.session_lifecycle
         self.timers = BindTimers(sl.max_sessions)
@@ -232,9 +243,78 @@ class AgentControl:
             self.counters.inc(STREAM_FALLBACK + (plan.reason or "unknown"))
             if plan.close_engine is not None:
                 self.slots.pop(turn.session_id)
-                self._spawn(self._close_on(plan.close_engine, turn.session_id))
+                turn.closing = asyncio.ensure_future(
+                    self._close_on(plan.close_engine, turn.session_id)
+                )
+                self._background.add(turn.closing)
+                turn.closing.add_done_callback(self._background.discard)
         turn.plan = plan
         return plan
+
+    async def settle(self, turn: Turn, body: Mapping[str, Any], routing_key: str) -> None:
+        """Before a session's ordinary request: a fall-back's own slot is closed first,
+        and idle slots on its engine are closed when their pinned KV would leave no room
+        for it (:func:`~kvproxy.sessions.streaming.slots_to_release`)."""
+        if turn.closing is not None and not turn.closing.done():
+            with contextlib.suppress(TimeoutError, asyncio.CancelledError):
+                await asyncio.wait_for(asyncio.shield(turn.closing), _CONTROL_TIMEOUT_S)
+        if len(self.slots) == 0:
+            return
+        engine = self._owner(routing_key)
+        if engine is None:
+            return
+        release = st.slots_to_release(
+            self.slots.items(),
+            engine=engine,
+            footprint=st.turn_footprint(body),
+            capacity=self._known_capacity(engine),
+        )
+        for slot in release:
+            self.counters.inc(STREAM_FALLBACK + st.R_RELEASED)
+            self.slots.pop(slot.session_id)
+        if release:
+            await asyncio.gather(
+                *(
+                    asyncio.wait_for(self._close_on(s.engine, s.session_id), _CONTROL_TIMEOUT_S)
+                    for s in release
+                ),
+                return_exceptions=True,
+            )
+
+    def _known_capacity(self, engine: str) -> int | None:
+        cap = self._engine_kv(engine)[0] if self._engine_kv is not None else None
+        return cap if cap is not None else self._capacity.get(engine)
+
+    async def _pool_share(self, engine: str, sid: str, body: Mapping[str, Any]) -> str | None:
+        """:func:`~kvproxy.sessions.streaming.pool_share_check` for this turn."""
+        cap, held = self._engine_kv(engine) if self._engine_kv is not None else (None, None)
+        if cap is None:
+            cap = self._capacity.get(engine)
+        if cap is None and len(self._capacity) < 4096:
+            cap, held2 = await self._read_engine_kv(engine)
+            held = held if held is not None else held2
+            if cap is not None:
+                self._capacity[engine] = cap
+        slot = self.slots.get(sid)
+        return st.pool_share_check(
+            footprint=st.turn_footprint(body),
+            session_held=len(slot.context) if slot is not None else 0,
+            own_held=self.slots.held_tokens(engine),
+            reported_held=held,
+            capacity=cap,
+            share=self.config.session_lifecycle.streaming_max_pool_share,
+        )
+
+    async def _read_engine_kv(self, engine: str) -> tuple[int | None, int | None]:
+        try:
+            timeout = aiohttp.ClientTimeout(total=_CONTROL_TIMEOUT_S)
+            async with self._http.get(engine + "/metrics", timeout=timeout) as resp:
+                text = await resp.text(errors="replace")
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            log.warning("streaming sessions: /metrics of %s failed: %s", engine, exc)
+            return None, None
+        m = parse_engine_metrics(text)
+        return m.max_total_num_tokens, m.streaming_session_held_tokens
 
     async def _close_on(self, engine: str, sid: str) -> None:
         try:
@@ -283,9 +363,21 @@ class AgentControl:
         plan = turn.plan
         assert plan is not None and plan.engine is not None
         sid = turn.session_id
+        denied = await self._pool_share(plan.engine, sid, body)
+        if denied is not None:  # behaves as bind: the ordinary request, slot closed first
+            found = self.slots.get(sid)
+            if found is not None:
+                await self._give_up_first(found, denied)
+            else:
+                self.counters.inc(STREAM_FALLBACK + denied)
+            return None
+        footprint = st.turn_footprint(body)
         if plan.kind == st.OPEN:
             engine_timeout = turn.nvext.control.timeout_s
+            # Reserved while /open_session runs, so that concurrent opens see it.
+            self._put(st.Slot(sid, plan.engine, (), None, True, engine_timeout, footprint))
             if not await self._open_on(plan.engine, sid, engine_timeout):
+                self.slots.pop(sid)
                 self.counters.inc(STREAM_FALLBACK + st.R_OPEN_FAILED)
                 return None
             self.counters.inc(STREAM_OPENED)
@@ -295,10 +387,11 @@ class AgentControl:
             if found is None:  # closed meanwhile
                 return None
             slot = found
-        for old in self.slots.put(
-            st.Slot(sid, slot.engine, slot.context, slot.first_token, True, slot.timeout_s)
-        ):
-            self._spawn(self._close_on(old.engine, old.session_id))
+        self._put(
+            st.Slot(
+                sid, slot.engine, slot.context, slot.first_token, True, slot.timeout_s, footprint
+            )
+        )
         request_doc = st.session_body(body, fields, plan.input_ids, sid)
         if turn.path in self.config.session_lifecycle.strip_nvext_paths:
             request_doc.pop("nvext", None)
@@ -313,7 +406,7 @@ class AgentControl:
                 status, resp_headers = resp.status, forward_response_headers(resp.headers)
         except (aiohttp.ClientError, TimeoutError) as exc:
             log.warning("streaming session %s: translated turn failed: %s", sid, exc)
-            self._give_up(slot, st.R_ENGINE_ERROR)
+            await self._give_up_first(slot, st.R_ENGINE_ERROR)
             return None
         doc: Any = None
         if status == 200:
@@ -328,14 +421,14 @@ class AgentControl:
                 status,
                 data[:300].decode("utf-8", "replace"),
             )
-            self._give_up(slot, st.R_ENGINE_ERROR)
+            await self._give_up_first(slot, st.R_ENGINE_ERROR)
             return None
         prompt = body["input_ids"]
         new_slot, why = st.after_turn(
             slot, prompt=prompt, output_ids=ids, prompt_tokens=prompt_tokens
         )
         if new_slot is None:
-            self._give_up(slot, why or st.R_CONTEXT_CHECK)
+            await self._give_up_first(slot, why or st.R_CONTEXT_CHECK)
             return None
         if turn.close_after:
             self.slots.pop(sid)  # the lifecycle's close frees it on every engine
@@ -369,7 +462,7 @@ class AgentControl:
             ) as resp:
                 if resp.status != 200:
                     await resp.read()
-                    self._give_up(slot, st.R_ENGINE_ERROR)
+                    await self._give_up_first(slot, st.R_ENGINE_ERROR)
                     return None
                 held: list[bytes] = []
                 first: tuple[str, Any] | None = None
@@ -382,7 +475,7 @@ class AgentControl:
                     if first is not None:
                         break
                 if first is None or first[0] != "json" or "error" in first[1]:
-                    self._give_up(slot, st.R_ENGINE_ERROR)
+                    await self._give_up_first(slot, st.R_ENGINE_ERROR)
                     return None
                 state.feed_generate(first[1])
                 response = web.StreamResponse(
@@ -414,7 +507,7 @@ class AgentControl:
             raise
         except (aiohttp.ClientError, TimeoutError) as exc:
             log.warning("streaming session %s: translated turn failed: %s", sid, exc)
-            self._give_up(slot, st.R_ENGINE_ERROR)
+            await self._give_up_first(slot, st.R_ENGINE_ERROR)
             return None
         if observe_tail is not None:
             observe_tail(tail)
@@ -440,10 +533,22 @@ class AgentControl:
                 self.counters.inc(STREAM_EXTENDED)
         return response
 
+    def _put(self, slot: st.Slot) -> None:
+        for old in self.slots.put(slot):
+            self._spawn(self._close_on(old.engine, old.session_id))
+
     def _give_up(self, slot: st.Slot, reason: str) -> None:
         self.counters.inc(STREAM_FALLBACK + reason)
         self.slots.pop(slot.session_id)
         self._spawn(self._close_on(slot.engine, slot.session_id))
+
+    async def _give_up_first(self, slot: st.Slot, reason: str) -> None:
+        """Like :meth:`_give_up`, awaiting the close (bounded): the ordinary request
+        that follows must find the slot's pinned KV freed."""
+        self.counters.inc(STREAM_FALLBACK + reason)
+        self.slots.pop(slot.session_id)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._close_on(slot.engine, slot.session_id), _CONTROL_TIMEOUT_S)
 
     # -- speculative prefill ----------------------------------------------------
     def after_response(

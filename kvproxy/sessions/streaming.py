@@ -57,6 +57,11 @@ R_LEADING_BOS = "leading_bos"
 R_ENGINE_ERROR = "engine_error"
 R_OPEN_FAILED = "open_failed"
 R_CONTEXT_CHECK = "context_check"
+R_POOL_SHARE = "pool_share"
+R_RELEASED = "released_for_room"
+
+# SGLang's default max_new_tokens (sampling_params.py), for a turn that sets none.
+DEFAULT_MAX_NEW_TOKENS = 128
 
 # The capacity kvproxy asks for on /open_session (a required field; the streaming
 # session does not enforce it).
@@ -94,6 +99,13 @@ class Slot:
     first_token: int | None = None
     in_flight: bool = False
     timeout_s: float | None = None
+    # While a turn is in flight: the KV it will pin once it has run (its footprint),
+    # counted instead of ``context`` so that concurrent turns cannot overbook a pool.
+    reserved: int = 0
+
+    @property
+    def held(self) -> int:
+        return max(len(self.context), self.reserved)
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,6 +169,76 @@ def plan_turn(
         # not be the client's. (A first token that is not a BOS also lands here: safe.)
         return fallback(R_LEADING_BOS)
     return Plan(EXTEND, input_ids=delta, engine=engine)
+
+
+def turn_footprint(body: Mapping[str, Any]) -> int:
+    """KV one turn of a streaming session pins once it has run: its full prompt plus its
+    output budget (``max_new_tokens``, SGLang's default when absent)."""
+    ids = body.get("input_ids")
+    n = len(ids) if isinstance(ids, list) else 0
+    sp = body.get("sampling_params")
+    mnt = sp.get("max_new_tokens") if isinstance(sp, Mapping) else None
+    if not isinstance(mnt, int) or isinstance(mnt, bool) or mnt < 0:
+        mnt = DEFAULT_MAX_NEW_TOKENS
+    return n + mnt
+
+
+def pool_share_check(
+    *,
+    footprint: int,
+    session_held: int,
+    own_held: int,
+    reported_held: int | None,
+    capacity: int | None,
+    share: float,
+) -> str | None:
+    """Whether a streaming session may open (or keep its slot for) its next turn on an
+    engine: ``None`` when it may, else :data:`R_POOL_SHARE` (the session goes as an
+    ordinary request and, for a later turn, its slot is closed first).
+
+    Pinned KV is never evicted, so the streaming sessions of one engine must leave room
+    for everything else: the KV held by the engine's *other* streaming sessions plus
+    this session's ``footprint`` (:func:`turn_footprint`) must stay within ``share`` of
+    the engine's ``capacity`` (``max_total_num_tokens``). Held KV is the larger of
+    kvproxy's own count on that engine (``own_held``, exact for the slots it opened and
+    current) and the engine's last reported ``sglang:streaming_session_held_tokens``
+    (``reported_held``, which may include sessions kvproxy did not open); both include
+    ``session_held``, this session's own slot, which is not counted twice. An unknown
+    capacity admits (nothing to compare with).
+    """
+    if capacity is None or capacity <= 0:
+        return None
+    held = max(own_held, reported_held or 0) - session_held
+    if max(held, 0) + footprint > share * capacity:
+        return R_POOL_SHARE
+    return None
+
+
+def slots_to_release(
+    slots: Sequence[Slot], *, engine: str, footprint: int, capacity: int | None
+) -> list[Slot]:
+    """Idle slots on ``engine`` to close, least recently used first, so that an ordinary
+    request of ``footprint`` tokens can be admitted there: pinned KV is never evicted,
+    so a request larger than the pool's unpinned part would otherwise wait for ever
+    (and block the queue behind it, including the turns that would free the slots).
+
+    ``slots`` in least-recently-used order. Releases until the KV the engine's slots
+    still pin plus ``footprint`` fits ``capacity``; every idle slot when even that is not
+    enough; none when the capacity is unknown. Slots with a turn in flight are kept.
+    """
+    if capacity is None or capacity <= 0:
+        return []
+    mine = [s for s in slots if s.engine == engine]
+    pinned = sum(s.held for s in mine)
+    out: list[Slot] = []
+    for s in mine:
+        if pinned + footprint <= capacity:
+            break
+        if s.in_flight:
+            continue
+        out.append(s)
+        pinned -= s.held
+    return out
 
 
 def session_body(
@@ -241,8 +323,9 @@ class SlotTable:
     def __len__(self) -> int:
         return len(self._slots)
 
-    def held_tokens(self) -> int:
-        return sum(len(s.context) for s in self._slots.values())
+    def held_tokens(self, engine: str | None = None) -> int:
+        """Tokens the slots hold (on ``engine`` only, when given)."""
+        return sum(s.held for s in self._slots.values() if engine is None or s.engine == engine)
 
     def items(self) -> list[Slot]:
         return list(self._slots.values())
@@ -259,7 +342,10 @@ __all__ = [
     "SlotTable",
     "after_turn",
     "plan_turn",
+    "pool_share_check",
     "read_generate_result",
     "request_shape",
     "session_body",
+    "slots_to_release",
+    "turn_footprint",
 ]

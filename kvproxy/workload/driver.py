@@ -21,6 +21,7 @@ from typing import Any
 import aiohttp
 import orjson
 
+from kvproxy.workload.plan import is_subagent_id
 from kvproxy.workload.report import summarize
 from kvproxy.workload.runner import ProgressFn, TurnOutcome, WorkloadResult, run_workload
 from kvproxy.workload.spec import (
@@ -45,6 +46,74 @@ from kvproxy.workload.wire import (
 
 # Bounds the per-run table of close statuses.
 MAX_CLOSE_RECORDS = 1_000_000
+# Bounds the set of sessions that have sent a first turn (for nvext open vs bind).
+MAX_STARTED = 1_000_000
+
+SESSION_CONTROLS = ("none", "open", "bind")
+SESSION_CONTROL_SCOPES = ("all", "subagents")
+
+
+def nvext_for(
+    session_id: str,
+    *,
+    first: bool,
+    final: bool,
+    max_new_tokens: int,
+    control: str = "none",
+    speculative_prefill: bool = False,
+    timeout_s: float | None = None,
+    scope: str = "all",
+) -> dict[str, Any] | None:
+    """Dynamo's ``nvext`` for one turn (docs/dynamo.md), or None for none. Pure.
+
+    ``control`` ``open``: ``action: open`` on the session's first turn, ``bind`` on the
+    ones between, ``close`` on its last; ``bind``: ``bind`` then ``close``. Every turn
+    carries ``agent_hints.osl`` (its ``max_new_tokens``) and, when asked,
+    ``speculative_prefill``. ``scope`` ``subagents``: only W3 subagent sessions.
+    """
+    if control not in SESSION_CONTROLS:
+        raise WorkloadError(f"session control must be one of {SESSION_CONTROLS} (got {control!r})")
+    if scope not in SESSION_CONTROL_SCOPES:
+        raise WorkloadError(f"scope must be one of {SESSION_CONTROL_SCOPES} (got {scope!r})")
+    if control == "none" and not speculative_prefill:
+        return None
+    if scope == "subagents" and not is_subagent_id(session_id):
+        return None
+    hints: dict[str, Any] = {"osl": max_new_tokens}
+    if speculative_prefill:
+        hints["speculative_prefill"] = True
+    out: dict[str, Any] = {"agent_hints": hints}
+    if control != "none":
+        action = "close" if final else ("open" if first and control == "open" else "bind")
+        sc: dict[str, Any] = {"session_id": session_id, "action": action}
+        if timeout_s is not None and action != "close":
+            sc["timeout"] = timeout_s
+        out["session_control"] = sc
+    return out
+
+
+async def _read_sse(
+    resp: aiohttp.ClientResponse, state: StreamState, clock: Any, start: float
+) -> float | None:
+    """Read a streamed /generate answer into ``state``; returns the time to its first
+    event (None: no event)."""
+    ttft: float | None = None
+    # Bounded by the request timeout; each iteration consumes one line.
+    async for line in resp.content:
+        parsed = parse_sse_line(line)
+        if parsed is None:
+            continue
+        kind, obj = parsed
+        if ttft is None:
+            ttft = clock() - start
+        if kind == "done":
+            state.done = True
+            break
+        if kind == "bad":
+            state.error = f"bad_chunk: {obj}"
+        elif isinstance(obj, Mapping):
+            state.feed_generate(obj)
+    return ttft
 
 
 class HttpTransport:
@@ -52,6 +121,10 @@ class HttpTransport:
 
     ``send_final``: also send ``X-Session-Final: 1`` on a session's last request (kvproxy
     then closes the session after the response, before the explicit close arrives).
+    ``session_control`` / ``speculative_prefill`` / ``session_timeout_s`` /
+    ``session_control_scope``: Dynamo's ``nvext`` per turn (:func:`nvext_for`). With
+    ``speculative_prefill`` the requests are not streamed (kvproxy needs the whole answer
+    to prefill the next turn), so TTFT reads as the request's latency.
     """
 
     def __init__(
@@ -63,7 +136,19 @@ class HttpTransport:
         close_sessions: bool = True,
         send_final: bool = False,
         temperature: float = 0.0,
+        session_control: str = "none",
+        speculative_prefill: bool = False,
+        session_timeout_s: float | None = None,
+        session_control_scope: str = "all",
     ) -> None:
+        nvext_for(
+            "probe",
+            first=True,
+            final=False,
+            max_new_tokens=1,
+            control=session_control,
+            scope=session_control_scope,
+        )  # validates the options
         if request_timeout_s <= 0:
             raise WorkloadError(f"request_timeout_s must be > 0 (got {request_timeout_s})")
         self.base = base_url.rstrip("/")
@@ -72,6 +157,11 @@ class HttpTransport:
         self.close_sessions = close_sessions
         self.send_final = send_final
         self.temperature = temperature
+        self.session_control = session_control
+        self.speculative_prefill = speculative_prefill
+        self.session_timeout_s = session_timeout_s
+        self.session_control_scope = session_control_scope
+        self._started: set[str] = set()
         # session id -> HTTP status of its /close_session (None: no answer).
         self.close_status: dict[str, int | None] = {}
 
@@ -90,7 +180,25 @@ class HttpTransport:
         headers = self._headers(session_id)
         if final and self.send_final:
             headers[FINAL_HEADER] = "1"
-        body = generate_body(input_ids, max_new_tokens, temperature=self.temperature)
+        stream = not self.speculative_prefill
+        body = generate_body(input_ids, max_new_tokens, temperature=self.temperature, stream=stream)
+        first = session_id not in self._started
+        if first and not final and len(self._started) < MAX_STARTED:
+            self._started.add(session_id)
+        elif final:
+            self._started.discard(session_id)
+        nvext = nvext_for(
+            session_id,
+            first=first,
+            final=final,
+            max_new_tokens=max_new_tokens,
+            control=self.session_control,
+            speculative_prefill=self.speculative_prefill,
+            timeout_s=self.session_timeout_s,
+            scope=self.session_control_scope,
+        )
+        if nvext is not None:
+            body["nvext"] = nvext
         state = StreamState()
         ttft: float | None = None
         wait_ms: float | None = None
@@ -123,21 +231,15 @@ class HttpTransport:
                 if resp.status != 200:
                     text = (await resp.text())[:200]
                     return failed(f"http_{resp.status}: {text}")
-                # Bounded by the request timeout; each iteration consumes one line.
-                async for line in resp.content:
-                    parsed = parse_sse_line(line)
-                    if parsed is None:
-                        continue
-                    kind, obj = parsed
-                    if ttft is None:
-                        ttft = loop.time() - start
-                    if kind == "done":
-                        state.done = True
-                        break
-                    if kind == "bad":
-                        state.error = f"bad_chunk: {obj}"
-                    elif isinstance(obj, Mapping):
-                        state.feed_generate(obj)
+                if stream:
+                    ttft = await _read_sse(resp, state, loop.time, start)
+                else:
+                    with contextlib.suppress(orjson.JSONDecodeError):
+                        doc = orjson.loads(await resp.read())
+                        if isinstance(doc, Mapping):
+                            state.feed_generate(doc)
+                            state.done = True
+                    ttft = loop.time() - start
         except TimeoutError:
             return failed("timeout")
         except aiohttp.ClientError as exc:
@@ -305,6 +407,10 @@ async def run_http(
     request_timeout_s: float = 120.0,
     run_timeout_s: float | None = None,
     send_final: bool = False,
+    session_control: str = "none",
+    speculative_prefill: bool = False,
+    session_timeout_s: float | None = None,
+    session_control_scope: str = "all",
 ) -> HttpRun:
     """Run ``spec`` against ``base_url`` over HTTP. ``engine_urls`` are scraped
     (``/metrics``) before and after; ``read_stats`` reads ``{base}/kvproxy/stats``."""
@@ -322,6 +428,10 @@ async def run_http(
             request_timeout_s=request_timeout_s,
             close_sessions=spec.close_sessions,
             send_final=send_final,
+            session_control=session_control,
+            speculative_prefill=speculative_prefill,
+            session_timeout_s=session_timeout_s,
+            session_control_scope=session_control_scope,
         )
         start = loop.time()
         run.result = await run_workload(
@@ -400,6 +510,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--final-header", action="store_true", help="send X-Session-Final: 1 on each last turn"
     )
+    p.add_argument(
+        "--session-control",
+        choices=SESSION_CONTROLS,
+        default="none",
+        help="Dynamo nvext.session_control per session: open on the first turn (streaming "
+        "session) or bind, close on the last (docs/dynamo.md)",
+    )
+    p.add_argument(
+        "--session-control-scope",
+        choices=SESSION_CONTROL_SCOPES,
+        default="all",
+        help="which sessions carry nvext: all, or only W3 subagents",
+    )
+    p.add_argument(
+        "--session-timeout-s", type=float, default=None, help="nvext.session_control.timeout"
+    )
+    p.add_argument(
+        "--speculative-prefill",
+        action="store_true",
+        help="nvext.agent_hints.speculative_prefill on every turn (requests not streamed)",
+    )
     p.add_argument("--json", metavar="PATH", help="write spec, summary and engine deltas here")
     p.add_argument(
         "--list-params", action="store_true", help="print the workload's parameters and exit"
@@ -454,6 +585,10 @@ def run(a: argparse.Namespace) -> int:
             request_timeout_s=a.request_timeout_s,
             run_timeout_s=a.run_timeout_s,
             send_final=a.final_header,
+            session_control=a.session_control,
+            speculative_prefill=a.speculative_prefill,
+            session_timeout_s=a.session_timeout_s,
+            session_control_scope=a.session_control_scope,
         )
     )
     doc = result.to_dict()

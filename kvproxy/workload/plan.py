@@ -188,7 +188,7 @@ def build_session(
         if t in fan_at and not last:
             k = rng.randint(spec.fanout_min, spec.fanout_max)
             subs = tuple(
-                _subagent(spec, seed, f"{session_id}-sub{len(turns)}.{j}", session_id)
+                _subagent(spec, seed, f"{session_id}{SUBAGENT_INFIX}{len(turns)}.{j}", session_id)
                 for j in range(k)
             )
             summary: list[int] = []
@@ -210,6 +210,15 @@ def build_session(
         exit_context=exit_context,
         turns_drawn=n_turns,
     )
+
+
+# Subagent session ids are ``<parent>-sub<turn>.<j>``.
+SUBAGENT_INFIX = "-sub"
+
+
+def is_subagent_id(session_id: str) -> bool:
+    """Whether ``session_id`` names a subagent session of a W3 plan."""
+    return SUBAGENT_INFIX in session_id
 
 
 def _subagent(spec: WorkloadSpec, seed: int, session_id: str, parent: str) -> SessionPlan:

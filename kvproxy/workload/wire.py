@@ -121,10 +121,11 @@ def diff_counters(
 
 
 def generate_body(
-    input_ids: Sequence[int], max_new_tokens: int, *, temperature: float = 0.0
+    input_ids: Sequence[int], max_new_tokens: int, *, temperature: float = 0.0, stream: bool = True
 ) -> dict[str, Any]:
-    """A streamed SGLang ``/generate`` request. ``ignore_eos`` makes the output exactly
-    the drawn length on a real model too (as SGLang's own benchmarks do)."""
+    """An SGLang ``/generate`` request (streamed unless ``stream`` is false). ``ignore_eos``
+    makes the output exactly the drawn length on a real model too (as SGLang's own
+    benchmarks do)."""
     return {
         "input_ids": list(input_ids),
         "sampling_params": {
@@ -132,5 +133,5 @@ def generate_body(
             "temperature": temperature,
             "ignore_eos": True,
         },
-        "stream": True,
+        "stream": stream,
     }

@@ -382,6 +382,17 @@ async def test_a_session_the_engine_no_longer_knows_falls_back_to_the_same_token
     ]
     assert proxy.rt.agents.counters.total(dynamo.STREAM_FALLBACK + "engine_error") >= 1
     assert proxy.rt.agents.slots.get(sid) is None
+    # kvproxy's /close_session reached the engine after the refused attempt and before
+    # the ordinary retry (a slot's pinned KV is freed before the retry needs room).
+    log = await recorded(http, owner)
+    marks = [
+        (e["path"], "session_params" in orjson.loads(e["body"]))
+        for e in log
+        if f"{sid}-t1" in e["body"] or (e["path"] == "/close_session" and sid in e["body"])
+    ]
+    attempt = marks.index(("/generate", True))
+    retry = marks.index(("/generate", False), attempt)
+    assert ("/close_session", False) in marks[attempt:retry], marks
 
 
 async def test_no_speculative_prefill_when_the_session_ends(

@@ -377,3 +377,115 @@ def test_prefill_body_chat_appends_the_assistant_answer() -> None:
 )
 def test_prefill_body_unreadable(path: str, body: dict[str, Any], resp: Any) -> None:
     assert prefill_body(path, body, resp, session_id="s", rid="r") is None
+
+
+# ------------------------------------------------------- streaming pool share
+
+
+@pytest.mark.parametrize(
+    ("body", "footprint"),
+    [
+        ({"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 10}}, 13),
+        ({"input_ids": [1, 2, 3]}, 3 + st.DEFAULT_MAX_NEW_TOKENS),
+        ({"input_ids": [1], "sampling_params": {"max_new_tokens": True}}, 1 + 128),
+        ({"input_ids": [1], "sampling_params": {"max_new_tokens": -4}}, 1 + 128),
+        ({"input_ids": [1], "sampling_params": {"max_new_tokens": 0}}, 1),
+        ({"text": "x", "sampling_params": {"max_new_tokens": 5}}, 5),
+    ],
+)
+def test_turn_footprint_is_prompt_plus_output_budget(body: dict[str, Any], footprint: int) -> None:
+    assert st.turn_footprint(body) == footprint
+
+
+@pytest.mark.parametrize(
+    ("footprint", "session_held", "own", "reported", "capacity", "share", "verdict"),
+    [
+        # Empty engine: a turn within the share opens, one past it does not.
+        (2000, 0, 0, None, 4000, 0.5, None),
+        (2001, 0, 0, None, 4000, 0.5, st.R_POOL_SHARE),
+        # Other sessions' held KV counts; this session's own slot is not counted twice.
+        (1000, 0, 1500, None, 4000, 0.5, st.R_POOL_SHARE),
+        (1500, 800, 1300, None, 4000, 0.5, None),
+        (1501, 800, 1300, None, 4000, 0.5, st.R_POOL_SHARE),
+        # The engine's reported held KV (sessions kvproxy did not open) wins when larger.
+        (500, 0, 0, 1600, 4000, 0.5, st.R_POOL_SHARE),
+        (500, 0, 1600, 200, 4000, 0.5, st.R_POOL_SHARE),
+        (500, 0, 0, 1500, 4000, 0.5, None),
+        # Share 1: the whole pool.
+        (4000, 0, 0, 0, 4000, 1.0, None),
+        (4001, 0, 0, 0, 4000, 1.0, st.R_POOL_SHARE),
+        # Unknown capacity: nothing to compare with, it opens.
+        (10**9, 0, 0, None, None, 0.5, None),
+        (10**9, 0, 0, None, 0, 0.5, None),
+    ],
+)
+def test_pool_share_check(
+    footprint: int,
+    session_held: int,
+    own: int,
+    reported: int | None,
+    capacity: int | None,
+    share: float,
+    verdict: str | None,
+) -> None:
+    got = st.pool_share_check(
+        footprint=footprint,
+        session_held=session_held,
+        own_held=own,
+        reported_held=reported,
+        capacity=capacity,
+        share=share,
+    )
+    assert got == verdict
+
+
+def test_slot_table_counts_in_flight_reservations_per_engine() -> None:
+    t = st.SlotTable(10)
+    t.put(st.Slot("a", "e1", context=(1, 2, 3)))
+    t.put(st.Slot("b", "e1", context=(1,), in_flight=True, reserved=50))
+    t.put(st.Slot("c", "e2", context=(1, 2), in_flight=True, reserved=1))
+    assert t.held_tokens("e1") == 3 + 50
+    assert t.held_tokens("e2") == 2
+    assert t.held_tokens() == 55
+
+
+@pytest.mark.parametrize("share", [0, -0.1, 1.01])
+def test_pool_share_config_is_validated(share: float) -> None:
+    from kvproxy.config import ConfigError, from_mapping
+
+    with pytest.raises(ConfigError, match="streaming_max_pool_share"):
+        from_mapping({"session_lifecycle": {"enabled": True, "streaming_max_pool_share": share}})
+
+
+def _slots(*specs: tuple[str, str, int, bool]) -> list[st.Slot]:
+    return [
+        st.Slot(sid, eng, context=tuple(range(n)), in_flight=busy) for sid, eng, n, busy in specs
+    ]
+
+
+@pytest.mark.parametrize(
+    ("slots", "footprint", "capacity", "released"),
+    [
+        # Fits beside the pinned KV: nothing released.
+        (_slots(("a", "e1", 1000, False), ("b", "e1", 1000, False)), 2000, 4000, []),
+        # Least recently used first, only as many as needed.
+        (_slots(("a", "e1", 1000, False), ("b", "e1", 1000, False)), 2500, 4000, ["a"]),
+        (_slots(("a", "e1", 1000, False), ("b", "e1", 1000, False)), 3500, 4000, ["a", "b"]),
+        # A slot with a turn in flight is kept; other engines are not touched.
+        (
+            _slots(("a", "e1", 1000, True), ("x", "e2", 3000, False), ("b", "e1", 1000, False)),
+            2500,
+            4000,
+            ["b"],
+        ),
+        # Even all idle ones are not enough: release them all.
+        (_slots(("a", "e1", 1000, True), ("b", "e1", 1000, False)), 3900, 4000, ["b"]),
+        # Unknown capacity: nothing.
+        (_slots(("a", "e1", 1000, False)), 10**6, None, []),
+    ],
+)
+def test_slots_to_release(
+    slots: list[st.Slot], footprint: int, capacity: int | None, released: list[str]
+) -> None:
+    got = st.slots_to_release(slots, engine="e1", footprint=footprint, capacity=capacity)
+    assert [s.session_id for s in got] == released

@@ -13,7 +13,7 @@ import pytest
 from aiohttp import web
 
 from kvproxy.workload import legacy
-from kvproxy.workload.driver import HttpRun, HttpTransport, parse_sets
+from kvproxy.workload.driver import HttpRun, HttpTransport, nvext_for, parse_sets
 from kvproxy.workload.legacy import WorkloadConfig, run_legacy
 from kvproxy.workload.plan import session_plans
 from kvproxy.workload.report import percentile, summarize
@@ -404,6 +404,14 @@ class PrefixEngine:
         out = [(sum(prompt) + i) % 5000 + 1000 for i in range(n)]
         cached = self.cached(prompt)
         self.contexts.append(prompt + out)
+        if body.get("stream") is False:
+            meta = {
+                "prompt_tokens": len(prompt),
+                "cached_tokens": cached,
+                "completion_tokens": n,
+                "finish_reason": {"type": "length", "length": n},
+            }
+            return web.json_response({"output_ids": out, "meta_info": meta})
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         resp.headers[ADMISSION_WAIT_HEADER] = "3.5"
         await resp.prepare(request)
@@ -574,3 +582,107 @@ async def test_a_deadline_cancels_running_sessions_and_counts_them_failed(aiohtt
 def test_a_trace_spec_via_workload_spec_runs_the_sample() -> None:
     spec = workload_spec("trace:sample", 16)
     assert spec.trace is not None and len(list(session_plans(spec, 0))) == len(spec.trace.sessions)
+
+
+# ------------------------------------------------------------- Dynamo nvext
+
+
+@pytest.mark.parametrize(
+    ("sid", "first", "final", "control", "spec", "scope", "expected"),
+    [
+        ("s", True, False, "none", False, "all", None),
+        ("s", True, False, "open", False, "all", {"osl": 8, "action": "open", "timeout": 30}),
+        ("s", False, False, "open", False, "all", {"osl": 8, "action": "bind", "timeout": 30}),
+        ("s", False, True, "open", False, "all", {"osl": 8, "action": "close"}),
+        (
+            "s",
+            True,
+            False,
+            "bind",
+            True,
+            "all",
+            {"osl": 8, "action": "bind", "timeout": 30, "spec": True},
+        ),
+        ("s", True, True, "bind", False, "all", {"osl": 8, "action": "close"}),
+        ("s", True, False, "none", True, "all", {"osl": 8, "spec": True}),
+        ("lead-1", True, False, "open", False, "subagents", None),
+        (
+            "lead-1-sub2.0",
+            True,
+            False,
+            "open",
+            False,
+            "subagents",
+            {"osl": 8, "action": "open", "timeout": 30},
+        ),
+    ],
+)
+def test_nvext_for(
+    sid: str, first: bool, final: bool, control: str, spec: bool, scope: str, expected: dict | None
+) -> None:
+    got = nvext_for(
+        sid,
+        first=first,
+        final=final,
+        max_new_tokens=8,
+        control=control,
+        speculative_prefill=spec,
+        timeout_s=30,
+        scope=scope,
+    )
+    if expected is None:
+        assert got is None
+        return
+    assert got is not None
+    assert got["agent_hints"].get("osl") == expected["osl"]
+    assert got["agent_hints"].get("speculative_prefill", False) == expected.get("spec", False)
+    sc = got.get("session_control")
+    if "action" not in expected:
+        assert sc is None
+    else:
+        assert sc == {
+            "session_id": sid,
+            "action": expected["action"],
+            **({"timeout": 30} if "timeout" in expected else {}),
+        }
+
+
+@pytest.mark.parametrize(("control", "scope"), [("close", "all"), ("open", "leads")])
+def test_nvext_options_are_validated(control: str, scope: str) -> None:
+    with pytest.raises(WorkloadError):
+        nvext_for("s", first=True, final=False, max_new_tokens=1, control=control, scope=scope)
+
+
+async def test_session_control_open_then_close_per_session(aiohttp_server) -> None:  # type: ignore[no-untyped-def]
+    import aiohttp
+
+    engine = PrefixEngine()
+    server = await aiohttp_server(engine.app(), host="127.0.0.1")
+    async with aiohttp.ClientSession() as http:
+        t = HttpTransport(
+            f"http://127.0.0.1:{server.port}",
+            http,
+            session_control="open",
+            speculative_prefill=True,
+            session_timeout_s=60,
+        )
+        outs = []
+        for sid in ("a", "b"):
+            prompt = [1, 2, 3]
+            for i in range(3):
+                out = await t.generate(sid, prompt, 4, final=i == 2)
+                assert out.ok, out.error
+                outs.append(out)
+                prompt = [*prompt, *out.output_ids, 9]
+    actions = [
+        (b["nvext"]["session_control"]["session_id"], b["nvext"]["session_control"]["action"])
+        for b in engine.bodies
+    ]
+    assert actions == [(s, a) for s in "ab" for a in ("open", "bind", "close")]
+    # Speculative prefill needs the whole answer: not streamed, still read in full.
+    assert all(b["stream"] is False for b in engine.bodies)
+    assert all(
+        b["nvext"]["agent_hints"] == {"osl": 4, "speculative_prefill": True} for b in engine.bodies
+    )
+    assert all(len(o.output_ids) == 4 and o.completion_tokens == 4 for o in outs)
+    assert outs[1].cached_tokens == 3 + 4  # the previous prompt + output was found

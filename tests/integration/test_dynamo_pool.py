@@ -1,0 +1,170 @@
+"""Streaming sessions on engines whose KV pool is too small for all of them pinned.
+
+Eight concurrent subagent sessions (``action: open``, five turns each) on two simulated
+streaming-mode engines of 4000 tokens: without a bound, the pinned contexts fill both
+pools and the turns queue forever (docs/dynamo.md). With
+``session_lifecycle.streaming_max_pool_share`` every session finishes, the sessions that
+would pass the share go as ``bind`` (counted), and the engines never hold more pinned KV
+than the share allows; closing frees it all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+import pytest
+from aiohttp.test_utils import TestServer
+
+from kvproxy import stack
+from kvproxy.app import create_app
+from kvproxy.config import from_mapping
+from kvproxy.runtime import RUNTIME
+from kvproxy.sessions import dynamo
+
+from .conftest import wait_until
+
+POOL = 4000
+SHARE = 0.5
+
+
+@pytest.fixture(scope="module")
+def small_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[stack.ManagedProcess]:
+    logs = Path(tmp_path_factory.mktemp("dynamo-pool"))
+    engines: list[stack.ManagedProcess] = []
+    router = None
+    try:
+        for _ in range(2):
+            engines.append(
+                stack.start_sim_engine(
+                    max_total_tokens=POOL,
+                    mode="streaming",
+                    extra_args=("--time-scale", "0.02"),
+                    log_dir=logs,
+                )
+            )
+        router = stack.start_router(
+            [e.url for e in engines],
+            policy="consistent_hashing",
+            extra_args=("--disable-worker-overload-protection",),
+            log_dir=logs,
+        )
+        yield router
+    finally:
+        if router is not None:
+            router.stop()
+        for e in engines:
+            e.stop()
+
+
+@pytest.fixture
+async def proxy(small_stack: stack.ManagedProcess) -> AsyncIterator[TestServer]:
+    doc = {
+        "server": {"log_level": "WARNING"},
+        "router": {"url": small_stack.url, "policy": "consistent_hashing"},
+        "session_lifecycle": {
+            "enabled": True,
+            "check_engines": False,
+            "streaming_max_pool_share": SHARE,
+        },
+    }
+    server = TestServer(create_app(from_mapping(doc)), host="127.0.0.1")
+    await server.start_server()
+    agents = server.app[RUNTIME].agents
+
+    async def placed() -> bool:
+        return agents._owner("probe") is not None
+
+    await wait_until(placed, timeout_s=10, what="placement known")
+    try:
+        yield server
+    finally:
+        await server.close()
+
+
+async def _session(
+    http: aiohttp.ClientSession, url: str, i: int, peaks: dict[str, int], agents: Any
+) -> int:
+    rng = random.Random(1000 + i)
+    sid = f"pool-{i}"
+    prompt = [rng.randrange(100, 30000) for _ in range(400)]
+    for turn in range(5):
+        action = "open" if turn == 0 else ("close" if turn == 4 else "bind")
+        body = {
+            "rid": f"pool-{i}-{turn}",
+            "input_ids": prompt,
+            "sampling_params": {"max_new_tokens": 50, "temperature": 0},
+            "nvext": {"session_control": {"session_id": sid, "action": action, "timeout": 600}},
+        }
+        async with http.post(f"{url}/generate", json=body) as resp:
+            doc = orjson.loads(await resp.read())
+            assert resp.status == 200, doc
+        assert doc["meta_info"]["prompt_tokens"] == len(prompt)
+        for slot in agents.slots.items():
+            held = agents.slots.held_tokens(slot.engine)
+            peaks[slot.engine] = max(peaks.get(slot.engine, 0), held)
+        prompt = [*prompt, *doc["output_ids"], *(rng.randrange(100, 30000) for _ in range(200))]
+    return 5
+
+
+async def test_sessions_that_would_overfill_the_pool_go_as_bind_and_all_finish(
+    proxy: TestServer,
+) -> None:
+    agents = proxy.app[RUNTIME].agents
+    url = str(proxy.make_url("")).rstrip("/")
+    peaks: dict[str, int] = {}
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20)) as http:
+        done = await asyncio.wait_for(
+            asyncio.gather(*(_session(http, url, i, peaks, agents) for i in range(8))), 60
+        )
+    assert done == [5] * 8
+    assert agents.counters.total(dynamo.STREAM_FALLBACK + "pool_share") >= 1
+    assert agents.counters.total(dynamo.STREAM_EXTENDED) >= 1
+    # kvproxy's view of what each engine pins stays within the share of its pool.
+    assert peaks and max(peaks.values()) <= SHARE * POOL
+    assert len(agents.slots) == 0
+
+
+async def test_idle_slots_are_released_when_an_ordinary_request_needs_the_room(
+    proxy: TestServer,
+) -> None:
+    agents = proxy.app[RUNTIME].agents
+    url = str(proxy.make_url("")).rstrip("/")
+    candidates = [f"room-{i}" for i in range(64)]
+    engine = agents._owner(candidates[0])
+    same = [s for s in candidates if agents._owner(s) == engine]
+    assert len(same) >= 3
+    first, second, big = same[:3]
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20)) as http:
+        for k, sid in enumerate((first, second)):
+            body = {
+                "rid": f"{sid}-t0",
+                "input_ids": [5000 + 1000 * k + i for i in range(900)],
+                "sampling_params": {"max_new_tokens": 50, "temperature": 0},
+                "nvext": {"session_control": {"session_id": sid, "action": "open"}},
+            }
+            async with http.post(f"{url}/generate", json=body) as resp:
+                assert resp.status == 200, await resp.text()
+        assert {s.session_id for s in agents.slots.items()} == {first, second}
+        # An ordinary session request too big for the pool's unpinned part.
+        body = {
+            "rid": f"{big}-t0",
+            "input_ids": [20000 + i for i in range(2900)],
+            "sampling_params": {"max_new_tokens": 50, "temperature": 0},
+            "session_id": big,
+        }
+        async with http.post(f"{url}/generate", json=body) as resp:
+            doc = orjson.loads(await resp.read())
+            assert resp.status == 200, doc
+        assert doc["meta_info"]["prompt_tokens"] == 2900
+        # The least recently used idle slot was closed for it; the other one kept.
+        assert {s.session_id for s in agents.slots.items()} == {second}
+        assert agents.counters.total(dynamo.STREAM_FALLBACK + "released_for_room") == 1
+        for sid in (second, big):
+            async with http.post(f"{url}/close_session", json={"session_id": sid}) as resp:
+                await resp.read()
