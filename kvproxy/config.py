@@ -625,6 +625,7 @@ CLI_OVERRIDES: dict[str, tuple[str, str]] = {
     "admission_mode": ("admission", "mode"),
     "router_policy": ("router", "policy"),
     "time_scale": ("server", "time_scale"),
+    "token_scale": ("server", "token_scale"),
 }
 
 

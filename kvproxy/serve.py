@@ -67,6 +67,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="X",
         help=f"wall seconds per simulated second (server.time_scale; default {_S.time_scale})",
     )
+    parser.add_argument(
+        "--token-scale",
+        type=int,
+        metavar="K",
+        help=f"real tokens per engine token, for simulated engines (server.token_scale; default {_S.token_scale})",
+    )
     relax = parser.add_argument_group(
         "Relax-compatible feature flags (override the YAML; defaults are the YAML's defaults)"
     )
