@@ -298,3 +298,19 @@ def test_render_overwrite_and_strip_reserialise() -> None:
     out = orjson.loads(render_body(raw, plan, {"session_id": "s"}))
     assert out == {"messages": [], "rid": "r", "session_id": "s"}
     assert render_body(raw, PASS_THROUGH, {"session_id": "s"}) == raw
+
+
+def test_token_ids_counted_never_built_on_the_decision_path() -> None:
+    """The scan's counted input_ids stay unparsed through planning and admission sizing."""
+    from kvproxy.admission.reservation import _batch_size, exact_prompt_tokens
+
+    raw = orjson.dumps({"input_ids": list(range(5000)), "rid": "r", "sampling_params": {"n": 1}})
+    body = scan_object(raw, counted_keys_for("/generate"))
+    assert body is not None and body.excised == ("input_ids",)
+    config = from_mapping(BOTH)
+    plan = plan_request(config, "/generate", None, CIMultiDict({"X-Session-ID": "s"}), body)
+    assert isinstance(plan, Plan)
+    final_fields(plan, 3)
+    assert exact_prompt_tokens(body) == 5000
+    assert _batch_size(body) == 1
+    assert body._materialised == {}  # nothing built the 5,000-int list
