@@ -46,6 +46,7 @@ from kvproxy.proxy.pipeline import (
 )
 from kvproxy.proxy.responses import error_response
 from kvproxy.proxy.scan import counted_keys_for, scan_object
+from kvproxy.proxy.session_relay import serve_streaming
 from kvproxy.proxy.upstream import forward_request_headers, forward_response_headers
 from kvproxy.proxy.usage import TailWindow, Usage, search_usage, usage_from_body
 from kvproxy.sessions import streaming
@@ -358,8 +359,8 @@ class ProxyHandlers:
             return None
         headers = forward_request_headers(attempt.request, plan.headers or None)
         observe_tail = _tail_observer(attempt.observe_usage)
-        served = await agents.serve_streaming(
-            attempt.request, turn, body, dict(fields), headers, observe_tail
+        served = await serve_streaming(
+            agents, attempt.request, turn, body, dict(fields), headers, observe_tail
         )
         if served is not None:
             self._after_turn(attempt, plan, turn)

@@ -26,10 +26,6 @@ KNOWN_EDGES = {
     # ProxyMetrics: gone when the request pipeline round replaces Runtime with one
     # web.AppKey per resource (issue #14).
     ("proxy", "runtime"),
-    # sessions/dynamo.py relays translated streaming-session turns itself and borrows the
-    # proxy's response-header hygiene: gone when that relay moves into proxy/ with the
-    # request pipeline round (issue #14).
-    ("sessions", "proxy"),
 }
 # Subpackages left out of the per-module check, likewise. The workload driver's modules
 # reach each other through deferred imports (spec/plan -> trace, report <-> runner); the
