@@ -108,6 +108,7 @@ def _lifecycle_plan(
     path_session_id: str | None,
     headers: Mapping[str, str],
     body: Mapping[str, Any],
+    admit: bool,
 ) -> Plan | Refusal:
     lc = config.session_lifecycle
     try:
@@ -133,6 +134,7 @@ def _lifecycle_plan(
         nvext=nvext,
         track=sid is not None,
         turn=sid is not None,
+        admit=admit,
         strip_nvext=path in lc.strip_nvext_paths and "nvext" in body,
         priority_hint=nvext.hints.priority if lc.agent_hints else None,
     )
@@ -163,7 +165,28 @@ def _admission_only_plan(
         ).session_id
     except InvalidSessionId:
         sid = None
-    return Plan(body=body, session_id=sid, ticket=_body_rid(body) or new_rid())
+    routing_key, extra = _routing_key(config, sid, headers, {})
+    return Plan(
+        body=body,
+        session_id=sid,
+        ticket=_body_rid(body) or new_rid(),
+        admit=True,
+        headers=extra,
+        routing_key=routing_key,
+    )
+
+
+def _routing_key(
+    config: Config, sid: str | None, headers: Mapping[str, str], planned: Mapping[str, str]
+) -> tuple[str | None, Mapping[str, str]]:
+    """Program admission's routing key for session ``sid`` (the client's header, else the
+    planned one, else the session id, then added to the forwarded headers)."""
+    if sid is None or not (config.admission.enabled and config.admission.mode == "program"):
+        return None, planned
+    key = headers.get(ROUTING_KEY_HEADER) or planned.get(ROUTING_KEY_HEADER)
+    if key is not None:
+        return key, planned
+    return sid, {**planned, ROUTING_KEY_HEADER: sid}
 
 
 def plan_request(
@@ -184,17 +207,9 @@ def plan_request(
     if body is None or not (lifecycle_on or admission_on):
         return PASS_THROUGH
     if lifecycle_on:
-        planned = _lifecycle_plan(config, path, path_session_id, headers, body)
-        if isinstance(planned, Refusal):
-            return planned
-    else:
-        planned = _admission_only_plan(config, path_session_id, headers, body)
-    if not admission_on:
-        return planned
-    planned = dataclasses.replace(planned, admit=True)
-    if planned.turn:
-        return planned  # the routing key waits for the turn's headers (with_turn_headers)
-    return with_turn_headers(planned, config, headers, {})
+        # A session's routing key waits for its turn's headers (with_turn_headers).
+        return _lifecycle_plan(config, path, path_session_id, headers, body, admission_on)
+    return _admission_only_plan(config, path_session_id, headers, body)
 
 
 def with_turn_headers(
@@ -203,17 +218,16 @@ def with_turn_headers(
     """Fold a Dynamo turn's routing headers (bind / open route stickily) into ``plan``
     (the client's own headers win), then derive program admission's routing key: every
     request of a session carries it, so the session is attributed to one ring owner."""
-    merged = dict(plan.headers)
-    for key, value in turn_headers.items():
-        if headers.get(key) is None:
-            merged.setdefault(key, value)
-    routing_key = plan.routing_key
-    program = config.admission.enabled and config.admission.mode == "program"
-    if program and plan.session_id is not None:
-        routing_key = headers.get(ROUTING_KEY_HEADER) or merged.get(ROUTING_KEY_HEADER)
-        if routing_key is None:
-            routing_key = merged[ROUTING_KEY_HEADER] = plan.session_id
-    if merged == plan.headers and routing_key == plan.routing_key:
+    merged: Mapping[str, str] = plan.headers
+    if turn_headers:
+        added = {k: v for k, v in turn_headers.items() if headers.get(k) is None}
+        merged = {**added, **plan.headers}  # the plan's own headers win, as setdefault did
+    if not plan.admit:
+        if merged is plan.headers:
+            return plan
+        return dataclasses.replace(plan, headers=merged)
+    routing_key, merged = _routing_key(config, plan.session_id, headers, merged)
+    if merged is plan.headers and routing_key == plan.routing_key:
         return plan
     return dataclasses.replace(plan, headers=merged, routing_key=routing_key)
 
