@@ -24,6 +24,7 @@ from kvproxy.config import Config
 from kvproxy.fleet.registry import Fleet, legacy_warning
 from kvproxy.proxy.handlers import INTERCEPTED_PATHS, ProxyHandlers
 from kvproxy.proxy.metrics import ProxyMetrics
+from kvproxy.proxy.middleware import CountingMiddleware
 from kvproxy.proxy.slow_clients import SlowClientGuard
 from kvproxy.proxy.upstream import create_client_session
 from kvproxy.runtime import RUNTIME, Runtime
@@ -174,7 +175,11 @@ def create_app(config: Config, *, overrides: Mapping[str, Any] | None = None) ->
         metrics=ProxyMetrics(registry),
         router_base=base_url(config.router.url),
     )
-    app = web.Application(client_max_size=config.server.max_body_bytes)
+    # One middleware maps refusals to error responses and counts every proxied response.
+    app = web.Application(
+        client_max_size=config.server.max_body_bytes,
+        middlewares=[CountingMiddleware(rt.metrics)],
+    )
     app[RUNTIME] = rt
     app.cleanup_ctx.extend(
         [

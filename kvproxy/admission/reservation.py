@@ -92,7 +92,14 @@ def _token_list_length(value: Any) -> int | None:
 
 
 def exact_prompt_tokens(body: Mapping[str, Any]) -> int | None:
-    """Prompt tokens when the body carries token ids (``input_ids`` or a token-id ``prompt``)."""
+    """Prompt tokens when the body carries token ids (``input_ids`` or a token-id ``prompt``).
+
+    The proxy passes a ``kvproxy.proxy.scan.BodyScan``, which has counted the ids
+    without building the list: its count is read (a dict has no such attribute).
+    """
+    counted = getattr(body, "prompt_token_count", None)
+    if counted is not None:
+        return int(counted)
     n = _token_list_length(body.get("input_ids"))
     if n is None:
         n = _token_list_length(body.get("prompt"))
@@ -241,6 +248,9 @@ def _osl(body: Mapping[str, Any]) -> int | None:
 
 def _batch_size(body: Mapping[str, Any]) -> int:
     """Number of prompts in a native ``/generate`` batch (1 when not batched)."""
+    counted = getattr(body, "batch_size", None)  # a BodyScan's, without the list built
+    if counted is not None:
+        return int(counted)
     ids = body.get("input_ids")
     if type(ids) is list and ids and type(ids[0]) is list:
         return len(ids)

@@ -15,7 +15,8 @@ residency). Only the HTTP edges are replaced:
   ``/abort_request`` to every lab engine (the fan-out code, ``post_to_all``, is
   kvproxy's own);
 - :meth:`LabProxy.generate` is :meth:`kvproxy.proxy.handlers.ProxyHandlers.intercepted`
-  without the socket: the same identity resolution, injection plan, request
+  without the socket: the same pure pipeline (:func:`kvproxy.proxy.pipeline.plan_request`:
+  identity, injection, admission class and routing key, priority), then request
   tracking, admission wait and usage report, in the same order; the forwarded
   body goes to the router's placement and then to the chosen engine;
 - :meth:`LabProxy.close_session` is the proxy's ``POST /close_session`` dispatch.
@@ -39,9 +40,9 @@ from multidict import CIMultiDict
 from kvproxy.admission.coordinator import AdmissionController, AdmissionRequest, Decision
 from kvproxy.config import Config
 from kvproxy.lab.engines import EngineError, LabEngine
-from kvproxy.lab.router import ROUTING_KEY_HEADER, Placement
-from kvproxy.sessions.identity import injection_plan, new_rid, resolve_identity
-from kvproxy.sessions.lifecycle import SessionClosed, SessionManager
+from kvproxy.lab.router import Placement
+from kvproxy.proxy.pipeline import Plan, Refusal, final_fields, plan_request, with_turn_headers
+from kvproxy.sessions.lifecycle import SessionClosed, SessionManager, TrackedRequest
 from kvproxy.sim.scheduler import SimRequest
 
 
@@ -166,96 +167,41 @@ class LabProxy:
         self, headers: Mapping[str, str], body: dict[str, Any], path: str = "/generate"
     ) -> tuple[SimRequest, float | None]:
         """One intercepted request, as ``ProxyHandlers.intercepted`` handles it: the
-        finished engine request and the admission wait (None: admission did not act)."""
+        finished engine request and the admission wait (None: admission did not act).
+
+        The decisions are the proxy's own pure pipeline (:mod:`kvproxy.proxy.pipeline`);
+        only the Dynamo turn (session control over HTTP) is not run in the lab."""
         sessions, admission = self.sessions, self.admission
         assert sessions is not None and admission is not None
-        cfg = self.config
         hdrs = CIMultiDict(headers)
-        lifecycle_on = cfg.session_lifecycle.enabled
-        admission_on = cfg.admission.enabled
-        fields: dict[str, Any] = {}
-        session_id: str | None = None
-        close_after = False
-        abort_rids: tuple[str, ...] = ()
-        rid = body.get("rid") if isinstance(body.get("rid"), str) else None
-        if lifecycle_on:
-            identity = resolve_identity(
-                cfg.session_lifecycle, path_session_id=None, headers=hdrs, body=body
-            )
-            plan = injection_plan(cfg.session_lifecycle, identity, body, headers=hdrs)
-            sessions.note_injection(plan)
-            fields.update(plan.fields)
-            hdrs.update(plan.headers)
-            rid = plan.rid or rid
-            abort_rids = plan.abort_rids
-            session_id = identity.session_id
-            close_after = identity.close_after
-        elif admission_on:
-            session_id = resolve_identity(
-                self.identity_only, path_session_id=None, headers=hdrs, body=body
-            ).session_id
-        ticket = rid or new_rid()
-        routing_key: str | None = None
-        if admission_on and session_id is not None and cfg.admission.mode == "program":
-            # As the handler: every request of a session carries its routing key (the
-            # client's own, else the proxy sets it to the session id).
-            routing_key = hdrs.get(ROUTING_KEY_HEADER)
-            if routing_key is None:
-                routing_key = session_id
-                hdrs[ROUTING_KEY_HEADER] = session_id
-
+        planned = plan_request(self.config, path, None, hdrs, body)
+        if isinstance(planned, Refusal):
+            raise ProxyError(planned.status, planned.kind.value, planned.message)
+        plan = planned
+        if plan.injection is not None:
+            sessions.note_injection(plan.injection)
+        if plan.turn:
+            plan = with_turn_headers(plan, self.config, hdrs, {})
         async with AsyncExitStack() as stack:
             tracked = None
-            if lifecycle_on and session_id is not None:
+            if plan.track and plan.session_id is not None:
                 try:
                     tracked = await stack.enter_async_context(
                         sessions.track(
-                            session_id,
-                            ticket,
-                            close_after=close_after,
-                            abort_rids=abort_rids or None,
+                            plan.session_id,
+                            plan.ticket,
+                            close_after=plan.close_after,
+                            abort_rids=plan.abort_rids or None,
                         )
                     )
                 except SessionClosed as exc:
                     raise ProxyError(409, "session_closed", str(exc)) from None
-            areq: AdmissionRequest | None = None
-            wait_s: float | None = None
-            try:
-                if admission_on:
-                    areq = AdmissionRequest(
-                        ticket_id=ticket,
-                        path=path,
-                        headers=hdrs,
-                        body=body,
-                        session_id=session_id,
-                        routing_key=routing_key,
-                    )
-                    enter = stack.enter_async_context(admission.admit(areq))
-                    decision: Decision = await (
-                        tracked.until_forwarded(enter) if tracked else enter
-                    )
-                    if decision.action != "pass":
-                        wait_s = decision.wait_s
-                    key = decision.action + ":" + decision.reason
-                    self.decisions[key] = self.decisions.get(key, 0) + 1
-                    if decision.reason == "cancelled":
-                        raise ProxyError(
-                            409, "request_cancelled", f"request {ticket} was cancelled"
-                        )
-                    if (
-                        decision.priority is not None
-                        and "priority" not in body
-                        and "priority" not in fields
-                    ):
-                        # Eviction steered by priority, spliced in as the handler does.
-                        fields["priority"] = decision.priority
-                        self.priorities[decision.priority] = (
-                            self.priorities.get(decision.priority, 0) + 1
-                        )
-                if tracked is not None:
-                    tracked.forwarded()
-            except SessionClosed as exc:
-                raise ProxyError(409, "session_closed", str(exc)) from None
+            areq, wait_s, steering = await self._admit(stack, path, hdrs, body, plan, tracked)
+            fields, source = final_fields(plan, steering) if not plan.passthrough else ({}, None)
+            if source == "steering":  # eviction steered by priority, as the handler splices it
+                prio = fields["priority"]
+                self.priorities[prio] = self.priorities.get(prio, 0) + 1
+            hdrs.update(plan.headers)
             out = {**body, **fields} if fields else body
             engine = self.engines[self.placement.pick(hdrs)]
             try:
@@ -267,6 +213,47 @@ class LabProxy:
                 admission.observe_usage(areq, req.prompt_tokens, req.cached_tokens, req.generated)
             return req, wait_s
         raise AssertionError("unreachable")  # pragma: no cover
+
+    async def _admit(
+        self,
+        stack: AsyncExitStack,
+        path: str,
+        hdrs: Mapping[str, str],
+        body: dict[str, Any],
+        plan: Plan,
+        tracked: TrackedRequest | None,
+    ) -> tuple[AdmissionRequest | None, float | None, int | None]:
+        """The admission wait (the lease lives on ``stack``): (request, wait, steering)."""
+        assert self.admission is not None
+        areq: AdmissionRequest | None = None
+        wait_s: float | None = None
+        steering: int | None = None
+        try:
+            if plan.admit:
+                areq = AdmissionRequest(
+                    ticket_id=plan.ticket,
+                    path=path,
+                    headers=hdrs,
+                    body=body,
+                    session_id=plan.session_id,
+                    routing_key=plan.routing_key,
+                )
+                enter = stack.enter_async_context(self.admission.admit(areq))
+                decision: Decision = await (tracked.until_forwarded(enter) if tracked else enter)
+                if decision.action != "pass":
+                    wait_s = decision.wait_s
+                key = decision.action + ":" + decision.reason
+                self.decisions[key] = self.decisions.get(key, 0) + 1
+                if decision.reason == "cancelled":
+                    raise ProxyError(
+                        409, "request_cancelled", f"request {plan.ticket} was cancelled"
+                    )
+                steering = decision.priority
+            if tracked is not None:
+                tracked.forwarded()
+        except SessionClosed as exc:
+            raise ProxyError(409, "session_closed", str(exc)) from None
+        return areq, wait_s, steering
 
     async def close_session(self, session_id: str) -> None:
         """``POST /close_session {"session_id"}`` sent to the proxy."""

@@ -10,7 +10,6 @@ Pure (no aiohttp): the aiohttp response is built by
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Any
 
 import orjson
 
@@ -47,14 +46,3 @@ STATUS: dict[ErrorType, int] = {
 
 def error_body(kind: ErrorType, message: str) -> bytes:
     return orjson.dumps({"error": {"type": kind.value, "message": message}})
-
-
-def __getattr__(name: str) -> Any:
-    # ``error_response`` moved to the shell (kvproxy.proxy.responses); this keeps the old
-    # import working without importing aiohttp here. proxy/handlers.py still uses it:
-    # the request pipeline round (issue #14) imports it from responses and drops this.
-    if name == "error_response":
-        from kvproxy.proxy.responses import error_response
-
-        return error_response
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

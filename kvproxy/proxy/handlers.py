@@ -1,51 +1,63 @@
-"""HTTP handlers: streaming passthrough and the interception pipeline.
+"""HTTP handlers: thin glue between aiohttp and the pure request pipeline.
 
 Every request goes to ``router.url`` unchanged unless it is one of the intercepted
-LLM endpoints, which pass through the two features in order:
+LLM endpoints. Those are decided by :func:`kvproxy.proxy.pipeline.plan_request` (pure)
+and the plan is carried out here, in order:
 
-1. session lifecycle: resolve the session id, decide what to inject, track the
-   request (queued, then forwarded) so a session close can reject, abort or await it;
+1. session lifecycle: count the injection, open the Dynamo turn, track the request
+   (queued, then forwarded) so a session close can reject, abort or await it;
 2. admission: wait in the global FIFO until the ledger grants a lease (or bypass);
-3. forward: inject the planned top-level fields into the raw bytes and stream the
-   response back chunk by chunk. The lease and the session's tracking are released
-   when the upstream attempt ends, on every exit path.
+3. forward: one :class:`Attempt` upstream, the planned fields spliced into the raw
+   bytes, the response streamed back chunk by chunk; its usage (read from the tail)
+   goes to admission. The lease and the session's tracking are released when the
+   attempt ends, on every exit path.
 
 With both features off the body is not even parsed: the bytes forwarded are the
-bytes received.
+bytes received. Refusals are raised as :class:`~kvproxy.proxy.middleware.Refused`;
+the middleware maps them and counts every response (:mod:`kvproxy.proxy.middleware`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
-import re
 import time
 from collections.abc import Callable, Mapping
 from contextlib import AsyncExitStack
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import aiohttp
 import orjson
 from aiohttp import web
 
-from kvproxy.admission.coordinator import AdmissionRequest, Decision
-from kvproxy.proxy.body import inject_fields, parse_object
-from kvproxy.proxy.errors import ErrorType, error_response
+from kvproxy.admission.coordinator import AdmissionRequest
+from kvproxy.proxy.body import parse_object
+from kvproxy.proxy.errors import ErrorType
+from kvproxy.proxy.middleware import Refused, count_as
+from kvproxy.proxy.pipeline import (
+    Plan,
+    Refusal,
+    final_fields,
+    plan_request,
+    render_body,
+    with_turn_headers,
+)
+from kvproxy.proxy.responses import error_response
+from kvproxy.proxy.scan import counted_keys_for, scan_object
+from kvproxy.proxy.session_relay import serve_streaming
 from kvproxy.proxy.upstream import forward_request_headers, forward_response_headers
+from kvproxy.proxy.usage import TailWindow, Usage, search_usage, usage_from_body
 from kvproxy.sessions import streaming
-from kvproxy.sessions.agent_hints import NO_NVEXT, InvalidNvext, combine_priority, parse_nvext
 from kvproxy.sessions.dynamo import Turn
 from kvproxy.sessions.identity import (
     ROUTING_KEY_HEADER,
     InvalidSessionId,
-    injection_plan,
-    new_rid,
-    resolve_identity,
     split_session_path,
     validate_session_id,
 )
-from kvproxy.sessions.lifecycle import SessionClosed
+from kvproxy.sessions.lifecycle import SessionClosed, TrackedRequest
 
 if TYPE_CHECKING:
     from kvproxy.runtime import Runtime
@@ -57,28 +69,57 @@ INTERCEPTED_PATHS = frozenset({"/generate", "/v1/chat/completions", "/v1/complet
 _BUFFER_LIMIT = 256 * 1024
 # Non-streaming upstream responses up to this size are returned in one write.
 _RESPONSE_BUFFER_LIMIT = 1024 * 1024
-# How much of a stream's tail to keep for reading the engine's prompt_tokens.
-_TAIL_BYTES = 4096
-_PROMPT_TOKENS_RE = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
-_CACHED_TOKENS_RE = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
-_COMPLETION_TOKENS_RE = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
 
-ObserveTail = Callable[[bytes], None]
+ObserveUsage = Callable[[Usage | None], None]
 ObserveBody = Callable[[bytes], None]
-
 
 # The last event of an SGLang or OpenAI-compatible stream. Once it has been relayed the
 # engine has finished the request: a client hanging up afterwards aborts nothing.
 _SSE_DONE = b"data: [DONE]\n\n"
+_DONE_LEN = len(_SSE_DONE)
+_SSE = "text/event-stream"
 
 
-class _Relayed:
-    """What a relay has passed on so far (shared with :meth:`ProxyHandlers.forward`)."""
+class Attempt:
+    """One upstream attempt: what to send, and what to do with what comes back."""
 
-    __slots__ = ("complete",)
+    __slots__ = (
+        "body",
+        "complete",
+        "extra_headers",
+        "observe_body",
+        "observe_usage",
+        "on_disconnect",
+        "path",
+        "request",
+        "response_headers",
+        "started",
+        "waited",
+    )
 
-    def __init__(self) -> None:
-        self.complete = False
+    def __init__(
+        self,
+        request: web.Request,
+        path: str,
+        body: bytes | aiohttp.StreamReader | None,
+        started: float,
+        extra_headers: Mapping[str, str] | None = None,
+    ) -> None:
+        self.request = request
+        self.path = path
+        self.body = body
+        self.started = started
+        self.extra_headers = extra_headers
+        self.waited = 0.0  # seconds spent in the admission queue (not proxy overhead)
+        self.response_headers: Mapping[str, str] | None = None
+        self.on_disconnect: Callable[[], None] | None = None
+        self.observe_usage: ObserveUsage | None = None
+        self.observe_body: ObserveBody | None = None
+        self.complete = False  # the whole response (through [DONE]) was relayed
+
+    def disconnected(self) -> None:
+        if self.on_disconnect is not None and not self.complete:
+            self.on_disconnect()
 
 
 class _ClientGone(Exception):
@@ -89,13 +130,25 @@ class _ClientGone(Exception):
         self.response = response
 
 
-class BodyTooLarge(Exception):
-    pass
+def _too_large(limit: int) -> Refused:
+    return Refused(
+        ErrorType.BODY_TOO_LARGE, f"request body exceeds server.max_body_bytes ({limit} bytes)"
+    )
 
 
-def _last_int(pattern: re.Pattern[bytes], tail: bytes) -> int | None:
-    matches = pattern.findall(tail)
-    return int(matches[-1]) if matches else None
+def _admission_headers(action: str, reason: str, wait_s: float) -> dict[str, str]:
+    return {
+        "X-KVProxy-Admission": action if action == "admit" else f"bypass; reason={reason}",
+        "X-KVProxy-Admission-Wait-Ms": f"{wait_s * 1000:.1f}",
+        "X-KVProxy-Admission-Decision": reason,
+    }
+
+
+def _stream_usage(window: TailWindow, event_stream: bool) -> Usage | None:
+    if event_stream:
+        return window.usage()
+    data = window.value()
+    return usage_from_body(data) if window.complete else search_usage(data)
 
 
 class ProxyHandlers:
@@ -109,33 +162,27 @@ class ProxyHandlers:
         """Catch-all route: strip ``/sessions/{id}``, then intercept or pass through."""
         started = time.perf_counter()
         rt = self.rt
+        count_as(request, request.path)
         if rt.shutting_down:
-            return self._count(
-                request.path, error_response(ErrorType.SHUTTING_DOWN, "kvproxy is shutting down")
-            )
+            raise Refused(ErrorType.SHUTTING_DOWN, "kvproxy is shutting down")
         lifecycle_on = rt.config.session_lifecycle.enabled
         try:
             path_sid, path = split_session_path(request.path)
         except InvalidSessionId as exc:
             if lifecycle_on:
-                return self._count(
-                    request.path, error_response(ErrorType.INVALID_SESSION_ID, str(exc))
-                )
+                raise Refused(ErrorType.INVALID_SESSION_ID, str(exc)) from None
             # The feature is off: nothing reads the id, so the path goes as it came.
             path_sid, path = None, request.path
+        count_as(request, path)
         if request.method == "POST":
             if path in INTERCEPTED_PATHS:
                 return await self.intercepted(request, path, path_sid, started)
             if path == "/close_session":
                 if lifecycle_on:
-                    return self._count(path, await self.close_session_api(request, path_sid))
+                    return await self.close_session_api(request, path_sid)
                 if rt.config.admission.enabled:
                     return await self.close_session_passthrough(request, path_sid, started)
         return await self.passthrough(request, path, started)
-
-    def _count(self, path: str, response: web.StreamResponse) -> web.StreamResponse:
-        self.rt.metrics.count(path, response.status)
-        return response
 
     # --------------------------------------------------------------- passthrough
     async def passthrough(
@@ -144,413 +191,320 @@ class ProxyHandlers:
         length = request.content_length
         max_body = self.rt.config.server.max_body_bytes
         if length is not None and length > max_body:
-            return self._count(path, _too_large(max_body))
-        body: bytes | aiohttp.StreamReader | None
+            raise _too_large(max_body)
         if not request.body_exists:
-            body = None
-        elif length is not None and length > _BUFFER_LIMIT:
-            body = request.content  # stream it; Content-Length is kept below
-        else:
-            try:
-                body = await request.read()
-            except web.HTTPRequestEntityTooLarge:
-                return self._count(path, _too_large(max_body))
-        extra = {"Content-Length": str(length)} if isinstance(body, aiohttp.StreamReader) else None
-        return await self.forward(request, path, body, started=started, extra_headers=extra)
+            return await self.forward(Attempt(request, path, None, started))
+        if length is not None and length > _BUFFER_LIMIT:
+            # Stream it; Content-Length is kept.
+            extra = {"Content-Length": str(length)}
+            return await self.forward(Attempt(request, path, request.content, started, extra))
+        try:
+            body = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            raise _too_large(max_body) from None
+        return await self.forward(Attempt(request, path, body, started))
 
     # --------------------------------------------------------------- intercepted
     async def intercepted(
         self, request: web.Request, path: str, path_sid: str | None, started: float
     ) -> web.StreamResponse:
-        rt = self.rt
-        cfg = rt.config
+        cfg = self.rt.config
         max_body = cfg.server.max_body_bytes
         if request.content_length is not None and request.content_length > max_body:
-            return self._count(path, _too_large(max_body))
+            raise _too_large(max_body)
         try:
             raw = await request.read()
         except web.HTTPRequestEntityTooLarge:
-            return self._count(path, _too_large(max_body))
+            raise _too_large(max_body) from None
+        if not (cfg.session_lifecycle.enabled or cfg.admission.enabled):
+            return await self.forward(Attempt(request, path, raw, started))
+        # Read only what a decision needs: token-id arrays are counted, not built.
+        body = scan_object(raw, counted_keys_for(path))
+        plan = plan_request(cfg, path, path_sid, request.headers, body)
+        if isinstance(plan, Refusal):
+            raise Refused.of(plan)
+        if plan.passthrough:  # not a JSON object: the bytes as received
+            return await self.forward(Attempt(request, path, raw, started))
+        attempt = Attempt(request, path, raw, started)
+        return await self._carry_out(attempt, plan)
 
-        lifecycle_on = cfg.session_lifecycle.enabled
-        admission_on = cfg.admission.enabled
-        body = parse_object(raw) if (lifecycle_on or admission_on) else None
-        if body is None:
-            # Features off, or not a JSON object: forward the bytes as received.
-            return await self.forward(request, path, raw, started=started)
-
-        fields: dict[str, Any] = {}
-        overwrite = False
-        extra_headers: dict[str, str] = {}
-        session_id: str | None = None
-        close_after = False
-        abort_rids: tuple[str, ...] = ()
-        rid = body.get("rid") if isinstance(body.get("rid"), str) else None
-        nvext = NO_NVEXT
-        if lifecycle_on:
-            try:
-                nvext = parse_nvext(body)  # Dynamo's nvext (docs/dynamo.md)
-            except InvalidNvext as exc:
-                return self._count(path, error_response(ErrorType.INVALID_REQUEST, str(exc)))
-            try:
-                identity = resolve_identity(
-                    cfg.session_lifecycle,
-                    path_session_id=path_sid,
-                    headers=request.headers,
-                    body=body,
-                )
-            except InvalidSessionId as exc:
-                return self._count(path, error_response(ErrorType.INVALID_SESSION_ID, str(exc)))
-            plan = injection_plan(cfg.session_lifecycle, identity, body, headers=request.headers)
-            rt.sessions.note_injection(plan)
-            fields.update(plan.fields)
-            overwrite = bool(plan.overwrites)
-            extra_headers.update(plan.headers)
-            rid = plan.rid or rid
-            abort_rids = plan.abort_rids
-            session_id = identity.session_id
-            close_after = identity.close_after
-        elif admission_on:
-            # Admission alone still needs to know the session (its KV stays resident
-            # between turns), read from the same sources; nothing is injected or refused.
-            try:
-                session_id = resolve_identity(
-                    rt.identity_only, path_session_id=path_sid, headers=request.headers, body=body
-                ).session_id
-            except InvalidSessionId:
-                session_id = None
-        ticket = rid or new_rid()
+    async def _carry_out(self, attempt: Attempt, plan: Plan) -> web.StreamResponse:
+        """The plan's stateful steps: injection counters, the Dynamo turn, tracking."""
+        rt = self.rt
+        if plan.injection is not None:
+            rt.sessions.note_injection(plan.injection)
         turn: Turn | None = None
-        if lifecycle_on and session_id is not None:
-            turn, turn_headers = rt.agents.begin(session_id, path, nvext, close_after)
-            for key, value in turn_headers.items():  # bind / open route stickily
-                if request.headers.get(key) is None:
-                    extra_headers.setdefault(key, value)
-        routing_key: str | None = None
-        if admission_on and session_id is not None and cfg.admission.mode == "program":
-            # Program admission attributes each session to the ring owner of its routing
-            # key: every request of a session carries it (sticky routing).
-            routing_key = request.headers.get(ROUTING_KEY_HEADER) or extra_headers.get(
-                ROUTING_KEY_HEADER
+        if plan.turn and plan.session_id is not None:
+            turn, turn_headers = rt.agents.begin(
+                plan.session_id, attempt.path, plan.nvext, plan.close_after
             )
-            if routing_key is None:
-                routing_key = extra_headers[ROUTING_KEY_HEADER] = session_id
-
-        async with AsyncExitStack() as stack:
-            if turn is not None:
-                stack.callback(rt.agents.end, turn)
-            tracked = None
-            on_disconnect: Callable[[], None] | None = None
-            if lifecycle_on and session_id is not None:
-                try:
-                    tracked = await stack.enter_async_context(
-                        rt.sessions.track(
-                            session_id,
-                            ticket,
-                            close_after=close_after,
-                            abort_rids=abort_rids or None,
-                        )
-                    )
-                except SessionClosed as exc:
-                    return self._count(path, error_response(ErrorType.SESSION_CLOSED, str(exc)))
-                on_disconnect = tracked.disconnected
-            elif abort_rids:
-                sessions = rt.sessions
-
-                def on_disconnect() -> None:
-                    sessions.abort_in_background(abort_rids)
-
-            waited = 0.0
-            steering: int | None = None
-            response_headers: dict[str, str] | None = None
-            admission_req: AdmissionRequest | None = None
-            try:
-                if admission_on:
-                    admission_req = AdmissionRequest(
-                        ticket_id=ticket,
-                        path=path,
-                        headers=request.headers,
-                        body=body,
-                        session_id=session_id,
-                        routing_key=routing_key,
-                    )
-                    enter = stack.enter_async_context(rt.admission.admit(admission_req))
-                    decision: Decision = await (
-                        tracked.until_forwarded(enter) if tracked else enter
-                    )
-                    waited = decision.wait_s
-                    if decision.reason == "cancelled":
-                        # The ticket was cancelled from outside (e.g. a duplicate rid whose
-                        # twin was withdrawn): it must not reach the engines.
-                        return self._count(
-                            path,
-                            error_response(
-                                ErrorType.REQUEST_CANCELLED,
-                                f"request {ticket} was cancelled before it was forwarded",
-                            ),
-                        )
-                    steering = decision.priority
-                    if decision.action != "pass":
-                        response_headers = {
-                            "X-KVProxy-Admission": decision.action
-                            if decision.action == "admit"
-                            else f"bypass; reason={decision.reason}",
-                            "X-KVProxy-Admission-Wait-Ms": f"{decision.wait_s * 1000:.1f}",
-                            "X-KVProxy-Admission-Decision": decision.reason,
-                        }
-                if tracked is not None:
-                    tracked.forwarded()
-            except SessionClosed as exc:
-                return self._count(path, error_response(ErrorType.SESSION_CLOSED, str(exc)))
-            # The client's agent_hints.priority, else kvproxy's eviction steering (the
-            # combination rule: sessions/agent_hints.py): spliced in, never re-serialised.
-            hint = nvext.hints.priority if cfg.session_lifecycle.agent_hints else None
-            prio, source = combine_priority(
-                top_level=body.get("priority"), hint=hint, steering=steering
-            )
-            if prio is not None and "priority" not in fields:
-                fields["priority"] = prio
-                if lifecycle_on:
-                    rt.agents.note_priority(source)
-
-            observe: ObserveTail | None = None
-            if admission_req is not None:
-                areq = admission_req
-
-                def observe(tail: bytes) -> None:
-                    # The engine's own usage report, in the final chunk (or the body).
-                    rt.admission.observe_usage(
-                        areq,
-                        _last_int(_PROMPT_TOKENS_RE, tail),
-                        _last_int(_CACHED_TOKENS_RE, tail),
-                        _last_int(_COMPLETION_TOKENS_RE, tail),
-                    )
-
-            if turn is not None:
-                key = request.headers.get(ROUTING_KEY_HEADER) or extra_headers.get(
-                    ROUTING_KEY_HEADER, turn.session_id
+            plan = with_turn_headers(plan, rt.config, attempt.request.headers, turn_headers)
+        try:
+            if plan.track and plan.session_id is not None:
+                return await self._tracked(attempt, plan, turn)
+            if plan.abort_rids:
+                attempt.on_disconnect = functools.partial(
+                    rt.sessions.abort_in_background, plan.abort_rids
                 )
-                plan = rt.agents.plan(turn, body, key)
-                if plan.kind in (streaming.OPEN, streaming.EXTEND):
-                    served = await rt.agents.serve_streaming(
-                        request,
-                        turn,
-                        body,
-                        fields,
-                        forward_request_headers(request, extra_headers),
-                        observe,
-                    )
-                    if served is not None:
-                        rt.agents.after_response(
-                            turn, body, forward_request_headers(request, extra_headers)
-                        )
-                        return self._count(path, served)
-                await rt.agents.settle(turn, body, key)
-            if lifecycle_on and path in cfg.session_lifecycle.strip_nvext_paths and "nvext" in body:
-                out = orjson.dumps({**{k: v for k, v in body.items() if k != "nvext"}, **fields})
-            elif not fields:
-                out = raw
-            elif overwrite:  # rare: a configured source outranks the body's own session_id
-                out = orjson.dumps({**body, **fields})
+            async with AsyncExitStack() as stack:
+                return await self._admitted(stack, attempt, plan, turn, None)
+        finally:
+            if turn is not None:
+                rt.agents.end(turn)
+
+    async def _tracked(self, attempt: Attempt, plan: Plan, turn: Turn | None) -> web.StreamResponse:
+        assert plan.session_id is not None
+        tracking = self.rt.sessions.track(
+            plan.session_id,
+            plan.ticket,
+            close_after=plan.close_after,
+            abort_rids=plan.abort_rids or None,
+        )
+        try:
+            async with AsyncExitStack() as stack:
+                tracked = await stack.enter_async_context(tracking)
+                attempt.on_disconnect = tracked.disconnected
+                return await self._admitted(stack, attempt, plan, turn, tracked)
+        except SessionClosed as exc:
+            raise Refused(ErrorType.SESSION_CLOSED, str(exc)) from None
+
+    async def _admitted(
+        self,
+        stack: AsyncExitStack,
+        attempt: Attempt,
+        plan: Plan,
+        turn: Turn | None,
+        tracked: TrackedRequest | None,
+    ) -> web.StreamResponse:
+        """Wait for admission (the lease lives on ``stack``), then forward."""
+        steering: int | None = None
+        if plan.admit:
+            steering = await self._admission_wait(stack, attempt, plan, tracked)
+        if tracked is not None:
+            tracked.forwarded()
+        fields, source = final_fields(plan, steering)
+        if source is not None and self.rt.config.session_lifecycle.enabled:
+            self.rt.agents.note_priority(source)
+        if turn is not None:
+            served = await self._serve_turn(attempt, plan, turn, fields)
+            if served is not None:
+                return served
+        assert isinstance(attempt.body, bytes)
+        attempt.body = render_body(attempt.body, plan, fields)
+        attempt.extra_headers = plan.headers or None
+        if turn is not None and turn.wants_body:
+            attempt.observe_body = turn.keep_body
+        response = await self.forward(attempt)
+        if turn is not None and response.status == 200:
+            self._after_turn(attempt, plan, turn)
+        return response
+
+    async def _admission_wait(
+        self,
+        stack: AsyncExitStack,
+        attempt: Attempt,
+        plan: Plan,
+        tracked: TrackedRequest | None,
+    ) -> int | None:
+        """The admission decision's steering priority; its headers go on the response."""
+        admission = self.rt.admission
+        areq = AdmissionRequest(
+            ticket_id=plan.ticket,
+            path=attempt.path,
+            headers=attempt.request.headers,
+            body=plan.body if plan.body is not None else {},
+            session_id=plan.session_id,
+            routing_key=plan.routing_key,
+        )
+        enter = stack.enter_async_context(admission.admit(areq))
+        decision = await (tracked.until_forwarded(enter) if tracked else enter)
+        attempt.waited = decision.wait_s
+        if decision.reason == "cancelled":
+            # The ticket was cancelled from outside (e.g. a duplicate rid whose twin was
+            # withdrawn): it must not reach the engines.
+            raise Refused(
+                ErrorType.REQUEST_CANCELLED,
+                f"request {plan.ticket} was cancelled before it was forwarded",
+            )
+        if decision.action != "pass":
+            attempt.response_headers = _admission_headers(
+                decision.action, decision.reason, decision.wait_s
+            )
+
+        def observe(usage: Usage | None) -> None:
+            # The engine's own usage report, from the final chunk (or the body).
+            if usage is not None:
+                admission.observe_usage(
+                    areq, usage.prompt_tokens, usage.cached_tokens, usage.completion_tokens
+                )
             else:
-                out = inject_fields(raw, fields)
-            response = await self.forward(
-                request,
-                path,
-                out,
-                started=started,
-                waited=waited,
-                extra_headers=extra_headers or None,
-                response_headers=response_headers,
-                on_disconnect=on_disconnect,
-                observe_tail=observe,
-                observe_body=turn.keep_body if turn is not None and turn.wants_body else None,
+                admission.observe_usage(areq, None, None, None)
+
+        attempt.observe_usage = observe
+        return decision.priority
+
+    async def _serve_turn(
+        self, attempt: Attempt, plan: Plan, turn: Turn, fields: Mapping[str, object]
+    ) -> web.StreamResponse | None:
+        """A Dynamo streaming-session turn (open / extend), relayed by session control;
+        None: forward it as an ordinary request."""
+        assert plan.body is not None
+        agents = self.rt.agents
+        key = attempt.request.headers.get(ROUTING_KEY_HEADER) or plan.headers.get(
+            ROUTING_KEY_HEADER, turn.session_id
+        )
+        body = plan.body
+        route = agents.plan(turn, body, key)
+        if route.kind in (streaming.OPEN, streaming.EXTEND):
+            headers = forward_request_headers(attempt.request, plan.headers or None)
+            observe_tail = _tail_observer(attempt.observe_usage)
+            served = await serve_streaming(
+                agents, attempt.request, turn, body, dict(fields), headers, observe_tail
             )
-            if turn is not None and response.status == 200:
-                rt.agents.after_response(
-                    turn, body, forward_request_headers(request, extra_headers)
-                )
-            return response
-        raise AssertionError("unreachable")  # pragma: no cover
+            if served is not None:
+                self._after_turn(attempt, plan, turn)
+                return served
+        # The ordinary request follows: a refused slot is closed first, and idle slots on
+        # its engine are released until it fits.
+        await agents.settle(turn, body, key)
+        return None
+
+    def _after_turn(self, attempt: Attempt, plan: Plan, turn: Turn) -> None:
+        assert plan.body is not None
+        headers = forward_request_headers(attempt.request, plan.headers or None)
+        self.rt.agents.after_response(turn, plan.body, headers)
 
     # ------------------------------------------------------------------- forward
-    async def forward(
-        self,
-        request: web.Request,
-        path: str,
-        body: bytes | aiohttp.StreamReader | None,
-        *,
-        started: float,
-        waited: float = 0.0,
-        extra_headers: Mapping[str, str] | None = None,
-        response_headers: Mapping[str, str] | None = None,
-        on_disconnect: Callable[[], None] | None = None,
-        observe_tail: ObserveTail | None = None,
-        observe_body: ObserveBody | None = None,
-    ) -> web.StreamResponse:
+    async def forward(self, attempt: Attempt) -> web.StreamResponse:
         """Send one upstream attempt and stream its response back."""
         rt = self.rt
-        url = rt.router_base + path
+        request = attempt.request
+        url = rt.router_base + attempt.path
         if request.query_string:
             url += "?" + request.query_string
-        headers = forward_request_headers(request, extra_headers)
+        headers = forward_request_headers(request, attempt.extra_headers)
         sent_at = time.perf_counter()
         try:
             upstream_cm = rt.http.request(
-                request.method, url, data=body, headers=headers, allow_redirects=False
+                request.method, url, data=attempt.body, headers=headers, allow_redirects=False
             )
             upstream = await upstream_cm.__aenter__()
         except asyncio.CancelledError:
-            if on_disconnect is not None:
-                on_disconnect()
+            if attempt.on_disconnect is not None:
+                attempt.on_disconnect()
             raise
         except (TimeoutError, aiohttp.ServerTimeoutError):
             rt.metrics.upstream_error("timeout")
-            return self._count(
-                path,
-                error_response(
-                    ErrorType.ROUTER_TIMEOUT, f"router did not answer in time ({rt.router_base})"
-                ),
-            )
+            raise Refused(
+                ErrorType.ROUTER_TIMEOUT, f"router did not answer in time ({rt.router_base})"
+            ) from None
         except aiohttp.ClientError as exc:
             rt.metrics.upstream_error("unreachable")
-            return self._count(
-                path,
-                error_response(
-                    ErrorType.ROUTER_UNREACHABLE,
-                    f"cannot reach the router at {rt.router_base}: {exc}",
-                ),
-            )
-        headers_at = time.perf_counter()
-        relayed = _Relayed()
+            raise Refused(
+                ErrorType.ROUTER_UNREACHABLE, f"cannot reach the router at {rt.router_base}: {exc}"
+            ) from None
         try:
-            return await self._relay(
-                request,
-                path,
-                upstream,
-                started,
-                sent_at,
-                headers_at,
-                waited,
-                response_headers,
-                observe_tail,
-                relayed,
-                observe_body,
-            )
+            return await self._relay(attempt, upstream, sent_at)
         except asyncio.CancelledError:
             # Client went away (handler cancellation): drop the upstream connection so the
             # router stops too, and tell the engines if the session feature tracks the rid.
             upstream.close()
-            if on_disconnect is not None and not relayed.complete:
-                on_disconnect()
+            attempt.disconnected()
             raise
         except _ClientGone as gone:
             # The client closed its connection mid-response: a normal event, not an
             # error. aiohttp finishes a response whose peer is gone quietly.
             upstream.close()
-            if on_disconnect is not None and not relayed.complete:
-                on_disconnect()
-            return self._count(path, gone.response)
+            attempt.disconnected()
+            return gone.response
         finally:
             await upstream_cm.__aexit__(None, None, None)
 
     async def _relay(
-        self,
-        request: web.Request,
-        path: str,
-        upstream: aiohttp.ClientResponse,
-        started: float,
-        sent_at: float,
-        headers_at: float,
-        waited: float,
-        response_headers: Mapping[str, str] | None,
-        observe_tail: ObserveTail | None,
-        relayed: _Relayed,
-        observe_body: ObserveBody | None = None,
+        self, attempt: Attempt, upstream: aiohttp.ClientResponse, sent_at: float
     ) -> web.StreamResponse:
-        rt = self.rt
         headers = forward_response_headers(upstream.headers)
-        if response_headers:
-            headers.update(response_headers)
+        if attempt.response_headers:
+            headers.update(attempt.response_headers)
         length = upstream.content_length
-        content_type = upstream.headers.get("Content-Type", "")
-        overhead = sent_at - started - waited
-        if (
-            length is not None
-            and length <= _RESPONSE_BUFFER_LIMIT
-            and "text/event-stream" not in content_type
-        ):
-            try:
-                data = await upstream.read()
-            except (
-                TimeoutError,
-                aiohttp.ClientPayloadError,
-                aiohttp.ServerDisconnectedError,
-            ) as exc:
-                rt.metrics.upstream_error("midstream")
-                return self._count(
-                    path,
-                    error_response(
-                        ErrorType.ROUTER_UNREACHABLE,
-                        f"the router's response broke off: {type(exc).__name__}",
-                    ),
-                )
-            read_at = time.perf_counter()
-            response = web.Response(status=upstream.status, headers=headers, body=data)
-            rt.metrics.added_latency.observe(overhead + (time.perf_counter() - read_at))
-            if upstream.status == 200:
-                if observe_tail is not None:
-                    observe_tail(data[-_TAIL_BYTES:])
-                if observe_body is not None:
-                    observe_body(data)
-            return self._count(path, response)
-
+        event_stream = _SSE in upstream.headers.get("Content-Type", "")
+        overhead = sent_at - attempt.started - attempt.waited
+        if length is not None and length <= _RESPONSE_BUFFER_LIMIT and not event_stream:
+            return await self._relay_buffered(attempt, upstream, headers, overhead)
+        headers_at = time.perf_counter()
         response = web.StreamResponse(status=upstream.status, headers=headers)
         if length is not None:
             response.content_length = length
-        await response.prepare(request)
-        rt.metrics.added_latency.observe(overhead + (time.perf_counter() - headers_at))
-        tail = b""
-        end = b""  # the stream's last bytes, to recognise its final [DONE] event
-        done_len = len(_SSE_DONE)
+        await response.prepare(attempt.request)
+        self.rt.metrics.added_latency.observe(overhead + (time.perf_counter() - headers_at))
+        return await self._relay_stream(attempt, upstream, response, event_stream)
+
+    async def _relay_buffered(
+        self,
+        attempt: Attempt,
+        upstream: aiohttp.ClientResponse,
+        headers: Mapping[str, str],
+        overhead: float,
+    ) -> web.StreamResponse:
+        try:
+            data = await upstream.read()
+        except (TimeoutError, aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError) as exc:
+            self.rt.metrics.upstream_error("midstream")
+            raise Refused(
+                ErrorType.ROUTER_UNREACHABLE,
+                f"the router's response broke off: {type(exc).__name__}",
+            ) from None
+        read_at = time.perf_counter()
+        response = web.Response(status=upstream.status, headers=headers, body=data)
+        self.rt.metrics.added_latency.observe(overhead + (time.perf_counter() - read_at))
+        if upstream.status == 200:
+            if attempt.observe_usage is not None:
+                attempt.observe_usage(usage_from_body(data))
+            if attempt.observe_body is not None:
+                attempt.observe_body(data)
+        return response
+
+    async def _relay_stream(
+        self,
+        attempt: Attempt,
+        upstream: aiohttp.ClientResponse,
+        response: web.StreamResponse,
+        event_stream: bool,
+    ) -> web.StreamResponse:
+        window = TailWindow() if attempt.observe_usage is not None else None
         # A chunked JSON body (not SSE) kept whole, bounded, for observe_body.
-        whole: list[bytes] | None = (
-            [] if observe_body is not None and "text/event-stream" not in content_type else None
-        )
-        kept = 0
+        whole = _Kept() if attempt.observe_body is not None and not event_stream else None
+        end = b""  # the stream's last bytes, to recognise its final [DONE] event
         try:
             async for chunk in upstream.content.iter_any():
                 await response.write(chunk)
                 if whole is not None:
-                    kept += len(chunk)
-                    if kept > _RESPONSE_BUFFER_LIMIT:
-                        whole = None
-                    else:
-                        whole.append(chunk)
-                if observe_tail is not None:
-                    tail = (tail + chunk)[-_TAIL_BYTES:]
-                end = chunk[-done_len:] if len(chunk) >= done_len else (end + chunk)[-done_len:]
-                relayed.complete = end == _SSE_DONE
+                    whole.feed(chunk)
+                if window is not None:
+                    window.feed(chunk)
+                end = chunk[-_DONE_LEN:] if len(chunk) >= _DONE_LEN else (end + chunk)[-_DONE_LEN:]
+                attempt.complete = end == _SSE_DONE
         except ConnectionResetError:  # the client went away (aiohttp's reset error included)
             raise _ClientGone(response) from None
         except (TimeoutError, aiohttp.ClientError):
             # The upstream broke mid-stream. End the client's stream the same way the
             # router does (no terminating chunk, no [DONE]) without an error traceback.
-            rt.metrics.upstream_error("midstream")
+            self.rt.metrics.upstream_error("midstream")
             upstream.close()
-            if request.transport is not None:
-                request.transport.abort()
-            return self._count(path, response)
-        relayed.complete = True
+            if attempt.request.transport is not None:
+                attempt.request.transport.abort()
+            return response
+        attempt.complete = True
         # The client may hang up before the chunked terminator, as streaming clients
         # often do once they have read [DONE]: everything was relayed, nothing to abort.
         with contextlib.suppress(ConnectionResetError):
             await response.write_eof()
-        if observe_tail is not None and upstream.status == 200:
-            observe_tail(tail)
-        if whole is not None and observe_body is not None and upstream.status == 200:
-            observe_body(b"".join(whole))
-        return self._count(path, response)
+        if upstream.status == 200:
+            if window is not None and attempt.observe_usage is not None:
+                attempt.observe_usage(_stream_usage(window, event_stream))
+            if whole is not None and whole.data is not None and attempt.observe_body is not None:
+                attempt.observe_body(whole.data)
+        return response
 
     # ------------------------------------------------------------- session close
     async def close_session_api(self, request: web.Request, path_sid: str | None) -> web.Response:
@@ -559,29 +513,9 @@ class ProxyHandlers:
         Under ``/sessions/{id}/`` the path names the session and the body may be empty;
         a body naming another session is refused.
         """
-        raw = await request.read()
-        sid: object = None
-        if raw.strip():
-            try:
-                doc = orjson.loads(raw)
-            except orjson.JSONDecodeError:
-                doc = None
-            if not isinstance(doc, dict):
-                return error_response(
-                    ErrorType.INVALID_REQUEST, "body must be a JSON object with a session_id"
-                )
-            sid = doc.get("session_id")
-        if path_sid is not None:
-            if sid is not None and sid != path_sid:
-                return error_response(
-                    ErrorType.INVALID_REQUEST,
-                    f"body session_id {sid!r} does not match the path's session {path_sid!r}",
-                )
-            sid = path_sid
-        if not isinstance(sid, str):
-            return error_response(
-                ErrorType.INVALID_REQUEST, "body must be a JSON object with a string session_id"
-            )
+        sid = _close_target(await request.read(), path_sid)
+        if isinstance(sid, Refusal):
+            raise Refused.of(sid)
         return await self._close(sid, reason="close_session")
 
     async def close_session_passthrough(
@@ -595,7 +529,7 @@ class ProxyHandlers:
         sid = sid if isinstance(sid, str) else path_sid
         if sid is not None:
             self.rt.admission.end_session(sid)
-        return await self.forward(request, "/close_session", raw, started=started)
+        return await self.forward(Attempt(request, "/close_session", raw, started))
 
     async def close_session_admin(self, request: web.Request) -> web.Response:
         """``POST /kvproxy/sessions/{session_id}/close``."""
@@ -614,15 +548,66 @@ class ProxyHandlers:
                 max_length=self.rt.config.session_lifecycle.id_max_length,
             )
         except InvalidSessionId as exc:
-            return error_response(ErrorType.INVALID_SESSION_ID, str(exc))
+            raise Refused(ErrorType.INVALID_SESSION_ID, str(exc)) from None
         result = await self.rt.sessions.close(session_id, reason=reason)
         return web.Response(body=orjson.dumps(result.to_json()), content_type="application/json")
 
 
-def _too_large(limit: int) -> web.Response:
-    return error_response(
-        ErrorType.BODY_TOO_LARGE, f"request body exceeds server.max_body_bytes ({limit} bytes)"
-    )
+class _Kept:
+    """A chunked body kept whole up to the buffered-response limit (None past it)."""
+
+    __slots__ = ("_chunks", "_size")
+
+    def __init__(self) -> None:
+        self._chunks: list[bytes] | None = []
+        self._size = 0
+
+    def feed(self, chunk: bytes) -> None:
+        if self._chunks is None:
+            return
+        self._size += len(chunk)
+        if self._size > _RESPONSE_BUFFER_LIMIT:
+            self._chunks = None
+        else:
+            self._chunks.append(chunk)
+
+    @property
+    def data(self) -> bytes | None:
+        return None if self._chunks is None else b"".join(self._chunks)
 
 
-__all__ = ["INTERCEPTED_PATHS", "ProxyHandlers"]
+def _tail_observer(observe: ObserveUsage | None) -> Callable[[bytes], None] | None:
+    """Session control's relay hands back the stream's last bytes."""
+    if observe is None:
+        return None
+    return lambda tail: observe(search_usage(tail))
+
+
+def _close_target(raw: bytes, path_sid: str | None) -> str | Refusal:
+    """The session a ``/close_session`` call names (body, else the path's), or why not."""
+    sid: object = None
+    if raw.strip():
+        try:
+            doc = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            doc = None
+        if not isinstance(doc, dict):
+            return Refusal(
+                ErrorType.INVALID_REQUEST, "body must be a JSON object with a session_id"
+            )
+        sid = doc.get("session_id")
+    if path_sid is not None:
+        if sid is not None and sid != path_sid:
+            return Refusal(
+                ErrorType.INVALID_REQUEST,
+                f"body session_id {sid!r} does not match the path's session {path_sid!r}",
+            )
+        sid = path_sid
+    if not isinstance(sid, str):
+        return Refusal(
+            ErrorType.INVALID_REQUEST, "body must be a JSON object with a string session_id"
+        )
+    return sid
+
+
+__all__ = ["INTERCEPTED_PATHS", "Attempt", "ProxyHandlers"]

@@ -86,6 +86,48 @@ def _int_field(value: Any, name: str, *, minimum: int | None = None) -> int | No
     return value
 
 
+def _parse_hints(hints_raw: Any) -> AgentHints:
+    if hints_raw is None:
+        return AgentHints()
+    if not isinstance(hints_raw, Mapping):
+        raise InvalidNvext("nvext.agent_hints must be an object")
+    spec = hints_raw.get("speculative_prefill", False)
+    if spec is None:
+        spec = False
+    if not isinstance(spec, bool):
+        raise InvalidNvext("nvext.agent_hints.speculative_prefill must be a boolean")
+    return AgentHints(
+        priority=_int_field(hints_raw.get("priority"), "agent_hints.priority"),
+        osl=_int_field(hints_raw.get("osl"), "agent_hints.osl", minimum=0),
+        speculative_prefill=spec,
+    )
+
+
+def _parse_timeout(timeout: Any) -> float | None:
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float):
+        raise InvalidNvext("nvext.session_control.timeout must be a number of seconds")
+    if not 0 < timeout <= 86_400:
+        raise InvalidNvext(
+            f"nvext.session_control.timeout must be in (0, 86400] seconds (got {timeout})"
+        )
+    return float(timeout)
+
+
+def _parse_control(control_raw: Any) -> SessionControl:
+    if control_raw is None:
+        return SessionControl()
+    if not isinstance(control_raw, Mapping):
+        raise InvalidNvext("nvext.session_control must be an object")
+    action = control_raw.get("action")
+    if action is not None and action not in ACTIONS:
+        raise InvalidNvext(
+            f"nvext.session_control.action must be one of {', '.join(ACTIONS)} (got {action!r})"
+        )
+    return SessionControl(action=action, timeout_s=_parse_timeout(control_raw.get("timeout")))
+
+
 def parse_nvext(body: Mapping[str, Any]) -> Nvext:
     """Read and validate ``body["nvext"]``; :data:`NO_NVEXT` when absent or null."""
     raw = body.get("nvext")
@@ -93,41 +135,8 @@ def parse_nvext(body: Mapping[str, Any]) -> Nvext:
         return NO_NVEXT
     if not isinstance(raw, Mapping):
         raise InvalidNvext("nvext must be an object")
-    hints_raw = raw.get("agent_hints")
-    hints = AgentHints()
-    if hints_raw is not None:
-        if not isinstance(hints_raw, Mapping):
-            raise InvalidNvext("nvext.agent_hints must be an object")
-        spec = hints_raw.get("speculative_prefill", False)
-        if spec is None:
-            spec = False
-        if not isinstance(spec, bool):
-            raise InvalidNvext("nvext.agent_hints.speculative_prefill must be a boolean")
-        hints = AgentHints(
-            priority=_int_field(hints_raw.get("priority"), "agent_hints.priority"),
-            osl=_int_field(hints_raw.get("osl"), "agent_hints.osl", minimum=0),
-            speculative_prefill=spec,
-        )
-    control_raw = raw.get("session_control")
-    control = SessionControl()
-    if control_raw is not None:
-        if not isinstance(control_raw, Mapping):
-            raise InvalidNvext("nvext.session_control must be an object")
-        action = control_raw.get("action")
-        if action is not None and action not in ACTIONS:
-            raise InvalidNvext(
-                f"nvext.session_control.action must be one of {', '.join(ACTIONS)} (got {action!r})"
-            )
-        timeout = control_raw.get("timeout")
-        if timeout is not None:
-            if isinstance(timeout, bool) or not isinstance(timeout, int | float):
-                raise InvalidNvext("nvext.session_control.timeout must be a number of seconds")
-            if not 0 < timeout <= 86_400:
-                raise InvalidNvext(
-                    f"nvext.session_control.timeout must be in (0, 86400] seconds (got {timeout})"
-                )
-            timeout = float(timeout)
-        control = SessionControl(action=action, timeout_s=timeout)
+    hints = _parse_hints(raw.get("agent_hints"))
+    control = _parse_control(raw.get("session_control"))
     return Nvext(present=True, hints=hints, control=control)
 
 

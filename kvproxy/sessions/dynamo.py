@@ -18,20 +18,17 @@ from typing import Any
 
 import aiohttp
 import orjson
-from aiohttp import web
 from prometheus_client.core import Metric
 
 from kvproxy.config import Config
 from kvproxy.fleet.engine_metrics import parse_engine_metrics
 from kvproxy.fleet.placement import Placement
 from kvproxy.observability import WindowedCounters, counter_families, gauge_families
-from kvproxy.proxy.upstream import forward_response_headers
 from kvproxy.sessions import streaming as st
 from kvproxy.sessions.agent_hints import Nvext
 from kvproxy.sessions.binding import BindTimers
 from kvproxy.sessions.identity import ROUTING_KEY_HEADER, new_rid
 from kvproxy.sessions.prefill import prefill_body
-from kvproxy.sse import StreamState, parse_sse_line
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +106,9 @@ class AgentControl:
         self.config = config
         self._http = http
         self._router = router_base
+        # For the proxy's relay of translated turns (kvproxy.proxy.session_relay).
+        self.http = http
+        self.router_base = router_base
         self._ring_workers = ring_workers
         self._close_session = close_session
         self._session_open = session_open
@@ -243,13 +243,16 @@ class AgentControl:
             self.counters.inc(STREAM_FALLBACK + (plan.reason or "unknown"))
             if plan.close_engine is not None:
                 self.slots.pop(turn.session_id)
-                turn.closing = asyncio.ensure_future(
-                    self._close_on(plan.close_engine, turn.session_id)
-                )
-                self._background.add(turn.closing)
-                turn.closing.add_done_callback(self._background.discard)
+                self._close_before_retry(turn, plan.close_engine)
         turn.plan = plan
         return plan
+
+    def _close_before_retry(self, turn: Turn, engine: str) -> None:
+        """Close the turn's slot on ``engine`` in the background; :meth:`settle` awaits it
+        before the ordinary request is sent."""
+        turn.closing = asyncio.ensure_future(self._close_on(engine, turn.session_id))
+        self._background.add(turn.closing)
+        turn.closing.add_done_callback(self._background.discard)
 
     async def settle(self, turn: Turn, body: Mapping[str, Any], routing_key: str) -> None:
         """Before a session's ordinary request: a fall-back's own slot is closed first,
@@ -349,17 +352,12 @@ class AgentControl:
             log.warning("streaming session %s: /open_session on %s failed: %s", sid, engine, exc)
         return False
 
-    async def serve_streaming(
-        self,
-        request: web.Request,
-        turn: Turn,
-        body: Mapping[str, Any],
-        fields: Mapping[str, Any],
-        headers: Mapping[str, str],
-        observe_tail: Callable[[bytes], None] | None,
-    ) -> web.StreamResponse | None:
-        """Send a turn in streaming-session form; None: send the ordinary request
-        instead (the slot, if any, is closed: nothing reached the client)."""
+    # The translated turn itself is relayed by the proxy (kvproxy.proxy.session_relay),
+    # through these three steps: claim the slot, build the body, record the outcome.
+    async def claim_slot(self, turn: Turn, body: Mapping[str, Any]) -> st.Slot | None:
+        """The turn's streaming slot, opened on its engine (OPEN) or the session's
+        (EXTEND), marked in flight, within the engine's pool share; None: send the
+        ordinary request instead (a slot refused is closed first)."""
         plan = turn.plan
         assert plan is not None and plan.engine is not None
         sid = turn.session_id
@@ -392,146 +390,58 @@ class AgentControl:
                 sid, slot.engine, slot.context, slot.first_token, True, slot.timeout_s, footprint
             )
         )
-        request_doc = st.session_body(body, fields, plan.input_ids, sid)
+        return slot
+
+    def translated_body(
+        self, turn: Turn, body: Mapping[str, Any], fields: Mapping[str, Any]
+    ) -> bytes:
+        """The turn in streaming-session form (only the new ids, the session's id)."""
+        assert turn.plan is not None
+        request_doc = st.session_body(body, fields, turn.plan.input_ids, turn.session_id)
         if turn.path in self.config.session_lifecycle.strip_nvext_paths:
             request_doc.pop("nvext", None)
-        out = orjson.dumps(request_doc)
-        if body.get("stream"):
-            return await self._serve_sse(request, turn, slot, body, out, headers, observe_tail)
-        try:
-            async with self._http.post(
-                self._router + "/generate", data=out, headers=dict(headers)
-            ) as resp:
-                data = await resp.read()
-                status, resp_headers = resp.status, forward_response_headers(resp.headers)
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            log.warning("streaming session %s: translated turn failed: %s", sid, exc)
-            await self._give_up_first(slot, st.R_ENGINE_ERROR)
-            return None
-        doc: Any = None
-        if status == 200:
-            with contextlib.suppress(orjson.JSONDecodeError):
-                doc = orjson.loads(data)
-        ids, prompt_tokens, aborted = st.read_generate_result(doc)
-        if status != 200 or aborted:
-            log.warning(
-                "streaming session %s: translated turn answered %s: %s; sent as an "
-                "ordinary request instead",
-                sid,
-                status,
-                data[:300].decode("utf-8", "replace"),
-            )
-            await self._give_up_first(slot, st.R_ENGINE_ERROR)
-            return None
-        prompt = body["input_ids"]
-        new_slot, why = st.after_turn(
-            slot, prompt=prompt, output_ids=ids, prompt_tokens=prompt_tokens
-        )
-        if new_slot is None:
-            await self._give_up_first(slot, why or st.R_CONTEXT_CHECK)
-            return None
-        if turn.close_after:
-            self.slots.pop(sid)  # the lifecycle's close frees it on every engine
-        else:
-            self.slots.put(new_slot)
-        if plan.kind == st.EXTEND:
-            self.counters.inc(STREAM_EXTENDED)
-        if observe_tail is not None:
-            observe_tail(data[-4096:])
-        turn.response = data
-        return web.Response(status=status, headers=resp_headers, body=data)
+        return orjson.dumps(request_doc)
 
-    async def _serve_sse(
+    def finish_turn(
         self,
-        request: web.Request,
         turn: Turn,
         slot: st.Slot,
-        body: Mapping[str, Any],
-        out: bytes,
-        headers: Mapping[str, str],
-        observe_tail: Callable[[bytes], None] | None,
-    ) -> web.StreamResponse | None:
-        """A streamed translated turn: held until its first event (an error there means
-        the ordinary request is sent instead), then relayed chunk by chunk while its
-        output ids are accumulated for the slot."""
-        sid = turn.session_id
-        state = StreamState()
-        try:
-            async with self._http.post(
-                self._router + "/generate", data=out, headers=dict(headers)
-            ) as resp:
-                if resp.status != 200:
-                    await resp.read()
-                    await self._give_up_first(slot, st.R_ENGINE_ERROR)
-                    return None
-                held: list[bytes] = []
-                first: tuple[str, Any] | None = None
-                for _ in range(10_000):  # bounded: a first event within the first lines
-                    line = await resp.content.readline()
-                    if not line:
-                        break
-                    held.append(line)
-                    first = parse_sse_line(line)
-                    if first is not None:
-                        break
-                if first is None or first[0] != "json" or "error" in first[1]:
-                    await self._give_up_first(slot, st.R_ENGINE_ERROR)
-                    return None
-                state.feed_generate(first[1])
-                response = web.StreamResponse(
-                    status=200, headers=forward_response_headers(resp.headers)
-                )
-                await response.prepare(request)
-                await response.write(b"".join(held))
-                pending = b""
-                tail = b""
-                try:
-                    async for chunk in resp.content.iter_any():
-                        await response.write(chunk)
-                        tail = (tail + chunk)[-4096:]
-                        pending += chunk
-                        *lines, pending = pending.split(b"\n")
-                        for raw in lines:
-                            ev = parse_sse_line(raw)
-                            if ev is not None and ev[0] == "json":
-                                state.feed_generate(ev[1])
-                except (ConnectionResetError, aiohttp.ClientError, TimeoutError):
-                    self._give_up(slot, st.R_ENGINE_ERROR)
-                    if request.transport is not None:
-                        request.transport.abort()
-                    return response
-                with contextlib.suppress(ConnectionResetError):
-                    await response.write_eof()
-        except asyncio.CancelledError:
-            self._give_up(slot, st.R_ENGINE_ERROR)
-            raise
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            log.warning("streaming session %s: translated turn failed: %s", sid, exc)
-            await self._give_up_first(slot, st.R_ENGINE_ERROR)
-            return None
-        if observe_tail is not None:
-            observe_tail(tail)
-        aborted = state.error is not None or state.finish_reason == "abort"
+        prompt: Any,
+        output_ids: Any,
+        prompt_tokens: int | None,
+        aborted: bool,
+    ) -> bool:
+        """Record what a translated turn produced; False: the slot was given up (the
+        session stops being a streaming one)."""
         new_slot, why = (
             (None, st.R_ENGINE_ERROR)
             if aborted
             else st.after_turn(
-                slot,
-                prompt=body["input_ids"],
-                output_ids=state.output_ids,
-                prompt_tokens=state.prompt_tokens,
+                slot, prompt=prompt, output_ids=output_ids, prompt_tokens=prompt_tokens
             )
         )
         if new_slot is None:
-            # Already relayed: the session just stops being a streaming one.
-            self._give_up(slot, why or st.R_CONTEXT_CHECK)
-        elif turn.close_after:
-            self.slots.pop(sid)
+            # When the ordinary request follows, settle() awaits this close first.
+            self.counters.inc(STREAM_FALLBACK + (why or st.R_CONTEXT_CHECK))
+            self.slots.pop(slot.session_id)
+            self._close_before_retry(turn, slot.engine)
+            return False
+        if turn.close_after:
+            self.slots.pop(turn.session_id)  # the lifecycle's close frees it on every engine
         else:
             self.slots.put(new_slot)
-            if turn.plan is not None and turn.plan.kind == st.EXTEND:
-                self.counters.inc(STREAM_EXTENDED)
-        return response
+        # Sent in streaming-session form, the session's last turn included.
+        if turn.plan is not None and turn.plan.kind == st.EXTEND:
+            self.counters.inc(STREAM_EXTENDED)
+        return True
+
+    def give_up(self, slot: st.Slot, reason: str) -> None:
+        """The slot is dropped and closed on its engine (counted by ``reason``)."""
+        self._give_up(slot, reason)
+
+    async def give_up_first(self, slot: st.Slot, reason: str) -> None:
+        """:meth:`give_up`, the close awaited (bounded): the ordinary request follows."""
+        await self._give_up_first(slot, reason)
 
     def _put(self, slot: st.Slot) -> None:
         for old in self.slots.put(slot):

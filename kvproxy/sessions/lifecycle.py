@@ -280,8 +280,6 @@ def _base_urls(urls: Sequence[str]) -> list[str]:
 class SessionManager:
     """Owns the session table, the close tasks and the engine session-mode check."""
 
-    TrackedRequest = TrackedRequest
-
     def __init__(
         self,
         cfg: SessionLifecycleConfig,

@@ -156,19 +156,26 @@ def plan_turn(
     if engine != slot.engine:
         return fallback(R_MOVED)
     assert input_ids is not None
+    reason = _extension_mismatch(slot, input_ids)
+    if reason is not None:
+        return fallback(reason)
+    return Plan(EXTEND, input_ids=tuple(input_ids[len(slot.context) :]), engine=engine)
+
+
+def _extension_mismatch(slot: Slot, input_ids: Sequence[int]) -> str | None:
+    """Why ``input_ids`` does not extend the slot's context by new tokens (None: it does)."""
     ctx = slot.context
     n = len(ctx)
     if len(input_ids) <= n:
         prefix_ok = list(input_ids) == list(ctx[: len(input_ids)])
-        return fallback(R_NO_NEW_TOKENS if prefix_ok and len(input_ids) == n else R_BRANCH)
+        return R_NO_NEW_TOKENS if prefix_ok and len(input_ids) == n else R_BRANCH
     if list(input_ids[:n]) != list(ctx):
-        return fallback(R_MISMATCH)
-    delta = tuple(input_ids[n:])
-    if slot.first_token is not None and delta[0] == slot.first_token:
+        return R_MISMATCH
+    if slot.first_token is not None and input_ids[n] == slot.first_token:
         # SGLang strips a leading BOS from an appended turn: the engine's prompt would
         # not be the client's. (A first token that is not a BOS also lands here: safe.)
-        return fallback(R_LEADING_BOS)
-    return Plan(EXTEND, input_ids=delta, engine=engine)
+        return R_LEADING_BOS
+    return None
 
 
 def turn_footprint(body: Mapping[str, Any]) -> int:

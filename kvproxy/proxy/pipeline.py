@@ -1,0 +1,280 @@
+"""The intercepted request as data: what to do with it, decided without I/O.
+
+Pure: no sockets, no clock, no shared state. The handler (:mod:`kvproxy.proxy.handlers`)
+and the lab (:mod:`kvproxy.lab.proxy`) run the same steps:
+
+1. :func:`plan_request` turns one intercepted request (path, the ``/sessions/{id}``
+   prefix's id, headers, the body as read by :func:`kvproxy.proxy.scan.scan_object`,
+   the config) into a :class:`Plan` or a :class:`Refusal` (the error the proxy
+   answers itself: stable type and message);
+2. the shell applies the stateful parts in order (the injection counters, the Dynamo
+   turn, session tracking, the admission wait); :func:`with_turn_headers` folds the
+   turn's routing headers into the plan and derives the admission routing key;
+3. :func:`final_fields` adds the top-level ``priority`` once admission has answered,
+   and :func:`render_body` produces the bytes to forward (spliced, never re-encoded,
+   except on the two documented re-serialising paths).
+
+Nothing here raises for bad input: bad input is a :class:`Refusal`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+from kvproxy.config import Config, SessionLifecycleConfig
+from kvproxy.proxy.body import inject_fields
+from kvproxy.proxy.errors import STATUS, ErrorType
+from kvproxy.sessions.agent_hints import NO_NVEXT, InvalidNvext, Nvext, parse_nvext
+from kvproxy.sessions.agent_hints import combine_priority as _combine_priority
+from kvproxy.sessions.identity import (
+    ROUTING_KEY_HEADER,
+    InjectionPlan,
+    InvalidSessionId,
+    injection_plan,
+    new_rid,
+    resolve_identity,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    """The proxy answers this request itself: ``status`` with ``{"error": {type, message}}``."""
+
+    kind: ErrorType
+    message: str
+
+    @property
+    def status(self) -> int:
+        return STATUS[self.kind]
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """What the shell does with one intercepted request.
+
+    ``body`` None: forward the bytes as received, nothing else (features off, or the
+    body is not a JSON object).
+    """
+
+    body: Mapping[str, Any] | None
+    # Top-level fields to add (``overwrite``: one replaces a member the body has).
+    fields: Mapping[str, Any] = field(default_factory=dict)
+    overwrite: bool = False
+    # Request headers to set on the forwarded request.
+    headers: Mapping[str, str] = field(default_factory=dict)
+    # The session the request belongs to (lifecycle tracking, admission residency).
+    session_id: str | None = None
+    close_after: bool = False
+    # Rids an abort of this request names (client disconnect before the end).
+    abort_rids: tuple[str, ...] = ()
+    # The admission ticket (the engine-visible rid when known).
+    ticket: str = ""
+    # The injection decision, for the lifecycle's counters (None: lifecycle off).
+    injection: InjectionPlan | None = None
+    nvext: Nvext = NO_NVEXT
+    # Track the request in the session table (lifecycle on, a session).
+    track: bool = False
+    # Wait for admission; ``routing_key`` attributes program admission to a ring owner.
+    admit: bool = False
+    routing_key: str | None = None
+    # Open a Dynamo turn for the session (lifecycle on, a session).
+    turn: bool = False
+    # Forward without the top-level ``nvext`` (session_lifecycle.strip_nvext_paths).
+    strip_nvext: bool = False
+    # Priority source: the client's agent_hints.priority when agent hints are on.
+    priority_hint: int | None = None
+
+    @property
+    def passthrough(self) -> bool:
+        return self.body is None
+
+
+PASS_THROUGH = Plan(body=None)
+
+
+def _body_rid(body: Mapping[str, Any]) -> str | None:
+    rid = body.get("rid")
+    return rid if isinstance(rid, str) else None
+
+
+def _lifecycle_plan(
+    config: Config,
+    path: str,
+    path_session_id: str | None,
+    headers: Mapping[str, str],
+    body: Mapping[str, Any],
+    admit: bool,
+) -> Plan | Refusal:
+    lc = config.session_lifecycle
+    try:
+        nvext = parse_nvext(body)  # Dynamo's nvext (docs/dynamo.md)
+    except InvalidNvext as exc:
+        return Refusal(ErrorType.INVALID_REQUEST, str(exc))
+    try:
+        identity = resolve_identity(lc, path_session_id=path_session_id, headers=headers, body=body)
+    except InvalidSessionId as exc:
+        return Refusal(ErrorType.INVALID_SESSION_ID, str(exc))
+    inj = injection_plan(lc, identity, body, headers=headers)
+    sid = identity.session_id
+    return Plan(
+        body=body,
+        fields=dict(inj.fields),
+        overwrite=bool(inj.overwrites),
+        headers=dict(inj.headers),
+        session_id=sid,
+        close_after=identity.close_after,
+        abort_rids=inj.abort_rids,
+        ticket=inj.rid or _body_rid(body) or new_rid(),
+        injection=inj,
+        nvext=nvext,
+        track=sid is not None,
+        turn=sid is not None,
+        admit=admit,
+        strip_nvext=path in lc.strip_nvext_paths and "nvext" in body,
+        priority_hint=nvext.hints.priority if lc.agent_hints else None,
+    )
+
+
+# The session-id sources with lifecycle semantics off, for the config last seen (a memo:
+# the replace is not redone per request; a reload brings a new config object).
+_IDENTITY_ONLY: list[tuple[SessionLifecycleConfig, SessionLifecycleConfig]] = []
+
+
+def _identity_only(lc: SessionLifecycleConfig) -> SessionLifecycleConfig:
+    if _IDENTITY_ONLY and _IDENTITY_ONLY[0][0] is lc:
+        return _IDENTITY_ONLY[0][1]
+    derived = dataclasses.replace(lc, enabled=True)
+    _IDENTITY_ONLY[:] = [(lc, derived)]
+    return derived
+
+
+def _admission_only_plan(
+    config: Config, path_session_id: str | None, headers: Mapping[str, str], body: Mapping[str, Any]
+) -> Plan:
+    # Admission alone still needs the session (its KV stays resident between turns),
+    # read from the same sources; nothing is injected or refused.
+    identity_only = _identity_only(config.session_lifecycle)
+    try:
+        sid = resolve_identity(
+            identity_only, path_session_id=path_session_id, headers=headers, body=body
+        ).session_id
+    except InvalidSessionId:
+        sid = None
+    routing_key, extra = _routing_key(config, sid, headers, {})
+    return Plan(
+        body=body,
+        session_id=sid,
+        ticket=_body_rid(body) or new_rid(),
+        admit=True,
+        headers=extra,
+        routing_key=routing_key,
+    )
+
+
+def _routing_key(
+    config: Config, sid: str | None, headers: Mapping[str, str], planned: Mapping[str, str]
+) -> tuple[str | None, Mapping[str, str]]:
+    """Program admission's routing key for session ``sid`` (the client's header, else the
+    planned one, else the session id, then added to the forwarded headers)."""
+    if sid is None or not (config.admission.enabled and config.admission.mode == "program"):
+        return None, planned
+    key = headers.get(ROUTING_KEY_HEADER) or planned.get(ROUTING_KEY_HEADER)
+    if key is not None:
+        return key, planned
+    return sid, {**planned, ROUTING_KEY_HEADER: sid}
+
+
+def plan_request(
+    config: Config,
+    path: str,
+    path_session_id: str | None,
+    headers: Mapping[str, str],
+    body: Mapping[str, Any] | None,
+) -> Plan | Refusal:
+    """Decide what to do with one intercepted request (see the module docstring).
+
+    ``body``: the parsed (or scanned) JSON object, None when the body is not one. The
+    ticket is the body's or the planned rid, else a fresh random one (the only input
+    not in the arguments: random, not time).
+    """
+    lifecycle_on = config.session_lifecycle.enabled
+    admission_on = config.admission.enabled
+    if body is None or not (lifecycle_on or admission_on):
+        return PASS_THROUGH
+    if lifecycle_on:
+        # A session's routing key waits for its turn's headers (with_turn_headers).
+        return _lifecycle_plan(config, path, path_session_id, headers, body, admission_on)
+    return _admission_only_plan(config, path_session_id, headers, body)
+
+
+def with_turn_headers(
+    plan: Plan, config: Config, headers: Mapping[str, str], turn_headers: Mapping[str, str]
+) -> Plan:
+    """Fold a Dynamo turn's routing headers (bind / open route stickily) into ``plan``
+    (the client's own headers win), then derive program admission's routing key: every
+    request of a session carries it, so the session is attributed to one ring owner."""
+    merged: Mapping[str, str] = plan.headers
+    if turn_headers:
+        added = {k: v for k, v in turn_headers.items() if headers.get(k) is None}
+        merged = {**added, **plan.headers}  # the plan's own headers win, as setdefault did
+    if not plan.admit:
+        if merged is plan.headers:
+            return plan
+        return dataclasses.replace(plan, headers=merged)
+    routing_key, merged = _routing_key(config, plan.session_id, headers, merged)
+    if merged is plan.headers and routing_key == plan.routing_key:
+        return plan
+    return dataclasses.replace(plan, headers=merged, routing_key=routing_key)
+
+
+def final_fields(plan: Plan, steering: int | None) -> tuple[dict[str, Any], str | None]:
+    """The fields to add once admission has answered, and the priority's source when a
+    ``priority`` is added (the combination rule: sessions/agent_hints.py)."""
+    assert plan.body is not None
+    fields = dict(plan.fields)
+    prio, source = _combine_priority(
+        top_level=plan.body.get("priority"), hint=plan.priority_hint, steering=steering
+    )
+    if prio is None or "priority" in fields:
+        return fields, None
+    fields["priority"] = prio
+    return fields, source
+
+
+def _materialise(body: Mapping[str, Any]) -> dict[str, Any]:
+    to_dict = getattr(body, "to_dict", None)
+    return to_dict() if callable(to_dict) else dict(body)
+
+
+def render_body(raw: bytes, plan: Plan, fields: Mapping[str, Any]) -> bytes:
+    """The bytes to forward: ``raw`` with ``fields`` spliced in after the opening brace.
+
+    Re-serialised only when ``nvext`` must be stripped or a configured source
+    outranks the body's own ``session_id`` (both rare and configured).
+    """
+    if plan.body is None:
+        return raw
+    if plan.strip_nvext:
+        doc = {k: v for k, v in _materialise(plan.body).items() if k != "nvext"}
+        return orjson.dumps({**doc, **fields})
+    if not fields:
+        return raw
+    if plan.overwrite:
+        return orjson.dumps({**_materialise(plan.body), **fields})
+    return inject_fields(raw, fields)
+
+
+__all__ = [
+    "PASS_THROUGH",
+    "Plan",
+    "Refusal",
+    "final_fields",
+    "plan_request",
+    "render_body",
+    "with_turn_headers",
+]
