@@ -1,10 +1,12 @@
 """The application factory: one place that wires config, state, tasks and routes.
 
-State lives on the application under typed ``web.AppKey`` keys (no module globals).
-Long-lived resources are ``cleanup_ctx`` contexts, entered in order at start-up and
-left in reverse at shutdown: the pooled client session, then the fleet refresher,
-then the session manager, then the admission coordinator, then the dashboard's
-sampler. The operator routes are in :mod:`kvproxy.admin`.
+Each resource lives on the application under its own typed ``web.AppKey``
+(:mod:`kvproxy.keys`; no module globals, no object holding them all). Long-lived
+resources are ``cleanup_ctx`` contexts, entered in order at start-up and left in
+reverse at shutdown: the pooled client session, the fleet refresher, the session
+manager, Dynamo's agent control, the admission coordinator, the proxy's handlers
+(given the resources they use), then the dashboard's sampler. The operator routes
+are in :mod:`kvproxy.admin`.
 """
 
 from __future__ import annotations
@@ -20,17 +22,27 @@ from prometheus_client.registry import Collector
 from kvproxy.admin import dashboard
 from kvproxy.admin.routes import add_admin_routes
 from kvproxy.admission.coordinator import AdmissionController
-from kvproxy.config import Config
+from kvproxy.config import Config, LiveConfig
 from kvproxy.fleet.registry import Fleet, legacy_warning
-from kvproxy.proxy.handlers import INTERCEPTED_PATHS, ProxyHandlers
+from kvproxy.keys import (
+    ADMISSION,
+    AGENTS,
+    CONFIG,
+    FLEET,
+    HTTP,
+    PROXY,
+    PROXY_METRICS,
+    REGISTRY,
+    SESSIONS,
+    SHUTDOWN,
+)
+from kvproxy.proxy.handlers import INTERCEPTED_PATHS, ProxyHandlers, Shutdown
 from kvproxy.proxy.metrics import ProxyMetrics
 from kvproxy.proxy.middleware import CountingMiddleware
 from kvproxy.proxy.slow_clients import SlowClientGuard
 from kvproxy.proxy.upstream import create_client_session
-from kvproxy.runtime import RUNTIME, Runtime
 from kvproxy.sessions.dynamo import AgentControl
 from kvproxy.sessions.lifecycle import SessionManager
-from kvproxy.urls import base_url
 
 log = logging.getLogger(__name__)
 
@@ -38,149 +50,170 @@ log = logging.getLogger(__name__)
 class _FeatureCollector(Collector):
     """Exposes the features' own collectors through the app's registry."""
 
-    def __init__(self, rt: Runtime) -> None:
-        self._rt = rt
+    def __init__(
+        self, sessions: SessionManager, admission: AdmissionController, agents: AgentControl
+    ) -> None:
+        self._features = (sessions, admission, agents)
 
     def collect(self) -> Iterable[Any]:
-        yield from self._rt.sessions.collect()
-        yield from self._rt.admission.collect()
-        yield from self._rt.agents.collect()
+        for feature in self._features:
+            yield from feature.collect()
 
 
 # ----------------------------------------------------------------------- contexts
 async def _client_ctx(app: web.Application) -> AsyncIterator[None]:
-    rt = app[RUNTIME]
-    rt.http = create_client_session(rt.config.router)
+    http = app[HTTP] = create_client_session(app[CONFIG].config.router)
     yield
-    await rt.http.close()
+    await http.close()
 
 
 async def _fleet_ctx(app: web.Application) -> AsyncIterator[None]:
-    rt = app[RUNTIME]
-    rt.fleet = Fleet(rt.config.router, rt.http)
-    await rt.fleet.start()
-    warning = legacy_warning(rt.fleet, rt.config.session_lifecycle.enabled)
+    config = app[CONFIG].config
+    fleet = app[FLEET] = Fleet(config.router, app[HTTP])
+    await fleet.start()
+    warning = legacy_warning(fleet, config.session_lifecycle.enabled)
     if warning:
         log.warning("%s", warning)
     yield
-    await rt.fleet.stop()
+    await fleet.stop()
 
 
 async def _sessions_ctx(app: web.Application) -> AsyncIterator[None]:
-    rt = app[RUNTIME]
-    rt.sessions = SessionManager(
-        rt.config.session_lifecycle,
-        all_engines=rt.fleet.all_engines,
-        http=rt.http,
+    def closed(session_id: str) -> None:
         # A closed session's KV is no longer resident: admission stops counting it.
-        on_closed=lambda session_id: _session_closed(rt, session_id),
+        # Admission and the agents start after the sessions, so they are looked up here.
+        app[ADMISSION].end_session(session_id)
+        app[AGENTS].session_closed(session_id)
+
+    fleet = app[FLEET]
+    sessions = app[SESSIONS] = SessionManager(
+        app[CONFIG].config.session_lifecycle,
+        all_engines=fleet.all_engines,
+        http=app[HTTP],
+        on_closed=closed,
     )
-    await rt.sessions.start()
+    await sessions.start()
     yield
-    await rt.sessions.stop()
-
-
-def _session_closed(rt: Runtime, session_id: str) -> None:
-    rt.admission.end_session(session_id)
-    rt.agents.session_closed(session_id)
+    await sessions.stop()
 
 
 async def _agents_ctx(app: web.Application) -> AsyncIterator[None]:
-    rt = app[RUNTIME]
+    live, sessions = app[CONFIG], app[SESSIONS]
 
     async def close(session_id: str) -> None:
-        await rt.sessions.close(session_id, reason="bind_timeout")
+        await sessions.close(session_id, reason="bind_timeout")
 
     def session_open(session_id: str) -> bool:
-        return rt.sessions.state(session_id) == "open"
+        return sessions.state(session_id) == "open"
 
     def pressure(engine: str | None) -> bool:
         # The session's engine's KV usage at or past the admission pressure threshold
         # (the fleet's highest when placement is unknown); known only with admission on.
-        if not rt.config.admission.enabled:
+        config = live.config.admission
+        if not config.enabled:
             return False
+        admission = app[ADMISSION]  # starts after the agents
         if engine is None:
-            usage: float | None = rt.admission.ledger.pressure
+            usage: float | None = admission.ledger.pressure
         else:
-            usage = rt.admission.engine_usage(engine)
-        return usage is not None and usage >= rt.config.admission.pressure_threshold
+            usage = admission.engine_usage(engine)
+        return usage is not None and usage >= config.pressure_threshold
 
     def engine_kv(engine: str) -> tuple[int | None, int | None]:
         # What program admission's scrape last read of the engine (capacity, and the
         # KV its streaming sessions hold); nothing when it does not run.
-        program = rt.admission.program if rt.config.admission.enabled else None
+        program = app[ADMISSION].program if live.config.admission.enabled else None
         eng = program.ledger.engines.get(engine.rstrip("/")) if program else None
         if eng is None:
             return None, None
         return eng.max_total_num_tokens, eng.streaming_held
 
-    rt.agents = AgentControl(
-        rt.config,
-        http=rt.http,
-        router_base=rt.router_base,
-        ring_workers=rt.fleet.ring_workers,
+    agents = app[AGENTS] = AgentControl(
+        live.config,
+        http=app[HTTP],
+        router_base=live.router_base,
+        ring_workers=app[FLEET].ring_workers,
         close_session=close,
         session_open=session_open,
         pressure=pressure,
         engine_kv=engine_kv,
     )
-    await rt.agents.start()
+    await agents.start()
     yield
-    await rt.agents.stop()
+    await agents.stop()
 
 
 async def _admission_ctx(app: web.Application) -> AsyncIterator[None]:
-    rt = app[RUNTIME]
-    rt.admission = AdmissionController(
-        rt.config.admission,
-        healthy_engines=rt.fleet.healthy_engines,
-        http=rt.http,
-        router_policy=rt.config.router.policy,
-        workers=rt.fleet.ring_workers,
-        time_scale=rt.config.server.time_scale,
-        token_scale=rt.config.server.token_scale,
-        router_metrics_url=rt.config.router.metrics_url,
+    config, fleet = app[CONFIG].config, app[FLEET]
+    admission = app[ADMISSION] = AdmissionController(
+        config.admission,
+        healthy_engines=fleet.healthy_engines,
+        http=app[HTTP],
+        router_policy=config.router.policy,
+        workers=fleet.ring_workers,
+        time_scale=config.server.time_scale,
+        token_scale=config.server.token_scale,
+        router_metrics_url=config.router.metrics_url,
     )
-    await rt.admission.start()
-    rt.registry.register(_FeatureCollector(rt))
+    await admission.start()
+    app[REGISTRY].register(_FeatureCollector(app[SESSIONS], admission, app[AGENTS]))
     yield
-    await rt.admission.stop()
+    await admission.stop()
+
+
+async def _proxy_ctx(app: web.Application) -> AsyncIterator[None]:
+    app[PROXY] = ProxyHandlers(
+        live=app[CONFIG],
+        http=app[HTTP],
+        sessions=app[SESSIONS],
+        admission=app[ADMISSION],
+        agents=app[AGENTS],
+        metrics=app[PROXY_METRICS],
+        shutdown=app[SHUTDOWN],
+    )
+    yield
 
 
 async def _on_shutdown(app: web.Application) -> None:
-    app[RUNTIME].shutting_down = True
+    app[SHUTDOWN].started = True
+
+
+# The routes reach the handlers through the app: they exist once the contexts have run.
+async def _dispatch(request: web.Request) -> web.StreamResponse:
+    return await request.app[PROXY].dispatch(request)
+
+
+async def _close_session_admin(request: web.Request) -> web.StreamResponse:
+    return await request.app[PROXY].close_session_admin(request)
 
 
 # ------------------------------------------------------------------------ server layer
 def slow_client_guard(app: web.Application) -> SlowClientGuard:
     """The server layer's bounds on slow clients, read from the running config (a
     reload applies to the next request) and counted on ``/metrics``."""
-    rt = app[RUNTIME]
+    live = app[CONFIG]
 
     def limits() -> tuple[float, float]:
-        server = rt.config.server
+        server = live.config.server
         return server.header_read_timeout_s, server.body_read_timeout_s
 
-    return SlowClientGuard(limits, on_drop=rt.metrics.slow_client_dropped)
+    return SlowClientGuard(limits, on_drop=app[PROXY_METRICS].slow_client_dropped)
 
 
 # ------------------------------------------------------------------------ factory
 def create_app(config: Config, *, overrides: Mapping[str, Any] | None = None) -> web.Application:
     """Build the kvproxy application for ``config``."""
     registry = CollectorRegistry(auto_describe=True)
-    rt = Runtime(
-        config=config,
-        overrides=dict(overrides or {}),
-        registry=registry,
-        metrics=ProxyMetrics(registry),
-        router_base=base_url(config.router.url),
-    )
+    metrics = ProxyMetrics(registry)
     # One middleware maps refusals to error responses and counts every proxied response.
     app = web.Application(
         client_max_size=config.server.max_body_bytes,
-        middlewares=[CountingMiddleware(rt.metrics)],
+        middlewares=[CountingMiddleware(metrics)],
     )
-    app[RUNTIME] = rt
+    app[CONFIG] = LiveConfig(config, overrides=dict(overrides or {}))
+    app[REGISTRY] = registry
+    app[PROXY_METRICS] = metrics
+    app[SHUTDOWN] = Shutdown()
     app.cleanup_ctx.extend(
         [
             _client_ctx,
@@ -188,15 +221,15 @@ def create_app(config: Config, *, overrides: Mapping[str, Any] | None = None) ->
             _sessions_ctx,
             _agents_ctx,
             _admission_ctx,
+            _proxy_ctx,
             dashboard.timeline_ctx,
         ]
     )
     app.on_shutdown.append(_on_shutdown)
 
-    handlers = ProxyHandlers(rt)
     # The hot paths first: the router matches routes in registration order.
     for path in INTERCEPTED_PATHS:
-        app.router.add_post(path, handlers.dispatch)
-    add_admin_routes(app, handlers)
-    app.router.add_route("*", "/{tail:.*}", handlers.dispatch)
+        app.router.add_post(path, _dispatch)
+    add_admin_routes(app, _close_session_admin)
+    app.router.add_route("*", "/{tail:.*}", _dispatch)
     return app

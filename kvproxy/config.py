@@ -20,6 +20,7 @@ from typing import Any
 
 import yaml
 
+from kvproxy.urls import base_url
 from kvproxy.yamlload import DuplicateKeyError, load_yaml
 
 
@@ -254,6 +255,22 @@ class Config:
         return dataclasses.replace(
             self, **{section: dataclasses.replace(getattr(self, section), **changes)}
         )
+
+
+@dataclass
+class LiveConfig:
+    """The running config of one application: a reload swaps :attr:`config` in place
+    (:mod:`kvproxy.admin.reload`), so every reader sees the new one on its next request."""
+
+    config: Config
+    # The CLI overrides, re-applied on every reload.
+    overrides: Mapping[str, Any] = field(default_factory=dict)
+    reloads: int = 0
+    # router.url is restart-only, so its base is fixed for the application's life.
+    router_base: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.router_base = base_url(self.config.router.url)
 
 
 _SECTIONS: dict[str, type] = {

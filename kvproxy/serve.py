@@ -114,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
     from aiohttp import web
 
     from kvproxy.admin.reload import reload_config
-    from kvproxy.app import RUNTIME, create_app, slow_client_guard
+    from kvproxy.app import create_app, slow_client_guard
     from kvproxy.proxy.slow_clients import run_guarded_app
 
     overrides = overrides_from_args(args)
@@ -140,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
 
     async def _reload() -> None:
         try:
-            await reload_config(app[RUNTIME])
+            await reload_config(app)
         except ConfigError as exc:
             log.error("SIGHUP reload rejected, running config kept: %s", exc)
 

@@ -25,7 +25,7 @@ from aiohttp.test_utils import TestServer
 from kvproxy import stack
 from kvproxy.app import create_app
 from kvproxy.config import from_mapping
-from kvproxy.runtime import RUNTIME
+from kvproxy.keys import AGENTS
 
 
 async def _session(
@@ -67,11 +67,11 @@ async def _run(router: str, mode: str, args: argparse.Namespace) -> dict[str, An
     }
     server = TestServer(create_app(from_mapping(doc)), host="127.0.0.1")
     await server.start_server()
-    rt = server.app[RUNTIME]
+    agents = server.app[AGENTS]
     url = str(server.make_url("")).rstrip("/")
     try:
         for _ in range(500):
-            if rt.agents._owner("probe") is not None:
+            if agents._owner("probe") is not None:
                 break
             await asyncio.sleep(0.02)
         # Bounded: a request that gets no answer in --request-timeout s marks its
@@ -94,13 +94,11 @@ async def _run(router: str, mode: str, args: argparse.Namespace) -> dict[str, An
             "cached_fraction": round(cached / prompt, 3) if prompt else 0.0,
             "wall_s": round(wall, 2),
             "sessions_stalled": len(results) - len(done),
-            "turns_extended": rt.agents.counters.total(
-                "agentic_kv/dynamo/streaming_turns_extended"
-            ),
-            "fallback_pool_share": rt.agents.counters.total(
+            "turns_extended": agents.counters.total("agentic_kv/dynamo/streaming_turns_extended"),
+            "fallback_pool_share": agents.counters.total(
                 "agentic_kv/dynamo/streaming_fallback_pool_share"
             ),
-            "fallback_engine_error": rt.agents.counters.total(
+            "fallback_engine_error": agents.counters.total(
                 "agentic_kv/dynamo/streaming_fallback_engine_error"
             ),
         }

@@ -34,7 +34,7 @@ from kvproxy import stack
 from kvproxy.app import create_app
 from kvproxy.config import from_mapping
 from kvproxy.fleet.engine_metrics import parse_engine_metrics
-from kvproxy.runtime import RUNTIME
+from kvproxy.keys import AGENTS
 from kvproxy.workload.driver import run_http
 from kvproxy.workload.spec import workload_spec
 
@@ -100,7 +100,7 @@ async def one_run(name: str, seed: int, args: argparse.Namespace) -> dict[str, A
         }
         server = TestServer(create_app(from_mapping(doc)), host="127.0.0.1")
         await server.start_server()
-        agents = server.app[RUNTIME].agents
+        agents = server.app[AGENTS]
         for _ in range(500):
             if agents._owner("probe") is not None:
                 break

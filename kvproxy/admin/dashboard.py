@@ -40,7 +40,10 @@ from kvproxy.admin.views import (
     banners,
     config_view,
 )
-from kvproxy.runtime import RUNTIME, Runtime
+from kvproxy.admission.coordinator import AdmissionController
+from kvproxy.keys import ADMISSION, CONFIG, PROXY_METRICS, SESSIONS
+from kvproxy.proxy.metrics import ProxyMetrics
+from kvproxy.sessions.lifecycle import SessionManager
 
 log = logging.getLogger(__name__)
 
@@ -71,16 +74,18 @@ def _static(name: str) -> str:
 
 
 # ------------------------------------------------------------------ sampling
-def read_runtime(rt: Runtime) -> Reading:
+def read_features(
+    admission: AdmissionController, sessions_: SessionManager, metrics: ProxyMetrics
+) -> Reading:
     """One reading of the counters and gauges the dashboard plots."""
-    admission, ledger = rt.admission, rt.admission.ledger
+    ledger = admission.ledger
     counters: dict[str, float] = {
         **admission.totals(),
-        **rt.sessions.totals(),
-        PROXY_ANSWERED: float(rt.metrics.answered),
-        PROXY_UPSTREAM_FAILURES: float(rt.metrics.upstream_failures),
+        **sessions_.totals(),
+        PROXY_ANSWERED: float(metrics.answered),
+        PROXY_UPSTREAM_FAILURES: float(metrics.upstream_failures),
     }
-    sessions = rt.sessions.health()
+    sessions = sessions_.health()
     health = admission.health()
     gauges = {
         "waiting": float(health["waiting"]),
@@ -107,14 +112,16 @@ TIMELINE = web.AppKey("timeline", Timeline)
 
 
 async def timeline_ctx(app: web.Application) -> AsyncIterator[None]:
-    """cleanup_ctx: sample the runtime into ``app[TIMELINE]`` every :data:`TICK_S`."""
-    rt = app[RUNTIME]
+    """cleanup_ctx: sample the features into ``app[TIMELINE]`` every :data:`TICK_S`."""
+    admission, sessions, metrics = app[ADMISSION], app[SESSIONS], app[PROXY_METRICS]
     timeline = app[TIMELINE] = new_timeline()
 
     async def sample_forever() -> None:
         while True:
             try:
-                timeline.record(time.monotonic(), time.time(), read_runtime(rt))
+                timeline.record(
+                    time.monotonic(), time.time(), read_features(admission, sessions, metrics)
+                )
             except Exception:  # a bad reading must not end the sampler
                 log.exception("dashboard sampling failed")
             await asyncio.sleep(TICK_S)
@@ -127,15 +134,15 @@ async def timeline_ctx(app: web.Application) -> AsyncIterator[None]:
 
 
 # -------------------------------------------------------------------- routes
-def data_doc(rt: Runtime, timeline: Timeline, since: int) -> dict[str, Any]:
-    health = health_doc(rt)
+def data_doc(app: web.Application, timeline: Timeline, since: int) -> dict[str, Any]:
+    health = health_doc(app)
     return {
         "version": __version__,
         "tick_s": TICK_S,
         "history": HISTORY,
         "health": health,
         "banners": banners(health),
-        "config": config_view(rt.config),
+        "config": config_view(app[CONFIG].config),
         "timeline": timeline.origin,
         "last_seq": timeline.last_seq,
         "samples": timeline.since(since),
@@ -143,13 +150,12 @@ def data_doc(rt: Runtime, timeline: Timeline, since: int) -> dict[str, Any]:
 
 
 async def handle_data(request: web.Request) -> web.Response:
-    rt = request.app[RUNTIME]
     try:
         since = int(request.query.get("since", "0"))
     except ValueError:
         since = 0
     return web.Response(
-        body=orjson.dumps(data_doc(rt, request.app[TIMELINE], since)),
+        body=orjson.dumps(data_doc(request.app, request.app[TIMELINE], since)),
         content_type="application/json",
         headers={"Cache-Control": "no-store"},
     )
@@ -164,16 +170,14 @@ def _sign_in_page(message: str, status: int) -> web.Response:
 
 
 async def handle_page(request: web.Request) -> web.Response:
-    rt = request.app[RUNTIME]
-    if not is_allowed(rt, request, Access.VIEW):
+    if not is_allowed(request.app[CONFIG], request, Access.VIEW):
         return _sign_in_page("This kvproxy has an admin token: enter it to see the dashboard.", 401)
     return _page(_static("dashboard.html"))
 
 
 async def handle_sign_in(request: web.Request) -> web.Response:
     """The sign-in form's POST: a matching token gets the dashboard cookie."""
-    rt = request.app[RUNTIME]
-    token = rt.config.server.admin_token
+    token = request.app[CONFIG].config.server.admin_token
     if token is None:
         raise web.HTTPSeeOther("/kvproxy/dashboard")
     # Browsers send a form with its length; a chunked or oversized body is refused

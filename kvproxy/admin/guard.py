@@ -7,15 +7,16 @@ from collections.abc import Awaitable, Callable
 from aiohttp import web
 
 from kvproxy.admin.auth import COOKIE_NAME, NEEDS_TOKEN, Access, allowed
+from kvproxy.config import LiveConfig
+from kvproxy.keys import CONFIG
 from kvproxy.proxy.errors import ErrorType
 from kvproxy.proxy.responses import error_response
-from kvproxy.runtime import RUNTIME, Runtime
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
-def is_allowed(rt: Runtime, request: web.Request, access: Access) -> bool:
-    server = rt.config.server
+def is_allowed(live: LiveConfig, request: web.Request, access: Access) -> bool:
+    server = live.config.server
     return allowed(
         access,
         token=server.admin_token,
@@ -29,7 +30,7 @@ def guarded(access: Access, handler: Handler) -> Handler:
     """``handler`` behind the admin token for ``access`` (401 unauthorized otherwise)."""
 
     async def guard(request: web.Request) -> web.StreamResponse:
-        if not is_allowed(request.app[RUNTIME], request, access):
+        if not is_allowed(request.app[CONFIG], request, access):
             return error_response(ErrorType.UNAUTHORIZED, NEEDS_TOKEN)
         return await handler(request)
 

@@ -4,21 +4,24 @@ from __future__ import annotations
 
 from typing import Any
 
+from aiohttp import web
+
 from kvproxy import __version__
 from kvproxy.fleet.registry import legacy_warning
-from kvproxy.runtime import Runtime
+from kvproxy.keys import ADMISSION, CONFIG, FLEET, SESSIONS
 
 
-def health_doc(rt: Runtime) -> dict[str, Any]:
-    cfg = rt.config
-    fleet = rt.fleet.health()
+def health_doc(app: web.Application) -> dict[str, Any]:
+    live, fleet_ = app[CONFIG], app[FLEET]
+    cfg = live.config
+    fleet = fleet_.health()
     warnings: list[str] = []
-    legacy = legacy_warning(rt.fleet, cfg.session_lifecycle.enabled)
+    legacy = legacy_warning(fleet_, cfg.session_lifecycle.enabled)
     if legacy:
         warnings.append(legacy)
-    sessions = rt.sessions.health()
+    sessions = app[SESSIONS].health()
     warnings.extend(sessions.get("warnings", []))
-    admission = rt.admission.health()
+    admission = app[ADMISSION].health()
     if fleet["router_reachable"] is False:
         status = "router_unreachable"
     elif cfg.admission.enabled and admission.get("degraded"):
@@ -29,7 +32,7 @@ def health_doc(rt: Runtime) -> dict[str, Any]:
         "status": status,
         "version": __version__,
         "router_reachable": fleet["router_reachable"],
-        "legacy_router": rt.fleet.engines.legacy,
+        "legacy_router": fleet_.engines.legacy,
         "engines_known": fleet["engines_known"],
         "engines_healthy": fleet["engines_healthy"],
         "features": {
@@ -41,5 +44,5 @@ def health_doc(rt: Runtime) -> dict[str, Any]:
         "sessions": sessions,
         "admission": admission,
         "config_source": cfg.source,
-        "reloads": rt.reloads,
+        "reloads": live.reloads,
     }

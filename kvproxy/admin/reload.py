@@ -10,8 +10,10 @@ import dataclasses
 import logging
 from typing import Any
 
+from aiohttp import web
+
 from kvproxy.config import Config, ConfigError, apply_overrides, load_config
-from kvproxy.runtime import Runtime
+from kvproxy.keys import ADMISSION, AGENTS, CONFIG, FLEET, SESSIONS
 
 log = logging.getLogger(__name__)
 
@@ -38,38 +40,41 @@ def _changed_keys(old: Config, new: Config) -> list[str]:
     return changed
 
 
-async def reload_config(rt: Runtime) -> dict[str, Any]:
-    """Re-read the YAML (CLI overrides re-applied) and apply it. Raises ConfigError."""
-    if rt.config.source is None:
+async def reload_config(app: web.Application) -> dict[str, Any]:
+    """Re-read the YAML (CLI overrides re-applied) and apply it to ``app``'s live config
+    and features. Raises ConfigError."""
+    live, admission = app[CONFIG], app[ADMISSION]
+    running = live.config
+    if running.source is None:
         raise ConfigError("no config file to reload (kvproxy was started without --config)")
-    new = apply_overrides(load_config(rt.config.source), rt.overrides)
-    changed = _changed_keys(rt.config, new)
+    new = apply_overrides(load_config(running.source), live.overrides)
+    changed = _changed_keys(running, new)
     pending = [k for k in changed if k in RESTART_ONLY]
     # Keep restart-only values as they are running now.
     new = dataclasses.replace(
         new,
         server=dataclasses.replace(
             new.server,
-            host=rt.config.server.host,
-            port=rt.config.server.port,
-            max_body_bytes=rt.config.server.max_body_bytes,
-            backlog=rt.config.server.backlog,
-            time_scale=rt.config.server.time_scale,
-            token_scale=rt.config.server.token_scale,
+            host=running.server.host,
+            port=running.server.port,
+            max_body_bytes=running.server.max_body_bytes,
+            backlog=running.server.backlog,
+            time_scale=running.server.time_scale,
+            token_scale=running.server.token_scale,
         ),
         router=dataclasses.replace(
-            new.router, url=rt.config.router.url, max_connections=rt.config.router.max_connections
+            new.router, url=running.router.url, max_connections=running.router.max_connections
         ),
     )
-    rt.set_config(new)
-    rt.fleet.reconfigure(new.router)
-    await rt.sessions.reconfigure(new.session_lifecycle)
-    await rt.admission.reconfigure(new.admission)
-    rt.agents.reconfigure(new)
-    if new.router.policy != rt.admission.placement.policy:
-        rt.admission.set_router_policy(new.router.policy)
+    live.config = new
+    app[FLEET].reconfigure(new.router)
+    await app[SESSIONS].reconfigure(new.session_lifecycle)
+    await admission.reconfigure(new.admission)
+    app[AGENTS].reconfigure(new)
+    if new.router.policy != admission.placement.policy:
+        admission.set_router_policy(new.router.policy)
     logging.getLogger("kvproxy").setLevel(new.server.log_level.upper())
-    rt.reloads += 1
+    live.reloads += 1
     applied = [k for k in changed if k not in RESTART_ONLY]
     log.warning("config reloaded from %s; applied: %s", new.source, ", ".join(applied) or "nothing")
     if pending:

@@ -1,6 +1,6 @@
 """The operator endpoints under ``/kvproxy/`` and ``/metrics``.
 
-Health, stats and metrics read the runtime; reload and session close change it and
+Health, stats and metrics read the features; reload and session close change it and
 need the admin token when one is set (:mod:`kvproxy.admin.auth`). The dashboard's
 own routes live in :mod:`kvproxy.admin.dashboard`.
 """
@@ -8,6 +8,7 @@ own routes live in :mod:`kvproxy.admin.dashboard`.
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import orjson
@@ -20,10 +21,9 @@ from kvproxy.admin.guard import guarded, is_allowed
 from kvproxy.admin.health import health_doc
 from kvproxy.admin.reload import reload_config
 from kvproxy.config import ConfigError
+from kvproxy.keys import ADMISSION, AGENTS, CONFIG, REGISTRY, SESSIONS
 from kvproxy.proxy.errors import ErrorType
-from kvproxy.proxy.handlers import ProxyHandlers
 from kvproxy.proxy.responses import error_response
-from kvproxy.runtime import RUNTIME
 
 log = logging.getLogger(__name__)
 
@@ -33,35 +33,34 @@ def json_response(doc: Any, status: int = 200) -> web.Response:
 
 
 async def handle_health(request: web.Request) -> web.Response:
-    return json_response(health_doc(request.app[RUNTIME]))
+    return json_response(health_doc(request.app))
 
 
 async def handle_stats(request: web.Request) -> web.Response:
-    rt = request.app[RUNTIME]
+    app = request.app
+    live, sessions = app[CONFIG], app[SESSIONS]
     reset = request.query.get("reset", "").lower() in ("1", "true", "yes")
     # Reading is STATS access; closing the window changes state, so it is ADMIN.
-    if not is_allowed(rt, request, Access.ADMIN if reset else Access.STATS):
+    if not is_allowed(live, request, Access.ADMIN if reset else Access.STATS):
         return error_response(ErrorType.UNAUTHORIZED, NEEDS_TOKEN)
     stats: dict[str, float] = {}
-    stats.update(rt.sessions.stats(reset=reset))
-    if rt.config.session_lifecycle.enabled:
-        stats.update(rt.agents.stats(reset=reset))
-    stats.update(rt.admission.stats(reset=reset))
+    stats.update(sessions.stats(reset=reset))
+    if live.config.session_lifecycle.enabled:
+        stats.update(app[AGENTS].stats(reset=reset))
+    stats.update(app[ADMISSION].stats(reset=reset))
     return json_response(stats)
 
 
 async def handle_metrics(request: web.Request) -> web.Response:
-    rt = request.app[RUNTIME]
     return web.Response(
-        body=generate_latest(rt.registry),
+        body=generate_latest(request.app[REGISTRY]),
         headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"},
     )
 
 
 async def handle_reload(request: web.Request) -> web.Response:
-    rt = request.app[RUNTIME]
     try:
-        result = await reload_config(rt)
+        result = await reload_config(request.app)
     except ConfigError as exc:
         log.error("config reload rejected, keeping the running config: %s", exc)
         return error_response(
@@ -70,14 +69,18 @@ async def handle_reload(request: web.Request) -> web.Response:
     return json_response(result)
 
 
-def add_admin_routes(app: web.Application, handlers: ProxyHandlers) -> None:
-    """Register the operator endpoints (before the catch-all proxy route)."""
+def add_admin_routes(
+    app: web.Application,
+    close_session: Callable[[web.Request], Awaitable[web.StreamResponse]],
+) -> None:
+    """Register the operator endpoints (before the catch-all proxy route);
+    ``close_session`` serves ``POST /kvproxy/sessions/{id}/close``."""
     app.router.add_get("/kvproxy/health", handle_health)
     app.router.add_get("/kvproxy/stats", handle_stats)
     app.router.add_get("/metrics", guarded(Access.STATS, handle_metrics))
     app.router.add_post("/kvproxy/config/reload", guarded(Access.ADMIN, handle_reload))
     app.router.add_post(
         "/kvproxy/sessions/{session_id}/close",
-        guarded(Access.ADMIN, handlers.close_session_admin),
+        guarded(Access.ADMIN, close_session),
     )
     dashboard.add_routes(app)

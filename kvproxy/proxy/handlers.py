@@ -26,15 +26,17 @@ import logging
 import time
 from collections.abc import Callable, Mapping
 from contextlib import AsyncExitStack
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import aiohttp
 import orjson
 from aiohttp import web
 
-from kvproxy.admission.coordinator import AdmissionRequest
+from kvproxy.admission.coordinator import AdmissionController, AdmissionRequest
+from kvproxy.config import LiveConfig
 from kvproxy.proxy.body import parse_object
 from kvproxy.proxy.errors import ErrorType
+from kvproxy.proxy.metrics import ProxyMetrics
 from kvproxy.proxy.middleware import Refused, count_as
 from kvproxy.proxy.pipeline import (
     Plan,
@@ -50,17 +52,14 @@ from kvproxy.proxy.session_relay import serve_streaming
 from kvproxy.proxy.upstream import forward_request_headers, forward_response_headers
 from kvproxy.proxy.usage import TailWindow, Usage, search_usage, usage_from_body
 from kvproxy.sessions import streaming
-from kvproxy.sessions.dynamo import Turn
+from kvproxy.sessions.dynamo import AgentControl, Turn
 from kvproxy.sessions.identity import (
     ROUTING_KEY_HEADER,
     InvalidSessionId,
     split_session_path,
     validate_session_id,
 )
-from kvproxy.sessions.lifecycle import SessionClosed, TrackedRequest
-
-if TYPE_CHECKING:
-    from kvproxy.runtime import Runtime
+from kvproxy.sessions.lifecycle import SessionClosed, SessionManager, TrackedRequest
 
 log = logging.getLogger(__name__)
 
@@ -151,21 +150,43 @@ def _stream_usage(window: TailWindow, event_stream: bool) -> Usage | None:
     return usage_from_body(data) if window.complete else search_usage(data)
 
 
-class ProxyHandlers:
-    """Request handlers bound to one application's runtime state."""
+@dataclass
+class Shutdown:
+    """Set once the server starts shutting down: new requests get 503 ``shutting_down``."""
 
-    def __init__(self, runtime: Runtime) -> None:
-        self.rt = runtime
+    started: bool = False
+
+
+class ProxyHandlers:
+    """The proxy's request handlers, given the resources they use (:mod:`kvproxy.keys`)."""
+
+    def __init__(
+        self,
+        *,
+        live: LiveConfig,
+        http: aiohttp.ClientSession,
+        sessions: SessionManager,
+        admission: AdmissionController,
+        agents: AgentControl,
+        metrics: ProxyMetrics,
+        shutdown: Shutdown,
+    ) -> None:
+        self.live = live
+        self.http = http
+        self.sessions = sessions
+        self.admission = admission
+        self.agents = agents
+        self.metrics = metrics
+        self.shutdown = shutdown
 
     # ------------------------------------------------------------------ dispatch
     async def dispatch(self, request: web.Request) -> web.StreamResponse:
         """Catch-all route: strip ``/sessions/{id}``, then intercept or pass through."""
         started = time.perf_counter()
-        rt = self.rt
         count_as(request, request.path)
-        if rt.shutting_down:
+        if self.shutdown.started:
             raise Refused(ErrorType.SHUTTING_DOWN, "kvproxy is shutting down")
-        lifecycle_on = rt.config.session_lifecycle.enabled
+        lifecycle_on = self.live.config.session_lifecycle.enabled
         try:
             path_sid, path = split_session_path(request.path)
         except InvalidSessionId as exc:
@@ -180,7 +201,7 @@ class ProxyHandlers:
             if path == "/close_session":
                 if lifecycle_on:
                     return await self.close_session_api(request, path_sid)
-                if rt.config.admission.enabled:
+                if self.live.config.admission.enabled:
                     return await self.close_session_passthrough(request, path_sid, started)
         return await self.passthrough(request, path, started)
 
@@ -189,7 +210,7 @@ class ProxyHandlers:
         self, request: web.Request, path: str, started: float
     ) -> web.StreamResponse:
         length = request.content_length
-        max_body = self.rt.config.server.max_body_bytes
+        max_body = self.live.config.server.max_body_bytes
         if length is not None and length > max_body:
             raise _too_large(max_body)
         if not request.body_exists:
@@ -208,7 +229,7 @@ class ProxyHandlers:
     async def intercepted(
         self, request: web.Request, path: str, path_sid: str | None, started: float
     ) -> web.StreamResponse:
-        cfg = self.rt.config
+        cfg = self.live.config
         max_body = cfg.server.max_body_bytes
         if request.content_length is not None and request.content_length > max_body:
             raise _too_large(max_body)
@@ -230,31 +251,30 @@ class ProxyHandlers:
 
     async def _carry_out(self, attempt: Attempt, plan: Plan) -> web.StreamResponse:
         """The plan's stateful steps: injection counters, the Dynamo turn, tracking."""
-        rt = self.rt
         if plan.injection is not None:
-            rt.sessions.note_injection(plan.injection)
+            self.sessions.note_injection(plan.injection)
         turn: Turn | None = None
         if plan.turn and plan.session_id is not None:
-            turn, turn_headers = rt.agents.begin(
+            turn, turn_headers = self.agents.begin(
                 plan.session_id, attempt.path, plan.nvext, plan.close_after
             )
-            plan = with_turn_headers(plan, rt.config, attempt.request.headers, turn_headers)
+            plan = with_turn_headers(plan, self.live.config, attempt.request.headers, turn_headers)
         try:
             if plan.track and plan.session_id is not None:
                 return await self._tracked(attempt, plan, turn)
             if plan.abort_rids:
                 attempt.on_disconnect = functools.partial(
-                    rt.sessions.abort_in_background, plan.abort_rids
+                    self.sessions.abort_in_background, plan.abort_rids
                 )
             async with AsyncExitStack() as stack:
                 return await self._admitted(stack, attempt, plan, turn, None)
         finally:
             if turn is not None:
-                rt.agents.end(turn)
+                self.agents.end(turn)
 
     async def _tracked(self, attempt: Attempt, plan: Plan, turn: Turn | None) -> web.StreamResponse:
         assert plan.session_id is not None
-        tracking = self.rt.sessions.track(
+        tracking = self.sessions.track(
             plan.session_id,
             plan.ticket,
             close_after=plan.close_after,
@@ -283,8 +303,8 @@ class ProxyHandlers:
         if tracked is not None:
             tracked.forwarded()
         fields, source = final_fields(plan, steering)
-        if source is not None and self.rt.config.session_lifecycle.enabled:
-            self.rt.agents.note_priority(source)
+        if source is not None and self.live.config.session_lifecycle.enabled:
+            self.agents.note_priority(source)
         if turn is not None:
             served = await self._serve_turn(attempt, plan, turn, fields)
             if served is not None:
@@ -307,7 +327,7 @@ class ProxyHandlers:
         tracked: TrackedRequest | None,
     ) -> int | None:
         """The admission decision's steering priority; its headers go on the response."""
-        admission = self.rt.admission
+        admission = self.admission
         areq = AdmissionRequest(
             ticket_id=plan.ticket,
             path=attempt.path,
@@ -349,7 +369,7 @@ class ProxyHandlers:
         """A Dynamo streaming-session turn (open / extend), relayed by session control;
         None: forward it as an ordinary request."""
         assert plan.body is not None
-        agents = self.rt.agents
+        agents = self.agents
         key = attempt.request.headers.get(ROUTING_KEY_HEADER) or plan.headers.get(
             ROUTING_KEY_HEADER, turn.session_id
         )
@@ -372,20 +392,19 @@ class ProxyHandlers:
     def _after_turn(self, attempt: Attempt, plan: Plan, turn: Turn) -> None:
         assert plan.body is not None
         headers = forward_request_headers(attempt.request, plan.headers or None)
-        self.rt.agents.after_response(turn, plan.body, headers)
+        self.agents.after_response(turn, plan.body, headers)
 
     # ------------------------------------------------------------------- forward
     async def forward(self, attempt: Attempt) -> web.StreamResponse:
         """Send one upstream attempt and stream its response back."""
-        rt = self.rt
         request = attempt.request
-        url = rt.router_base + attempt.path
+        url = self.live.router_base + attempt.path
         if request.query_string:
             url += "?" + request.query_string
         headers = forward_request_headers(request, attempt.extra_headers)
         sent_at = time.perf_counter()
         try:
-            upstream_cm = rt.http.request(
+            upstream_cm = self.http.request(
                 request.method, url, data=attempt.body, headers=headers, allow_redirects=False
             )
             upstream = await upstream_cm.__aenter__()
@@ -394,14 +413,15 @@ class ProxyHandlers:
                 attempt.on_disconnect()
             raise
         except (TimeoutError, aiohttp.ServerTimeoutError):
-            rt.metrics.upstream_error("timeout")
+            self.metrics.upstream_error("timeout")
             raise Refused(
-                ErrorType.ROUTER_TIMEOUT, f"router did not answer in time ({rt.router_base})"
+                ErrorType.ROUTER_TIMEOUT, f"router did not answer in time ({self.live.router_base})"
             ) from None
         except aiohttp.ClientError as exc:
-            rt.metrics.upstream_error("unreachable")
+            self.metrics.upstream_error("unreachable")
             raise Refused(
-                ErrorType.ROUTER_UNREACHABLE, f"cannot reach the router at {rt.router_base}: {exc}"
+                ErrorType.ROUTER_UNREACHABLE,
+                f"cannot reach the router at {self.live.router_base}: {exc}",
             ) from None
         try:
             return await self._relay(attempt, upstream, sent_at)
@@ -436,7 +456,7 @@ class ProxyHandlers:
         if length is not None:
             response.content_length = length
         await response.prepare(attempt.request)
-        self.rt.metrics.added_latency.observe(overhead + (time.perf_counter() - headers_at))
+        self.metrics.added_latency.observe(overhead + (time.perf_counter() - headers_at))
         return await self._relay_stream(attempt, upstream, response, event_stream)
 
     async def _relay_buffered(
@@ -449,14 +469,14 @@ class ProxyHandlers:
         try:
             data = await upstream.read()
         except (TimeoutError, aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError) as exc:
-            self.rt.metrics.upstream_error("midstream")
+            self.metrics.upstream_error("midstream")
             raise Refused(
                 ErrorType.ROUTER_UNREACHABLE,
                 f"the router's response broke off: {type(exc).__name__}",
             ) from None
         read_at = time.perf_counter()
         response = web.Response(status=upstream.status, headers=headers, body=data)
-        self.rt.metrics.added_latency.observe(overhead + (time.perf_counter() - read_at))
+        self.metrics.added_latency.observe(overhead + (time.perf_counter() - read_at))
         if upstream.status == 200:
             if attempt.observe_usage is not None:
                 attempt.observe_usage(usage_from_body(data))
@@ -489,7 +509,7 @@ class ProxyHandlers:
         except (TimeoutError, aiohttp.ClientError):
             # The upstream broke mid-stream. End the client's stream the same way the
             # router does (no terminating chunk, no [DONE]) without an error traceback.
-            self.rt.metrics.upstream_error("midstream")
+            self.metrics.upstream_error("midstream")
             upstream.close()
             if attempt.request.transport is not None:
                 attempt.request.transport.abort()
@@ -528,12 +548,12 @@ class ProxyHandlers:
         sid = doc.get("session_id") if doc is not None else None
         sid = sid if isinstance(sid, str) else path_sid
         if sid is not None:
-            self.rt.admission.end_session(sid)
+            self.admission.end_session(sid)
         return await self.forward(Attempt(request, "/close_session", raw, started))
 
     async def close_session_admin(self, request: web.Request) -> web.Response:
         """``POST /kvproxy/sessions/{session_id}/close``."""
-        if not self.rt.config.session_lifecycle.enabled:
+        if not self.live.config.session_lifecycle.enabled:
             return error_response(
                 ErrorType.INVALID_REQUEST,
                 "session lifecycle is disabled (session_lifecycle.enabled: false)",
@@ -545,11 +565,11 @@ class ProxyHandlers:
             validate_session_id(
                 session_id,
                 source="close",
-                max_length=self.rt.config.session_lifecycle.id_max_length,
+                max_length=self.live.config.session_lifecycle.id_max_length,
             )
         except InvalidSessionId as exc:
             raise Refused(ErrorType.INVALID_SESSION_ID, str(exc)) from None
-        result = await self.rt.sessions.close(session_id, reason=reason)
+        result = await self.sessions.close(session_id, reason=reason)
         return web.Response(body=orjson.dumps(result.to_json()), content_type="application/json")
 
 
@@ -610,4 +630,4 @@ def _close_target(raw: bytes, path_sid: str | None) -> str | Refusal:
     return sid
 
 
-__all__ = ["INTERCEPTED_PATHS", "Attempt", "ProxyHandlers"]
+__all__ = ["INTERCEPTED_PATHS", "Attempt", "ProxyHandlers", "Shutdown"]

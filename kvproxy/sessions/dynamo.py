@@ -3,7 +3,7 @@
 The decisions are pure (:mod:`agent_hints`, :mod:`streaming`, :mod:`binding`,
 :mod:`prefill`); this module does the I/O: the bind reaper, ``/open_session`` and
 ``/close_session`` on the session's engine, translated streaming-session turns, and
-background speculative prefills. Owned by the runtime (``rt.agents``).
+background speculative prefills. Owned by the application (``app[AGENTS]``, :mod:`kvproxy.keys`).
 """
 
 from __future__ import annotations

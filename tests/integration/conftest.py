@@ -25,7 +25,6 @@ from aiohttp.test_utils import TestServer
 from kvproxy import stack
 from kvproxy.app import create_app
 from kvproxy.config import from_mapping
-from kvproxy.runtime import RUNTIME, Runtime
 from tests.helpers import wait_until
 
 __all__ = [
@@ -86,10 +85,6 @@ def engine_urls(engines: list[stack.ManagedProcess]) -> list[str]:
 class Proxy:
     url: str
     app: web.Application
-
-    @property
-    def runtime(self) -> Runtime:
-        return self.app[RUNTIME]
 
 
 MakeProxy = Callable[..., Awaitable[Proxy]]

@@ -25,7 +25,7 @@ from aiohttp.test_utils import TestServer
 from kvproxy import stack
 from kvproxy.app import create_app
 from kvproxy.config import from_mapping
-from kvproxy.runtime import RUNTIME, Runtime
+from kvproxy.keys import AGENTS, FLEET, SESSIONS
 from kvproxy.sessions import dynamo
 from kvproxy.workload.wire import StreamState, parse_sse_line
 
@@ -82,10 +82,6 @@ class Proxy:
         self.server = server
         self.url = str(server.make_url("")).rstrip("/")
 
-    @property
-    def rt(self) -> Runtime:
-        return self.server.app[RUNTIME]
-
 
 @pytest.fixture
 async def proxy(st_router: stack.ManagedProcess) -> AsyncIterator[Proxy]:
@@ -103,7 +99,7 @@ async def proxy(st_router: stack.ManagedProcess) -> AsyncIterator[Proxy]:
     p = Proxy(server)
 
     async def placed() -> bool:
-        return p.rt.agents._owner("probe") is not None
+        return p.server.app[AGENTS]._owner("probe") is not None
 
     await wait_until(placed, timeout_s=10, what="placement known")
     try:
@@ -175,7 +171,7 @@ async def test_open_pins_kv_on_one_engine_serves_from_the_slot_and_matches_a_pla
 ) -> None:
     urls = [e.url for e in st_engines]
     sid = f"sub-{next(_ids)}"
-    owner = proxy.rt.agents._owner(sid)
+    owner = proxy.server.app[AGENTS]._owner(sid)
     assert owner in urls
     prompt = [1000 + i for i in range(40)]
     first = await generate(http, proxy, _turn(prompt, f"{sid}-t0", sid, "open", timeout=60))
@@ -212,8 +208,8 @@ async def test_open_pins_kv_on_one_engine_serves_from_the_slot_and_matches_a_pla
         )
 
     await wait_until(freed, timeout_s=10, what="the streaming session freed")
-    assert proxy.rt.agents.counters.total(dynamo.STREAM_EXTENDED) >= 2
-    assert len(proxy.rt.agents.slots) == 0
+    assert proxy.server.app[AGENTS].counters.total(dynamo.STREAM_EXTENDED) >= 2
+    assert len(proxy.server.app[AGENTS].slots) == 0
 
 
 async def test_generated_tokens_equal_a_run_without_session_control(
@@ -233,7 +229,7 @@ async def test_a_mismatching_turn_falls_back_without_an_error(
 ) -> None:
     urls = [e.url for e in st_engines]
     sid = f"mis-{next(_ids)}"
-    owner = proxy.rt.agents._owner(sid)
+    owner = proxy.server.app[AGENTS]._owner(sid)
     prompt = [5000 + i for i in range(30)]
     first = await generate(http, proxy, _turn(prompt, f"{sid}-t0", sid, "open", timeout=60))
     edited = [*prompt, 9, *first["output_ids"][1:], 7, 7]  # the answer was rewritten
@@ -253,7 +249,7 @@ async def test_a_mismatching_turn_falls_back_without_an_error(
         return counts == [0] * len(urls)
 
     await wait_until(closed, timeout_s=10, what="the streaming session closed on fall-back")
-    assert proxy.rt.agents.counters.total(dynamo.STREAM_FALLBACK + "mismatch") == 1
+    assert proxy.server.app[AGENTS].counters.total(dynamo.STREAM_FALLBACK + "mismatch") == 1
 
 
 async def test_bind_with_a_short_timeout_is_closed_after_it(
@@ -268,9 +264,9 @@ async def test_bind_with_a_short_timeout_is_closed_after_it(
     }
     async with http.post(f"{proxy.url}/v1/chat/completions", json=body) as resp:
         assert resp.status == 200, await resp.text()
-    assert proxy.rt.sessions.state(sid) == "open"
+    assert proxy.server.app[SESSIONS].state(sid) == "open"
     # Routed stickily although sticky_routing is off.
-    owner = proxy.rt.agents._owner(sid)
+    owner = proxy.server.app[AGENTS]._owner(sid)
     chats = [e for e in await recorded(http, owner) if e["path"] == "/v1/chat/completions"]
     assert any(
         e["headers"].get("X-SMG-Routing-Key") == sid or e["headers"].get("x-smg-routing-key") == sid
@@ -278,10 +274,10 @@ async def test_bind_with_a_short_timeout_is_closed_after_it(
     ) or any(sid in e["body"] for e in chats)
 
     async def closed() -> bool:
-        return proxy.rt.sessions.state(sid) == "closed"
+        return proxy.server.app[SESSIONS].state(sid) == "closed"
 
     await wait_until(closed, timeout_s=10, what="the bind timeout closing the session")
-    assert proxy.rt.agents.counters.total(dynamo.BIND_CLOSED) >= 1
+    assert proxy.server.app[AGENTS].counters.total(dynamo.BIND_CLOSED) >= 1
     closes = [
         e
         for u in (e.url for e in st_engines)
@@ -295,7 +291,7 @@ async def test_speculative_prefill_reaches_the_sessions_engine_after_the_respons
     proxy: Proxy, http: aiohttp.ClientSession
 ) -> None:
     sid = f"spec-{next(_ids)}"
-    owner = proxy.rt.agents._owner(sid)
+    owner = proxy.server.app[AGENTS]._owner(sid)
     body = {
         "model": MODEL,
         "messages": [{"role": "user", "content": f"plan the task {sid}"}],
@@ -323,18 +319,18 @@ async def test_speculative_prefill_reaches_the_sessions_engine_after_the_respons
     await wait_until(prefilled, timeout_s=10, what="the speculative prefill")
     turn, prefill = mine(await recorded(http, owner))  # arrival order on the engine
     assert turn["priority"] == 3  # agent_hints.priority became the top-level priority
-    assert proxy.rt.agents.counters.total(dynamo.HINT_PRIORITY) >= 1
+    assert proxy.server.app[AGENTS].counters.total(dynamo.HINT_PRIORITY) >= 1
     # The prefill carries the answer the client received: it was built after it.
     assert prefill["messages"][-1] == {"role": "assistant", "content": answer}
     assert prefill["max_tokens"] == 1 and prefill["session_id"] == sid
     assert "nvext" not in prefill and prefill["rid"] != turn["rid"]
 
     async def answered() -> bool:
-        return proxy.rt.agents.counters.total(dynamo.PREFILL_SENT) == 1
+        return proxy.server.app[AGENTS].counters.total(dynamo.PREFILL_SENT) == 1
 
     await wait_until(answered, timeout_s=10, what="the prefill's answer")
     # Never counted as a turn: one request tracked for the session.
-    await proxy.rt.sessions.close(sid, reason="test")
+    await proxy.server.app[SESSIONS].close(sid, reason="test")
 
 
 async def test_nvext_on_generate_reaches_the_engine_unless_stripped(
@@ -356,7 +352,7 @@ async def test_a_session_the_engine_no_longer_knows_falls_back_to_the_same_token
     proxy: Proxy, http: aiohttp.ClientSession
 ) -> None:
     sid = f"gone-{next(_ids)}"
-    owner = proxy.rt.agents._owner(sid)
+    owner = proxy.server.app[AGENTS]._owner(sid)
     prompt = [6000 + i for i in range(20)]
     first = await generate(http, proxy, _turn(prompt, f"{sid}-t0", sid, "open", timeout=60))
     # The engine drops the session behind kvproxy's back (as its own timeout would).
@@ -380,8 +376,8 @@ async def test_a_session_the_engine_no_longer_knows_falls_back_to_the_same_token
         (True, False),
         (False, True),
     ]
-    assert proxy.rt.agents.counters.total(dynamo.STREAM_FALLBACK + "engine_error") >= 1
-    assert proxy.rt.agents.slots.get(sid) is None
+    assert proxy.server.app[AGENTS].counters.total(dynamo.STREAM_FALLBACK + "engine_error") >= 1
+    assert proxy.server.app[AGENTS].slots.get(sid) is None
     # kvproxy's /close_session reached the engine after the refused attempt and before
     # the ordinary retry (a slot's pinned KV is freed before the retry needs room).
     log = await recorded(http, owner)
@@ -410,8 +406,8 @@ async def test_no_speculative_prefill_when_the_session_ends(
     }
     async with http.post(f"{proxy.url}/v1/chat/completions", json=body) as resp:
         assert resp.status == 200
-    assert proxy.rt.agents.counters.total(dynamo.PREFILL_SKIPPED + "session_end") == 1
-    assert proxy.rt.agents.counters.total(dynamo.PREFILL_SENT) == 0
+    assert proxy.server.app[AGENTS].counters.total(dynamo.PREFILL_SKIPPED + "session_end") == 1
+    assert proxy.server.app[AGENTS].counters.total(dynamo.PREFILL_SENT) == 0
 
 
 async def stream_generate(
@@ -433,7 +429,7 @@ async def test_streamed_turns_are_translated_too_and_generate_the_same_tokens(
 ) -> None:
     tag = f"sse-{next(_ids)}"
     sid = f"{tag}-s"
-    owner = proxy.rt.agents._owner(sid)
+    owner = proxy.server.app[AGENTS]._owner(sid)
     runs: dict[str, list[list[int]]] = {}
     for mode in ("control", "plain"):
         prompt = [7000 + i for i in range(30)]
@@ -463,7 +459,7 @@ async def test_a_streamed_turn_the_engine_refuses_is_sent_as_the_ordinary_reques
     proxy: Proxy, http: aiohttp.ClientSession
 ) -> None:
     sid = f"sse-gone-{next(_ids)}"
-    owner = proxy.rt.agents._owner(sid)
+    owner = proxy.server.app[AGENTS]._owner(sid)
     prompt = [7500 + i for i in range(20)]
     first = await stream_generate(http, proxy, _turn(prompt, f"{sid}-t0", sid, "open", timeout=60))
     async with http.post(f"{owner}/close_session", json={"session_id": sid}) as resp:
@@ -471,7 +467,7 @@ async def test_a_streamed_turn_the_engine_refuses_is_sent_as_the_ordinary_reques
     nxt = [*prompt, *first.output_ids, 1]
     again = await stream_generate(http, proxy, _turn(nxt, f"{sid}-t1", sid))
     assert again.prompt_tokens == len(nxt) and again.output_ids
-    assert proxy.rt.agents.slots.get(sid) is None
+    assert proxy.server.app[AGENTS].slots.get(sid) is None
 
 
 async def test_strip_nvext_paths_removes_only_nvext(
@@ -495,12 +491,12 @@ async def test_strip_nvext_paths_removes_only_nvext(
         await generate(http, p, body)
 
         async def placed() -> bool:
-            return p.rt.agents._owner(sid) is not None
+            return p.server.app[AGENTS]._owner(sid) is not None
 
         await wait_until(placed, timeout_s=10, what="placement known")
         sent = [
             orjson.loads(e["body"])
-            for u in p.rt.fleet.all_engines()
+            for u in p.server.app[FLEET].all_engines()
             for e in await recorded(http, u)
             if e["path"] == "/generate" and f"{sid}-r" in e["body"]
         ]

@@ -24,7 +24,7 @@ from aiohttp.test_utils import TestServer
 from kvproxy import stack
 from kvproxy.app import create_app
 from kvproxy.config import from_mapping
-from kvproxy.runtime import RUNTIME
+from kvproxy.keys import AGENTS
 from kvproxy.sessions import dynamo
 
 from .conftest import wait_until
@@ -75,7 +75,7 @@ async def proxy(small_stack: stack.ManagedProcess) -> AsyncIterator[TestServer]:
     }
     server = TestServer(create_app(from_mapping(doc)), host="127.0.0.1")
     await server.start_server()
-    agents = server.app[RUNTIME].agents
+    agents = server.app[AGENTS]
 
     async def placed() -> bool:
         return agents._owner("probe") is not None
@@ -115,7 +115,7 @@ async def _session(
 async def test_sessions_that_would_overfill_the_pool_go_as_bind_and_all_finish(
     proxy: TestServer,
 ) -> None:
-    agents = proxy.app[RUNTIME].agents
+    agents = proxy.app[AGENTS]
     url = str(proxy.make_url("")).rstrip("/")
     peaks: dict[str, int] = {}
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20)) as http:
@@ -133,7 +133,7 @@ async def test_sessions_that_would_overfill_the_pool_go_as_bind_and_all_finish(
 async def test_idle_slots_are_released_when_an_ordinary_request_needs_the_room(
     proxy: TestServer,
 ) -> None:
-    agents = proxy.app[RUNTIME].agents
+    agents = proxy.app[AGENTS]
     url = str(proxy.make_url("")).rstrip("/")
     candidates = [f"room-{i}" for i in range(64)]
     engine = agents._owner(candidates[0])

@@ -15,6 +15,8 @@ import orjson
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvproxy.keys import ADMISSION
+
 from .conftest import MakeProxy, wait_until
 
 pytestmark = pytest.mark.usefixtures("router")
@@ -81,7 +83,7 @@ async def test_every_dashboard_metric_is_exposed(
         await resp.read()
 
     async def engines_fresh() -> bool:
-        return proxy.runtime.admission.stats()["agentic_kv/budget/engines_fresh"] >= 1
+        return proxy.app[ADMISSION].stats()["agentic_kv/budget/engines_fresh"] >= 1
 
     await wait_until(engines_fresh, timeout_s=10, what="a fresh engine reading")
 

@@ -22,6 +22,7 @@ import orjson
 import pytest
 
 from kvproxy import stack
+from kvproxy.keys import ADMISSION, SESSIONS
 from kvproxy.sessions import lifecycle as lc
 from tests.helpers import header_of, new_marker
 
@@ -86,7 +87,7 @@ async def _closes_of(http: aiohttp.ClientSession, engine_urls: list[str], sid: s
 
 
 def _stat(proxy: Proxy, key: str) -> float:
-    return proxy.runtime.sessions.stats()[key]
+    return proxy.app[SESSIONS].stats()[key]
 
 
 def _cond(check: Callable[[], bool]) -> Callable[[], Awaitable[bool]]:
@@ -167,7 +168,7 @@ async def test_lifecycle_off_changes_no_body_and_closes_nothing(
         seen.append(entry["body"].replace(marker, "<m>"))
     direct, through_proxy = seen
     assert through_proxy == direct  # the engine receives what it receives without kvproxy
-    assert proxy.runtime.sessions.stats() == {}
+    assert proxy.app[SESSIONS].stats() == {}
     # /close_session is not served by kvproxy: it reaches the router, as without kvproxy.
     statuses = []
     for base in (router.url, proxy.url):
@@ -213,10 +214,10 @@ async def test_each_id_source_reaches_the_engine_as_top_level_session_id(
         assert got["nvext"] == body["nvext"]
     # Sticky routing: the router (and behind it the engine) sees the session id as key.
     assert header_of(entry, "X-SMG-Routing-Key") == sid
-    stats = proxy.runtime.sessions.stats()
+    stats = proxy.app[SESSIONS].stats()
     assert stats[lc.INJECTED] == (0.0 if source == "body" else 1.0)  # body: already there
     assert stats[lc.STARTED] == 1.0 and stats[lc.OPEN] == 1.0
-    assert proxy.runtime.sessions.state(sid) == "open"
+    assert proxy.app[SESSIONS].state(sid) == "open"
 
 
 @pytest.mark.parametrize(
@@ -298,7 +299,7 @@ async def test_session_params_bodies_are_left_alone(
         (got,) = await _bodies(http, engine_urls, marker, path="/generate")
         assert "session_id" not in got
         assert got["session_params"] == {"id": legacy}
-        stats = proxy.runtime.sessions.stats()
+        stats = proxy.app[SESSIONS].stats()
         assert stats[lc.INJECTION_SKIPPED] == 1.0 and stats[lc.INJECTED] == 0.0
     finally:
         for url in engine_urls:
@@ -369,9 +370,9 @@ async def test_close_fans_out_to_every_engine_including_dead_ones(
     assert set(result["failures"]) == {refused, blackhole}
     assert result["failures"][blackhole].startswith("timeout")
     assert sorted(await _closes_of(http, engine_urls, sid)) == sorted(engine_urls)
-    stats = proxy.runtime.sessions.stats()
+    stats = proxy.app[SESSIONS].stats()
     assert stats[lc.CLOSE] == 1.0 and stats[lc.CLOSE_FAILURE] == 1.0
-    assert proxy.runtime.sessions.state(sid) == "closed"
+    assert proxy.app[SESSIONS].state(sid) == "closed"
 
 
 async def test_closing_twice_sends_once(
@@ -394,7 +395,7 @@ async def test_closing_twice_sends_once(
     assert second["already_closed"] is True and third["already_closed"] is True
     assert second["engines_told"] == 0 and third["engines_told"] == 0
     assert sorted(await _closes_of(http, engine_urls, sid)) == sorted(engine_urls)
-    stats = proxy.runtime.sessions.stats()
+    stats = proxy.app[SESSIONS].stats()
     assert stats[lc.CLOSE] == 1.0 and stats[lc.CLOSE_FAILURE] == 0.0
 
 
@@ -410,7 +411,7 @@ async def test_concurrent_closes_share_one_fan_out(
     sid = _sid()
     first = asyncio.create_task(_close(http, proxy, sid))
     await wait_until(
-        _cond(lambda: proxy.runtime.sessions.state(sid) == "closing"),
+        _cond(lambda: proxy.app[SESSIONS].state(sid) == "closing"),
         timeout_s=5,
         what="the close to start",
     )
@@ -428,7 +429,7 @@ async def test_concurrent_closes_share_one_fan_out(
     assert all(r["engines_told"] == 2 and r["engines_failed"] == 1 for r in results)
     assert len({orjson.dumps(r, option=orjson.OPT_SORT_KEYS) for r in results}) == 1
     assert sorted(await _closes_of(http, engine_urls, sid)) == sorted(engine_urls)
-    stats = proxy.runtime.sessions.stats()
+    stats = proxy.app[SESSIONS].stats()
     assert stats[lc.CLOSE] == 1.0 and stats[lc.CLOSE_FAILURE] == 1.0
 
 
@@ -493,7 +494,7 @@ async def test_wait_mode_lets_forwarded_requests_finish_before_the_close(
     await _engine_running(http, engine_urls, rid)
     close = asyncio.create_task(_close(http, proxy, sid))
     await wait_until(
-        _cond(lambda: proxy.runtime.sessions.state(sid) == "closing"),
+        _cond(lambda: proxy.app[SESSIONS].state(sid) == "closing"),
         timeout_s=5,
         what="the close to start",
     )
@@ -522,7 +523,7 @@ async def test_queued_requests_get_409_and_never_reach_an_engine(
         session_lifecycle={"enabled": True},
         admission={"enabled": True, "poll_interval_s": 0.2, "max_wait_s": 30},
     )
-    admission = proxy.runtime.admission
+    admission = proxy.app[ADMISSION]
     sid, marker = _sid(), new_marker()
     body = {"text": f"queued {marker}", "sampling_params": {"max_new_tokens": 8}}
     request = asyncio.create_task(_post(http, proxy.url + "/generate", body, {"X-Session-ID": sid}))
@@ -564,7 +565,7 @@ async def test_nvext_close_action_ends_the_session_after_the_request(
         http, proxy.url + "/generate", {**turn, "nvext": {"session_control": {"session_id": sid}}}
     )
     assert status == 200
-    assert proxy.runtime.sessions.state(sid) == "open"
+    assert proxy.app[SESSIONS].state(sid) == "open"
     assert await _closes_of(http, engine_urls, sid) == []
     final = {**turn, "nvext": {"session_control": {"session_id": sid, "action": "close"}}}
     status, doc = await _post(http, proxy.url + "/generate", final)
@@ -572,10 +573,10 @@ async def test_nvext_close_action_ends_the_session_after_the_request(
     # The final turn itself completes; the close follows it.
     assert doc["meta_info"]["finish_reason"]["type"] == "length"
     await _closed_on_every_engine(http, engine_urls, sid)
-    stats = proxy.runtime.sessions.stats()
+    stats = proxy.app[SESSIONS].stats()
     assert stats[lc.CLOSED_FINAL] == 1.0 and stats[lc.ABORTED_REQUESTS] == 0.0
     await wait_until(
-        _cond(lambda: proxy.runtime.sessions.state(sid) == "closed"), what="the close to finish"
+        _cond(lambda: proxy.app[SESSIONS].state(sid) == "closed"), what="the close to finish"
     )
 
 
@@ -596,7 +597,7 @@ async def test_final_header_ends_the_session_after_the_request(
         {"X-Session-ID": sid, "X-Session-Final": "no"},
     )
     assert status == 200
-    assert proxy.runtime.sessions.state(sid) == "open"
+    assert proxy.app[SESSIONS].state(sid) == "open"
     status, doc = await _post(
         http,
         proxy.url + "/v1/chat/completions",
@@ -618,7 +619,7 @@ async def test_path_prefix_session_ends_with_its_final_turn(
     turn = {"model": MODEL, "prompt": f"hello {sid}", "max_tokens": 50}
     status, _ = await _post(http, base + "/v1/completions", turn)
     assert status == 200
-    assert proxy.runtime.sessions.state(sid) == "open"
+    assert proxy.app[SESSIONS].state(sid) == "open"
     status, _ = await _post(http, base + "/v1/completions", turn, {"X-Session-Final": "1"})
     assert status == 200
     await _closed_on_every_engine(http, engine_urls, sid)
@@ -656,11 +657,11 @@ async def test_idle_timeout_ends_a_session_only_when_nothing_is_in_flight(
     assert status == 200
     assert finished - started > idle_s
     assert doc["meta_info"]["finish_reason"]["type"] == "length"
-    assert proxy.runtime.sessions.state(sid) == "open"
+    assert proxy.app[SESSIONS].state(sid) == "open"
     assert await _closes_of(http, engine_urls, sid) == []
     await _closed_on_every_engine(http, engine_urls, sid)
     assert time.monotonic() - finished >= idle_s * 0.9  # the idle clock starts at the end
-    stats = proxy.runtime.sessions.stats()
+    stats = proxy.app[SESSIONS].stats()
     assert stats[lc.CLOSED_IDLE] == 1.0 and stats[lc.ABORTED_REQUESTS] == 0.0
 
 
@@ -781,7 +782,7 @@ async def test_a_client_hanging_up_after_done_is_not_a_disconnect(
 
     for batch in range(10):
         await asyncio.gather(*(one(batch * 20 + i) for i in range(20)))
-    stats = proxy.runtime.sessions.stats()
+    stats = proxy.app[SESSIONS].stats()
     assert stats[lc.DISCONNECT_ABORTS] == 0
     assert stats[lc.ABORTED_REQUESTS] == 0
     aborts = await recorded(http, engine_urls, path="/abort_request")

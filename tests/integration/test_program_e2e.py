@@ -24,7 +24,7 @@ from kvproxy import stack
 from kvproxy.app import create_app
 from kvproxy.config import from_mapping
 from kvproxy.fleet.ring import HashRing
-from kvproxy.runtime import RUNTIME, Runtime
+from kvproxy.keys import ADMISSION
 
 from .conftest import set_faults, wait_until
 
@@ -162,10 +162,6 @@ class Proxy:
         self.server = server
         self.url = str(server.make_url("")).rstrip("/")
 
-    @property
-    def rt(self) -> Runtime:
-        return self.server.app[RUNTIME]
-
 
 @pytest.fixture
 async def proxy(ch_router: stack.ManagedProcess) -> AsyncIterator[Any]:
@@ -207,7 +203,7 @@ async def proxy(ch_router: stack.ManagedProcess) -> AsyncIterator[Any]:
 
 def _program_ready(p: Proxy):
     async def ready() -> bool:
-        h = p.rt.admission.health()
+        h = p.server.app[ADMISSION].health()
         return bool(h["program_active"] and h["placement"]["available"])
 
     return ready
@@ -218,7 +214,7 @@ async def _noop() -> bool:
 
 
 def keys_on(p: Proxy, engine: str, n: int, prefix: str) -> list[str]:
-    owner = p.rt.admission.placement.owner
+    owner = p.server.app[ADMISSION].placement.owner
     out = [k for k in (f"{prefix}-{next(_ids)}" for _ in range(2000)) if owner(k) == engine]
     assert len(out) >= n
     return out[:n]
@@ -253,7 +249,7 @@ async def test_a_full_engine_holds_its_new_sessions_while_the_others_pass(
     waiting = asyncio.create_task(gen(http, p, a2, 4_000))
 
     async def held() -> bool:
-        return p.rt.admission.health()["waiting_new"] == 1
+        return p.server.app[ADMISSION].health()["waiting_new"] == 1
 
     await wait_until(held, what="a2 waiting")
     r = await gen(http, p, b1, 4_000)  # another engine's new session passes
@@ -273,7 +269,7 @@ async def test_a_full_engine_holds_its_new_sessions_while_the_others_pass(
     # Every request went to its session's ring owner, with the routing key set.
     bodies = await recorded_bodies(http, [e.url for e in ch_engines], "full-")
     assert bodies
-    owner = p.rt.admission.placement.owner
+    owner = p.server.app[ADMISSION].placement.owner
     for url, body in bodies:
         assert owner(body["session_id"]) == url
 
@@ -282,7 +278,7 @@ async def test_priority_reaches_the_engines_and_grows_with_the_context(
     proxy, ch_engines, http
 ) -> None:
     p = await proxy(priority_steering=True)
-    assert p.rt.admission.priority_steering
+    assert p.server.app[ADMISSION].priority_steering
     (sid,) = keys_on(p, ch_engines[2].url, 1, "prio")
     for tokens in (1_000, 9_000, 17_000):
         assert (await gen(http, p, sid, tokens)).status == 200
@@ -313,7 +309,7 @@ async def test_a_paused_sessions_turn_waits_no_longer_than_its_bound(
     assert r.headers[DECISION] == "continuing_forwarded"
 
     async def paused() -> bool:
-        return p.rt.admission.health()["sessions"]["paused"] == 1
+        return p.server.app[ADMISSION].health()["sessions"]["paused"] == 1
 
     await wait_until(paused, what="the small idle session paused")
     r = await gen(http, p, small, 3_100)
@@ -346,7 +342,9 @@ async def test_fail_open_paths(proxy, ch_engines, http) -> None:
 
     async def stale() -> bool:
         return not any(
-            e["fresh"] for e in p.rt.admission.health()["program_engines"] if e["url"] == url
+            e["fresh"]
+            for e in p.server.app[ADMISSION].health()["program_engines"]
+            if e["url"] == url
         )
 
     await wait_until(stale, what="the engine's reading going stale")
@@ -393,7 +391,7 @@ async def test_ledger_returns_to_zero_after_a_burst_with_disconnects_errors_and_
     await asyncio.gather(*(session(i, s) for i, s in enumerate(sids)))
 
     async def drained() -> bool:
-        h = p.rt.admission.health()
+        h = p.server.app[ADMISSION].health()
         s = h["sessions"]
         return (
             h["waiting"] == 0
@@ -404,5 +402,5 @@ async def test_ledger_returns_to_zero_after_a_burst_with_disconnects_errors_and_
         )
 
     await wait_until(drained, timeout_s=15, what="the session ledger back to zero")
-    rows = p.rt.admission.health()["program_engines"]
+    rows = p.server.app[ADMISSION].health()["program_engines"]
     assert all(r["footprint"] == 0 and r["committed"] == 0 for r in rows)

@@ -16,6 +16,7 @@ from kvproxy import stack
 from kvproxy.config import RouterConfig
 from kvproxy.fleet.discovery import RouterFlavor
 from kvproxy.fleet.registry import Fleet
+from kvproxy.keys import ADMISSION, CONFIG, FLEET, SHUTDOWN
 from tests.helpers import new_marker
 
 from .conftest import MakeProxy, recorded, set_faults, sim_state, wait_until
@@ -302,7 +303,7 @@ async def test_discovery_of_legacy_routers_and_the_warning(
             router={"url": str(server.make_url("")).rstrip("/")},
             session_lifecycle={"enabled": True, "check_engines": False},
         )
-        found = proxy.runtime.fleet.engines
+        found = proxy.app[FLEET].engines
         assert found.flavor is flavor
         assert list(found.healthy) == healthy and list(found.unhealthy) == unhealthy
         async with http.get(proxy.url + "/kvproxy/health") as resp:
@@ -316,7 +317,7 @@ async def test_static_engines_override_discovery(
     make_proxy: MakeProxy, engine_urls: list[str]
 ) -> None:
     proxy = await make_proxy(router={"engines": [engine_urls[0]]})
-    assert proxy.runtime.fleet.all_engines() == (engine_urls[0],)
+    assert proxy.app[FLEET].all_engines() == (engine_urls[0],)
 
 
 async def test_reload_applies_and_an_invalid_file_is_refused(
@@ -325,14 +326,14 @@ async def test_reload_applies_and_an_invalid_file_is_refused(
     cfg = tmp_path / "kvproxy.yaml"
     cfg.write_text(f"router:\n  url: {router.url}\n")
     proxy = await make_proxy(source=str(cfg))
-    assert not proxy.runtime.config.admission.enabled
+    assert not proxy.app[CONFIG].config.admission.enabled
 
     cfg.write_text(f"router:\n  url: {router.url}\nadmission:\n  enabled: true\n  headroom: 0.5\n")
     async with http.post(proxy.url + "/kvproxy/config/reload") as resp:
         assert resp.status == 200
         doc = await resp.json()
     assert "admission.enabled" in doc["applied"] and "admission.headroom" in doc["applied"]
-    assert proxy.runtime.config.admission.enabled
+    assert proxy.app[CONFIG].config.admission.enabled
     async with http.get(proxy.url + "/kvproxy/health") as resp:
         assert (await resp.json())["features"]["admission"] is True
 
@@ -342,13 +343,13 @@ async def test_reload_applies_and_an_invalid_file_is_refused(
         doc = await resp.json()
     assert doc["error"]["type"] == "invalid_config"
     assert "admission.headroom" in doc["error"]["message"]
-    assert proxy.runtime.config.admission.headroom == 0.5  # the running config stays
+    assert proxy.app[CONFIG].config.admission.headroom == 0.5  # the running config stays
 
     cfg.write_text(f"router:\n  url: {router.url}\nserver:\n  port: 1234\n")
     async with http.post(proxy.url + "/kvproxy/config/reload") as resp:
         doc = await resp.json()
     assert doc["restart_required"] == ["server.port"]
-    assert not proxy.runtime.config.admission.enabled
+    assert not proxy.app[CONFIG].config.admission.enabled
 
 
 def test_sighup_reloads_a_running_server(tmp_path: Path, router: stack.ManagedProcess) -> None:
@@ -397,7 +398,7 @@ async def test_shutting_down_answers_503(
     make_proxy: MakeProxy, http: aiohttp.ClientSession
 ) -> None:
     proxy = await make_proxy()
-    proxy.runtime.shutting_down = True
+    proxy.app[SHUTDOWN].started = True
     async with http.post(proxy.url + "/generate", json={"text": "x"}) as resp:
         assert resp.status == 503
         assert (await resp.json())["error"]["type"] == "shutting_down"
@@ -425,7 +426,7 @@ async def test_concurrent_mixed_traffic_all_succeeds(
     statuses = await asyncio.gather(*(one(i) for i in range(40)))
     assert statuses == [200] * 40
     await wait_until(
-        lambda: _true(proxy.runtime.admission.stats()["agentic_kv/budget/lease_count"] == 0),
+        lambda: _true(proxy.app[ADMISSION].stats()["agentic_kv/budget/lease_count"] == 0),
         timeout_s=5,
         what="leases to drain",
     )

@@ -21,12 +21,7 @@ PRODUCT = {"proxy", "sessions", "admission", "fleet", "admin"}
 # Tools around it: simulator, workload driver, lab, demo, stack launcher.
 TOOLS = {"sim", "workload", "lab", "demo", "stack"}
 # Edges left out of the cycle check, each with the change that removes it.
-KNOWN_EDGES = {
-    # proxy/handlers.py names Runtime for typing (under TYPE_CHECKING) while runtime holds
-    # ProxyMetrics: gone when the request pipeline round replaces Runtime with one
-    # web.AppKey per resource (issue #14).
-    ("proxy", "runtime"),
-}
+KNOWN_EDGES: set[tuple[str, str]] = set()
 # Subpackages left out of the per-module check, likewise. The workload driver's modules
 # reach each other through deferred imports (spec/plan -> trace, report <-> runner); the
 # driver is being moved out of kvproxy/ by the physics issue, which untangles them.
