@@ -88,18 +88,18 @@ def read_features(
     sessions = sessions_.health()
     health = admission.health()
     gauges = {
-        "waiting": float(health["waiting"]),
-        "waiting_new": float(health["waiting_new"]),
-        "waiting_continuing": float(health["waiting_continuing"]),
+        "waiting": float(health.waiting),
+        "waiting_new": float(health.waiting_new),
+        "waiting_continuing": float(health.waiting_continuing),
         "oldest_wait_s": admission.oldest_wait_s(),
         "ceiling": float(ledger.ceiling),
         "committed": float(ledger.committed),
         "reserved": float(ledger.reserved),
         "resident": float(ledger.resident_total),
-        "sessions_open": float(sessions.get("open", 0)),
-        "sessions_closing": float(sessions.get("closing", 0)),
+        "sessions_open": float(sessions.open),
+        "sessions_closing": float(sessions.closing),
     }
-    engines = {e["url"]: e["token_usage"] for e in health["engines"]}
+    engines = {e.url: e.token_usage for e in health.engines}
     return Reading(counters=counters, gauges=gauges, engines=engines)
 
 

@@ -12,37 +12,37 @@ from kvproxy.keys import ADMISSION, CONFIG, FLEET, SESSIONS
 
 
 def health_doc(app: web.Application) -> dict[str, Any]:
-    live, fleet_ = app[CONFIG], app[FLEET]
+    live, fleet = app[CONFIG], app[FLEET]
     cfg = live.config
-    fleet = fleet_.health()
+    fleet_health = fleet.health()
+    sessions = app[SESSIONS].health()
+    admission = app[ADMISSION].health()
     warnings: list[str] = []
-    legacy = legacy_warning(fleet_, cfg.session_lifecycle.enabled)
+    legacy = legacy_warning(fleet, cfg.session_lifecycle.enabled)
     if legacy:
         warnings.append(legacy)
-    sessions = app[SESSIONS].health()
-    warnings.extend(sessions.get("warnings", []))
-    admission = app[ADMISSION].health()
-    if fleet["router_reachable"] is False:
+    warnings.extend(sessions.warnings)
+    if fleet_health.router_reachable is False:
         status = "router_unreachable"
-    elif cfg.admission.enabled and admission.get("degraded"):
+    elif cfg.admission.enabled and admission.degraded:
         status = "degraded"
     else:
         status = "ok"
     return {
         "status": status,
         "version": __version__,
-        "router_reachable": fleet["router_reachable"],
-        "legacy_router": fleet_.engines.legacy,
-        "engines_known": fleet["engines_known"],
-        "engines_healthy": fleet["engines_healthy"],
+        "router_reachable": fleet_health.router_reachable,
+        "legacy_router": fleet.engines.legacy,
+        "engines_known": fleet_health.engines_known,
+        "engines_healthy": fleet_health.engines_healthy,
         "features": {
             "session_lifecycle": cfg.session_lifecycle.enabled,
             "admission": cfg.admission.enabled,
         },
         "warnings": warnings,
-        "fleet": fleet,
-        "sessions": sessions,
-        "admission": admission,
+        "fleet": fleet_health.to_json(),
+        "sessions": sessions.to_json(),
+        "admission": admission.to_json(),
         "config_source": cfg.source,
         "reloads": live.reloads,
     }

@@ -77,6 +77,7 @@ from kvproxy.admission.catalogue import (
     C_PAUSED_WAIT_SUM,
     PROGRAM_HELP,
     PROGRAM_STATS_KEYS,  # noqa: F401 (re-exported: tests and users import it from here)
+    ProgramSnapshot,
 )
 from kvproxy.admission.decisions import Event, Outcome
 from kvproxy.admission.ledger import (
@@ -366,6 +367,64 @@ class _Admission(AbstractAsyncContextManager[Decision]):
         elif self._aged is not None:
             tokens, self._aged = self._aged, None
             self._ctl._aged_turn_ended(self._req, tokens)
+
+
+@dataclass(frozen=True, slots=True)
+class AdmissionHealth:
+    """Admission at one moment, as ``GET /kvproxy/health`` shows it (``admission``)."""
+
+    enabled: bool
+    degraded: bool
+    epoch: int
+    ceiling: int
+    reserved: int
+    resident: int
+    resident_sessions: int
+    committed: int
+    session_residency: bool
+    program: ProgramSnapshot
+    pressure: float | None
+    lease_count: int
+    waiting: int
+    waiting_continuing: int
+    waiting_new: int
+    engines: tuple[EngineView, ...]
+
+    @property
+    def engines_fresh(self) -> int:
+        return sum(1 for e in self.engines if e.fresh)
+
+    def to_json(self) -> dict[str, Any]:
+        engines = [
+            {
+                "url": e.url,
+                "fresh": e.fresh,
+                "token_usage": e.token_usage,
+                "max_total_num_tokens": e.max_total_num_tokens,
+                "age_s": None if e.age_s is None else round(e.age_s, 3),
+            }
+            for e in self.engines
+        ]
+        return {
+            "enabled": self.enabled,
+            "degraded": self.degraded,
+            "epoch": self.epoch,
+            "ceiling": self.ceiling,
+            "reserved": self.reserved,
+            "resident": self.resident,
+            "resident_sessions": self.resident_sessions,
+            "committed": self.committed,
+            "session_residency": self.session_residency,
+            **catalogue.health(self.program),
+            "pressure": self.pressure,
+            "lease_count": self.lease_count,
+            "waiting": self.waiting,
+            "waiting_continuing": self.waiting_continuing,
+            "waiting_new": self.waiting_new,
+            "engines_fresh": self.engines_fresh,
+            "engines_stale": len(self.engines) - self.engines_fresh,
+            "engines": engines,
+        }
 
 
 class AdmissionController:
@@ -1351,41 +1410,27 @@ class AdmissionController:
             self._counters.reset_window()
         return out
 
-    def health(self) -> dict[str, Any]:
+    def health(self) -> AdmissionHealth:
         now = self._clock()
-        snap = self.program_snapshot(now)
         ledger = self.ledger
-        degraded = ledger.is_degraded(now)
-        engines = [
-            {
-                "url": e.url,
-                "fresh": e.fresh,
-                "token_usage": e.token_usage,
-                "max_total_num_tokens": e.max_total_num_tokens,
-                "age_s": None if e.age_s is None else round(e.age_s, 3),
-            }
-            for e in ledger.engines(now)
-        ]
-        return {
-            "enabled": self._cfg.enabled,
-            "degraded": degraded,
-            "epoch": ledger.epoch,
-            "ceiling": ledger.ceiling,
-            "reserved": ledger.reserved,
-            "resident": ledger.resident_total,
-            "resident_sessions": ledger.resident_sessions,
-            "committed": ledger.committed,
-            "session_residency": self._residency,
-            **catalogue.health(snap),
-            "pressure": ledger.pressure,
-            "lease_count": ledger.lease_count,
-            "waiting": len(self._waiters) + len(self._pwaiters),
-            "waiting_continuing": self._n_cont,
-            "waiting_new": len(self._waiters) - self._n_cont + self.program_waiting_new,
-            "engines_fresh": sum(1 for e in engines if e["fresh"]),
-            "engines_stale": sum(1 for e in engines if not e["fresh"]),
-            "engines": engines,
-        }
+        return AdmissionHealth(
+            enabled=self._cfg.enabled,
+            degraded=ledger.is_degraded(now),
+            epoch=ledger.epoch,
+            ceiling=ledger.ceiling,
+            reserved=ledger.reserved,
+            resident=ledger.resident_total,
+            resident_sessions=ledger.resident_sessions,
+            committed=ledger.committed,
+            session_residency=self._residency,
+            program=self.program_snapshot(now),
+            pressure=ledger.pressure,
+            lease_count=ledger.lease_count,
+            waiting=len(self._waiters) + len(self._pwaiters),
+            waiting_continuing=self._n_cont,
+            waiting_new=len(self._waiters) - self._n_cont + self.program_waiting_new,
+            engines=tuple(ledger.engines(now)),
+        )
 
     def collect(self) -> Iterable[Metric]:
         """prometheus-client custom collector: counters, gauges, wait histogram."""

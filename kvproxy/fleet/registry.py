@@ -11,6 +11,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -34,6 +35,36 @@ LEGACY_ROUTER_WARNING = (
     "/generate and /v1/chat/completions: session lifecycle cannot tag those requests. "
     "Use smg >= 1.5."
 )
+
+
+@dataclass(frozen=True, slots=True)
+class FleetHealth:
+    """The fleet at one moment, as ``GET /kvproxy/health`` shows it (``fleet``)."""
+
+    router_url: str
+    router_reachable: bool | None  # None until the first refresh
+    router_flavor: str
+    engines_known: int
+    healthy: tuple[str, ...]
+    unhealthy: tuple[str, ...]
+    last_refresh_age_s: float | None
+    last_error: str | None
+
+    @property
+    def engines_healthy(self) -> int:
+        return len(self.healthy)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "router_url": self.router_url,
+            "router_reachable": self.router_reachable,
+            "router_flavor": self.router_flavor,
+            "engines_known": self.engines_known,
+            "engines_healthy": self.engines_healthy,
+            "engines": {"healthy": list(self.healthy), "unhealthy": list(self.unhealthy)},
+            "last_refresh_age_s": self.last_refresh_age_s,
+            "last_error": self.last_error,
+        }
 
 
 class Fleet:
@@ -75,21 +106,18 @@ class Fleet:
     def router_reachable(self) -> bool | None:
         return self._router_reachable
 
-    def health(self) -> dict[str, Any]:
+    def health(self) -> FleetHealth:
         age = None if self._last_refresh is None else round(self._clock() - self._last_refresh, 3)
-        return {
-            "router_url": self._cfg.url,
-            "router_reachable": self._router_reachable,
-            "router_flavor": self._engines.flavor.value,
-            "engines_known": len(self._engines.all),
-            "engines_healthy": len(self._engines.healthy),
-            "engines": {
-                "healthy": list(self._engines.healthy),
-                "unhealthy": list(self._engines.unhealthy),
-            },
-            "last_refresh_age_s": age,
-            "last_error": self._last_error,
-        }
+        return FleetHealth(
+            router_url=self._cfg.url,
+            router_reachable=self._router_reachable,
+            router_flavor=self._engines.flavor.value,
+            engines_known=len(self._engines.all),
+            healthy=self._engines.healthy,
+            unhealthy=self._engines.unhealthy,
+            last_refresh_age_s=age,
+            last_error=self._last_error,
+        )
 
     # -- refresh ---------------------------------------------------------------
     async def refresh(self) -> EngineList:

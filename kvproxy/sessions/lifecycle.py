@@ -277,6 +277,38 @@ def _base_urls(urls: Sequence[str]) -> list[str]:
     return list(out)
 
 
+@dataclass(frozen=True, slots=True)
+class SessionsHealth:
+    """The session lifecycle at one moment, as ``GET /kvproxy/health`` shows it
+    (``sessions``); with the feature off only ``enabled`` is shown."""
+
+    enabled: bool
+    on_close: str = ""
+    sticky_routing: bool = False
+    idle_timeout_s: float | None = None
+    engine_check: str = ""
+    # Engine base URL -> its session mode document (or the error reading it).
+    engines: Mapping[str, Any] = field(default_factory=dict)
+    warnings: tuple[str, ...] = ()
+    open: int = 0
+    closing: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        if not self.enabled:
+            return {"enabled": False}
+        return {
+            "enabled": True,
+            "on_close": self.on_close,
+            "sticky_routing": self.sticky_routing,
+            "idle_timeout_s": self.idle_timeout_s,
+            "engine_check": self.engine_check,
+            "engines": dict(self.engines),
+            "warnings": list(self.warnings),
+            "open": self.open,
+            "closing": self.closing,
+        }
+
+
 class SessionManager:
     """Owns the session table, the close tasks and the engine session-mode check."""
 
@@ -701,11 +733,11 @@ class SessionManager:
             if self._check_state == "pending":
                 self._check_state = "stopped"
 
-    def health(self) -> dict[str, Any]:
+    def health(self) -> SessionsHealth:
         """Engine session modes found by the start-up check, and warnings."""
         cfg = self._cfg
         if not cfg.enabled:
-            return {"enabled": False}
+            return SessionsHealth(enabled=False)
         engines: dict[str, Any] = {u: m.to_json() for u, m in self._modes.items()}
         for url, error in self._probe_errors.items():
             if url not in engines:
@@ -721,17 +753,17 @@ class SessionManager:
                 f"{len(self._probe_errors)} engine(s) did not answer /server_info: "
                 "their session mode is unknown"
             )
-        return {
-            "enabled": True,
-            "on_close": cfg.on_close,
-            "sticky_routing": cfg.sticky_routing,
-            "idle_timeout_s": cfg.idle_timeout_s,
-            "engine_check": self._check_state,
-            "engines": engines,
-            "warnings": warnings,
-            "open": self._table.open_count,
-            "closing": self._table.closing_count,
-        }
+        return SessionsHealth(
+            enabled=True,
+            on_close=cfg.on_close,
+            sticky_routing=cfg.sticky_routing,
+            idle_timeout_s=cfg.idle_timeout_s,
+            engine_check=self._check_state,
+            engines=engines,
+            warnings=tuple(warnings),
+            open=self._table.open_count,
+            closing=self._table.closing_count,
+        )
 
     # -- metrics ---------------------------------------------------------------
 

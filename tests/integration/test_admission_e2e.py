@@ -20,8 +20,8 @@ import pytest
 from multidict import CIMultiDictProxy
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvproxy import keys
 from kvproxy.admission.coordinator import PROGRAM_STATS_KEYS
-from kvproxy.keys import CONFIG
 
 from .conftest import ENGINE_TOKENS, MakeProxy, Proxy, recorded, set_faults, wait_until
 
@@ -58,7 +58,7 @@ def holds(check: Callable[[], bool]) -> Callable[[], Awaitable[bool]]:
 
 
 def stats(proxy: Proxy) -> dict[str, float]:
-    return proxy.app[ADMISSION].stats()
+    return proxy.app[keys.ADMISSION].stats()
 
 
 async def send(
@@ -82,12 +82,12 @@ async def push_usage(
 ) -> None:
     """Set the engines' reported token_usage and wait until the proxy has read it."""
     await set_faults(http, engine_urls, token_usage=usage)
-    ctl = proxy.app[ADMISSION]
+    ctl = proxy.app[keys.ADMISSION]
     threshold = ctl.config.pressure_threshold
     if usage is None:
-        check = holds(lambda: ctl.health()["pressure"] < threshold)
+        check = holds(lambda: ctl.health().pressure < threshold)
     else:
-        check = holds(lambda: ctl.health()["pressure"] == pytest.approx(usage))
+        check = holds(lambda: ctl.health().pressure == pytest.approx(usage))
     await wait_until(check, timeout_s=5, what=f"the proxy to read token_usage={usage}")
 
 
@@ -111,14 +111,14 @@ async def enqueue(
 ) -> asyncio.Task[Any]:
     """Start one request and wait until it is the ``count``-th waiter (known order)."""
     task = asyncio.ensure_future(start())
-    ctl = proxy.app[ADMISSION]
+    ctl = proxy.app[keys.ADMISSION]
     await wait_until(holds(lambda: ctl.waiting == count), timeout_s=5, what=f"{count} waiters")
     assert not task.done()
     return task
 
 
 async def leases_drained(proxy: Proxy) -> None:
-    ctl = proxy.app[ADMISSION]
+    ctl = proxy.app[keys.ADMISSION]
     await wait_until(
         holds(lambda: ctl.waiting == 0 and ctl.ledger.lease_count == 0),
         timeout_s=5,
@@ -142,7 +142,7 @@ async def test_pressure_holds_requests_in_arrival_order_until_usage_drops(
     # Ceiling int(120,000 x 0.01) = 1,200 tokens: one 700-token reservation at a time,
     # so once the pressure drops the grants are serialised and their order is visible.
     proxy = await make_proxy(admission={**POLL, "headroom": 0.01})
-    ctl = proxy.app[ADMISSION]
+    ctl = proxy.app[keys.ADMISSION]
     assert ctl.ledger.ceiling == int(FLEET_TOKENS * 0.01)
     await push_usage(http, engine_urls, proxy, 0.99)
 
@@ -185,7 +185,7 @@ async def test_stale_metrics_release_waiters_and_every_request_bypasses_degraded
     fault: str, make_proxy: MakeProxy, http: aiohttp.ClientSession, engine_urls: list[str]
 ) -> None:
     proxy = await make_proxy(admission={**POLL, "staleness_s": 0.3})
-    ctl = proxy.app[ADMISSION]
+    ctl = proxy.app[keys.ADMISSION]
     await push_usage(http, engine_urls, proxy, 0.99)
     waiters = [await enqueue(proxy, lambda: send(http, proxy, _body(_rid())), n) for n in (1, 2)]
 
@@ -218,7 +218,7 @@ async def test_one_engine_failing_metrics_keeps_admitting_on_the_other(
     make_proxy: MakeProxy, http: aiohttp.ClientSession, engine_urls: list[str]
 ) -> None:
     proxy = await make_proxy(admission={**POLL, "staleness_s": 0.3})
-    ctl = proxy.app[ADMISSION]
+    ctl = proxy.app[keys.ADMISSION]
     assert ctl.ledger.ceiling == int(FLEET_TOKENS * 0.9) and ctl.ledger.epoch == 1
     failing, fine = engine_urls
     await set_faults(http, [failing], metrics="error")
@@ -264,8 +264,8 @@ async def test_client_disconnecting_while_waiting_is_removed_at_once(
         admission={"enabled": True, "poll_interval_s": 30.0},
         session_lifecycle={"enabled": lifecycle},
     )
-    ctl = proxy.app[ADMISSION]
-    assert ctl.health()["pressure"] == pytest.approx(0.99)
+    ctl = proxy.app[keys.ADMISSION]
+    assert ctl.health().pressure == pytest.approx(0.99)
     head_rid, gone_rid, tail_rid = _rid(), _rid(), _rid()
     session = {"X-Session-ID": f"adm-{_rid()}"}
 
@@ -393,7 +393,7 @@ async def test_oversized_and_protected_bypass_at_once_while_others_wait(
     make_proxy: MakeProxy, http: aiohttp.ClientSession, engine_urls: list[str]
 ) -> None:
     proxy = await make_proxy(admission={**POLL, "headroom": 0.01})  # ceiling 1,200
-    ctl = proxy.app[ADMISSION]
+    ctl = proxy.app[keys.ADMISSION]
     await push_usage(http, engine_urls, proxy, 0.99)
     waiter_rid, big_rid, vip_rid = _rid(), _rid(), _rid()
     waiter = await enqueue(proxy, lambda: send(http, proxy, _body(waiter_rid)), 1)
@@ -436,7 +436,7 @@ async def test_eval_traffic_is_out_of_scope_untouched_and_uncounted(
 
     # What the engine receives is exactly what it receives from the router directly.
     seen = []
-    for base in (proxy.app[CONFIG].router_base, proxy.url):
+    for base in (proxy.app[keys.CONFIG].router_base, proxy.url):
         rid = _rid()
         raw = b'{"rid": "%s",  "input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 2}}'
         async with (
@@ -474,8 +474,8 @@ async def test_waiters_age_out_as_bypass_aged_on_time(
     proxy = await make_proxy(
         admission={"enabled": True, "poll_interval_s": 30.0, "max_wait_s": max_wait}
     )
-    ctl = proxy.app[ADMISSION]
-    assert ctl.health()["pressure"] == pytest.approx(0.99)
+    ctl = proxy.app[keys.ADMISSION]
+    assert ctl.health().pressure == pytest.approx(0.99)
 
     async def timed() -> tuple[float, CIMultiDictProxy[str]]:
         started = time.monotonic()

@@ -19,6 +19,8 @@ import aiohttp
 import pytest
 from playwright.async_api import Page, async_playwright
 
+from kvproxy import keys
+
 from .conftest import MakeProxy, Proxy, set_faults, wait_until
 
 pytestmark = pytest.mark.usefixtures("router")
@@ -315,8 +317,8 @@ async def test_dashboard_shows_program_admission_per_engine_and_the_fallback(
         await banner.wait_for(state="visible", timeout=RENDER_TIMEOUT_MS)
         assert "round_robin" in (await banner.text_content() or "")
         # Told the policy is mirrorable (the lab's injection point), the table fills in.
-        proxy.app[ADMISSION].set_router_policy("consistent_hashing")
-        await proxy.app[ADMISSION].poll_once()
+        proxy.app[keys.ADMISSION].set_router_policy("consistent_hashing")
+        await proxy.app[keys.ADMISSION].poll_once()
         body = {"input_ids": [5] * 50, "sampling_params": {"max_new_tokens": 2}}
         async with http.post(
             f"{proxy.url}/generate", json=body, headers={"X-Session-ID": "dash-program-1"}

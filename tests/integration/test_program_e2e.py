@@ -203,7 +203,7 @@ async def proxy(ch_router: stack.ManagedProcess) -> AsyncIterator[Any]:
 
 def _program_ready(p: Proxy):
     async def ready() -> bool:
-        h = p.server.app[ADMISSION].health()
+        h = p.server.app[ADMISSION].health().to_json()
         return bool(h["program_active"] and h["placement"]["available"])
 
     return ready
@@ -249,7 +249,7 @@ async def test_a_full_engine_holds_its_new_sessions_while_the_others_pass(
     waiting = asyncio.create_task(gen(http, p, a2, 4_000))
 
     async def held() -> bool:
-        return p.server.app[ADMISSION].health()["waiting_new"] == 1
+        return p.server.app[ADMISSION].health().waiting_new == 1
 
     await wait_until(held, what="a2 waiting")
     r = await gen(http, p, b1, 4_000)  # another engine's new session passes
@@ -309,7 +309,7 @@ async def test_a_paused_sessions_turn_waits_no_longer_than_its_bound(
     assert r.headers[DECISION] == "continuing_forwarded"
 
     async def paused() -> bool:
-        return p.server.app[ADMISSION].health()["sessions"]["paused"] == 1
+        return p.server.app[ADMISSION].health().to_json()["sessions"]["paused"] == 1
 
     await wait_until(paused, what="the small idle session paused")
     r = await gen(http, p, small, 3_100)
@@ -343,7 +343,7 @@ async def test_fail_open_paths(proxy, ch_engines, http) -> None:
     async def stale() -> bool:
         return not any(
             e["fresh"]
-            for e in p.server.app[ADMISSION].health()["program_engines"]
+            for e in p.server.app[ADMISSION].health().to_json()["program_engines"]
             if e["url"] == url
         )
 
@@ -391,7 +391,7 @@ async def test_ledger_returns_to_zero_after_a_burst_with_disconnects_errors_and_
     await asyncio.gather(*(session(i, s) for i, s in enumerate(sids)))
 
     async def drained() -> bool:
-        h = p.server.app[ADMISSION].health()
+        h = p.server.app[ADMISSION].health().to_json()
         s = h["sessions"]
         return (
             h["waiting"] == 0
@@ -402,5 +402,5 @@ async def test_ledger_returns_to_zero_after_a_burst_with_disconnects_errors_and_
         )
 
     await wait_until(drained, timeout_s=15, what="the session ledger back to zero")
-    rows = p.server.app[ADMISSION].health()["program_engines"]
+    rows = p.server.app[ADMISSION].health().to_json()["program_engines"]
     assert all(r["footprint"] == 0 and r["committed"] == 0 for r in rows)

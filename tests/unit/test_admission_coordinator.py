@@ -509,8 +509,8 @@ async def test_failing_engine_is_excluded_while_the_rest_keep_admitting(make_env
     assert s["agentic_kv/budget/engines_fresh"] == 1 and s["agentic_kv/budget/engines_stale"] == 1
     assert s["agentic_kv/budget/scrape_failure"] == 2
     health = ctl.health()
-    assert not health["degraded"]
-    assert {e["url"]: e["fresh"] for e in health["engines"]} == {A: True, B: False}
+    assert not health.degraded
+    assert {e.url: e.fresh for e in health.engines} == {A: True, B: False}
     # Garbage from A too: no engine is fresh any more -> degraded, fail open.
     env.fleet.garbage.add(A)
     env.clock.now += 7.0
@@ -535,7 +535,7 @@ async def test_engine_leaving_the_fleet_leaves_the_ledger(make_env: Factory) -> 
     del env.fleet.engines[B]
     await env.ctl.poll_once()
     assert env.ctl.ledger.ceiling == 100 and env.ctl.ledger.epoch == 2
-    assert [e["url"] for e in env.ctl.health()["engines"]] == [A]
+    assert [e.url for e in env.ctl.health().engines] == [A]
 
 
 async def test_poll_once_survives_exceptions(make_env: Factory) -> None:

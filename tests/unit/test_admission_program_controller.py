@@ -91,7 +91,7 @@ async def test_a_full_engine_holds_its_new_sessions_while_the_other_engines_pass
     # a1 holds 900 of A's 1000: a2's first turn (200) waits; b1's passes at once.
     waiting = asyncio.create_task(turn(ctl, request("t2", a2, 200), prompt=200))
     await asyncio.sleep(0)
-    assert ctl.waiting == 1 and ctl.health()["held"]["reason"] == "new_session_fit"
+    assert ctl.waiting == 1 and ctl.health().to_json()["held"]["reason"] == "new_session_fit"
     d = await turn(ctl, request("t3", b1, 200), prompt=200)
     assert d.reason == "new_admitted"
     # A continuing turn of the active session on the full engine is never held.
@@ -137,8 +137,9 @@ async def test_priority_is_injected_only_when_engines_evict_by_priority(lab) -> 
 async def test_unknown_router_policy_falls_back_to_fleet_accounting_and_says_so(lab) -> None:
     ctl = await lab(policy="round_robin")
     assert not ctl.program_active
-    health = ctl.health()
-    assert "round_robin" in health["fallback"] and health["program_active"] is False
+    program = ctl.health().program
+    assert program.fallback is not None and "round_robin" in program.fallback
+    assert program.active is False
     d = await turn(ctl, request("t1", "s", 10), prompt=10)
     assert d.reason == "capacity_available"  # the fleet-wide path decided
     ctl.set_router_policy("consistent_hashing")

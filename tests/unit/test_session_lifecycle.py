@@ -564,25 +564,26 @@ async def test_health_reports_engine_modes_and_warnings(
     )
     await mgr.start()
     try:
-        assert mgr.health()["engine_check"] == "pending"
+        assert mgr.health().engine_check == "pending"
         known.extend([good.url, plain.url])  # engines become known after start
-        await until(lambda: mgr.health()["engine_check"] == "done")
+        await until(lambda: mgr.health().engine_check == "done")
         health = mgr.health()
-        assert health["engines"][good.url]["mode"] == "session_radix"
-        assert health["engines"][good.url]["as_assumed"] is True
-        assert health["engines"][plain.url]["mode"] == "none"
+        assert health.engines[good.url]["mode"] == "session_radix"
+        assert health.engines[good.url]["as_assumed"] is True
+        assert health.engines[plain.url]["mode"] == "none"
         assert any(
-            plain.url in w and "neither the session radix cache" in w for w in health["warnings"]
+            plain.url in w and "neither the session radix cache" in w for w in health.warnings
         )
-        assert not any(good.url in w for w in health["warnings"])
+        assert not any(good.url in w for w in health.warnings)
         # An engine that cannot be read is reported, not fatal.
         known.append(dead_url)
         assert await mgr.check_engines() is False
-        assert "error" in mgr.health()["engines"][dead_url]
+        assert "error" in mgr.health().engines[dead_url]
     finally:
         await mgr.stop()
     off = manager(http, [], cfg=dataclasses.replace(CFG, enabled=False))
-    assert off.health() == {"enabled": False}
+    assert not off.health().enabled
+    assert off.health().to_json() == {"enabled": False}
 
 
 async def test_reconfigure_enables_idle_reaper(
