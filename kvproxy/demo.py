@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import itertools
 import json
 import math
@@ -406,9 +407,12 @@ def run_config(
     out_dir: Path,
     pids: list[int],
     progress: ProgressFn | None = None,
+    engine_ports: Sequence[int] | None = None,
 ) -> dict[str, Any]:
     """Start a fresh stack (engines, smg, kvproxy), run one seed of the scenario through
     it, stop every process. Every PID is appended to ``pids`` as soon as it is known.
+    ``engine_ports`` (one per engine; default: free ports) fixes the engines' URLs, and
+    with them smg's consistent-hashing placement, across the configurations compared.
 
     Returns ``{"summary" (simulated time), "wall_summary", "engine_deltas",
     "engine_clock", "reached_engines", "proxy_config", "load", "pids"}``.
@@ -437,8 +441,11 @@ def run_config(
             my_pids.append(proc.pid)
             return proc
 
-        def engine_starter() -> Any:
+        ports: Sequence[int | None] = engine_ports or [None] * scenario.engines
+
+        def engine_starter(port: int | None) -> Any:
             return stk.start_sim_engine(
+                port=port,
                 max_total_tokens=pool,
                 mode="session-radix",
                 eviction_policy="priority",
@@ -448,7 +455,8 @@ def run_config(
                 log_dir=log_dir,
             )
 
-        engines = [track(p) for p in _start_parallel([engine_starter] * scenario.engines)]
+        starters = [functools.partial(engine_starter, port) for port in ports]
+        engines = [track(p) for p in _start_parallel(starters)]
         engine_urls = [e.url for e in engines]
         router = track(
             stk.start_router(engine_urls, policy=scenario.router_policy, log_dir=log_dir)
@@ -542,8 +550,17 @@ def run_scenario(
 
     Returns ``{"scenario", "seeds", "runs": {variant: {seed: run}}, "medians"}``.
     """
+    from kvproxy import stack as stk
+
     say = progress or (lambda _line: None)
     runs: dict[str, dict[int, dict[str, Any]]] = {v.name: {} for v in variants}
+    # The same engine URLs in every run: smg's ring hashes them, so every configuration
+    # and seed sees the same placement (as the lab does), not one drawn per run.
+    engine_ports: list[int] = []
+    while len(engine_ports) < scenario.engines:
+        port = stk.free_port()
+        if port not in engine_ports:
+            engine_ports.append(port)
     n = len(variants) * len(seeds)
     i = 0
     for seed in seeds:
@@ -551,7 +568,13 @@ def run_scenario(
             i += 1
             say(f"[{i}/{n}] {scenario.name} {variant.name} seed {seed}: starting the stack")
             res = run_config(
-                variant, scenario, seed=seed, out_dir=out_dir, pids=pids, progress=progress
+                variant,
+                scenario,
+                seed=seed,
+                out_dir=out_dir,
+                pids=pids,
+                progress=progress,
+                engine_ports=engine_ports,
             )
             runs[variant.name][seed] = res
             s = res["summary"]
