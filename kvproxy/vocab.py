@@ -86,3 +86,17 @@ def sample_count(body: Mapping[str, Any]) -> int:
 def body_rid(body: Mapping[str, Any]) -> Any:
     """The body's ``rid`` as sent: a string, a list (a batch), or None."""
     return body.get("rid")
+
+
+def token_list_length(value: Any) -> int | None:
+    """Length of a token-id list, or summed lengths of a batch of them; else None."""
+    if not isinstance(value, list):
+        return None
+    if not value:
+        return 0
+    first = value[0]
+    if isinstance(first, int) and not isinstance(first, bool):
+        return len(value)
+    if isinstance(first, list):
+        return sum(len(v) for v in value if isinstance(v, list))
+    return None

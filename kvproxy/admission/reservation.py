@@ -77,20 +77,6 @@ class Reservation:
 # -- prompt -------------------------------------------------------------------------------
 
 
-def _token_list_length(value: Any) -> int | None:
-    """Length of a token-id list, or summed lengths of a batch of them; else None."""
-    if not isinstance(value, list):
-        return None
-    if not value:
-        return 0
-    first = value[0]
-    if isinstance(first, int) and not isinstance(first, bool):
-        return len(value)
-    if isinstance(first, list):
-        return sum(len(v) for v in value if isinstance(v, list))
-    return None
-
-
 def exact_prompt_tokens(body: Mapping[str, Any]) -> int | None:
     """Prompt tokens when the body carries token ids (``input_ids`` or a token-id ``prompt``).
 
@@ -100,9 +86,9 @@ def exact_prompt_tokens(body: Mapping[str, Any]) -> int | None:
     counted = getattr(body, "prompt_token_count", None)
     if counted is not None:
         return int(counted)
-    n = _token_list_length(body.get("input_ids"))
+    n = vocab.token_list_length(body.get("input_ids"))
     if n is None:
-        n = _token_list_length(body.get("prompt"))
+        n = vocab.token_list_length(body.get("prompt"))
     return n
 
 

@@ -54,6 +54,8 @@ from typing import Any
 
 import orjson
 
+from kvproxy import vocab
+
 # Top-level keys whose flat token-id arrays are counted instead of parsed.
 COUNTED_KEYS: tuple[str, ...] = ("input_ids", "prompt")
 # The keys worth looking for on each path: each absent key costs one search through
@@ -150,22 +152,6 @@ def _as_int(value: Any) -> int | None:
     return None
 
 
-def _list_length(value: Any) -> int | None:
-    """Length of a token-id list, or summed lengths of a batch of them; else None.
-
-    The same rule as ``kvproxy.admission.reservation._token_list_length``."""
-    if not isinstance(value, list):
-        return None
-    if not value:
-        return 0
-    first = value[0]
-    if isinstance(first, int) and not isinstance(first, bool):
-        return len(value)
-    if isinstance(first, list):
-        return sum(len(v) for v in value if isinstance(v, list))
-    return None
-
-
 _NONE: dict[Any, Any] = {}  # shared, never written: BodyScan only reads it
 
 
@@ -238,7 +224,7 @@ class BodyScan(Mapping[str, Any]):
         count = self._counts.get(key)
         if count is not None:
             return count
-        return _list_length(self._doc.get(key))
+        return vocab.token_list_length(self._doc.get(key))
 
     @property
     def prompt_token_count(self) -> int | None:
@@ -347,8 +333,8 @@ def prompt_token_count(body: Mapping[str, Any]) -> int | None:
     built for the latter): the drop-in for the sizer's reads."""
     if isinstance(body, BodyScan):
         return body.prompt_token_count
-    n = _list_length(body.get("input_ids"))
-    return n if n is not None else _list_length(body.get("prompt"))
+    n = vocab.token_list_length(body.get("input_ids"))
+    return n if n is not None else vocab.token_list_length(body.get("prompt"))
 
 
 def batch_size(body: Mapping[str, Any]) -> int:
