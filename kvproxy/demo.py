@@ -850,18 +850,6 @@ def run_lab_table(
 # ------------------------------------------------------------------------------- CLI
 
 
-def _int_list(text: str) -> list[int]:
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated integers, got {text!r}"
-        ) from None
-    if not values:
-        raise argparse.ArgumentTypeError("expected at least one seed")
-    return values
-
-
 def parse_variants(text: str) -> list[Variant]:
     names = [n.strip() for n in text.split(",") if n.strip()]
     unknown = [n for n in names if n not in VARIANTS_BY_NAME]
@@ -873,6 +861,8 @@ def parse_variants(text: str) -> list[Variant]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from kvproxy.lab.cli import seed_list
+
     parser.add_argument(
         "--quick", action="store_true", help="smoke run of the real stack (about 20-30 s)"
     )
@@ -886,7 +876,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--seeds",
-        type=_int_list,
+        type=seed_list,
         default=None,
         help=f"comma-separated seeds (default {','.join(map(str, DEMO_SEEDS))}; --quick "
         f"{','.join(map(str, QUICK_SEEDS))}; --lab 0)",

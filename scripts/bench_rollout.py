@@ -44,6 +44,7 @@ from kvproxy.demo import (
     sigterm_as_interrupt,
     verdict,
 )
+from kvproxy.lab.cli import seed_list
 
 # Concurrency is scaled down from the presets' (48, 64 and 24 sessions per engine) and
 # the pool with it, so the working set / pool ratio is the calibrated one and a run takes
@@ -69,18 +70,6 @@ HEADLINE: dict[str, tuple[str, float]] = {
     "w3": ("sessions_per_min", 1.3),
     "not-kv-bound": ("sessions_per_min", 0.98),
 }
-
-
-def _int_list(text: str) -> list[int]:
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated integers, got {text!r}"
-        ) from None
-    if not values:
-        raise argparse.ArgumentTypeError("expected at least one seed")
-    return values
 
 
 def _cells(text: str) -> list[str]:
@@ -153,7 +142,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=[VARIANTS_BY_NAME["off"], VARIANTS_BY_NAME["both"]],
         help="configurations (default off,both; also lifecycle, admission)",
     )
-    p.add_argument("--seeds", type=_int_list, default=[0, 1], help="seeds (default 0,1)")
+    p.add_argument("--seeds", type=seed_list, default=[0, 1], help="seeds (default 0,1)")
     p.add_argument(
         "--time-scale",
         type=float,

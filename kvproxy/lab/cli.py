@@ -14,7 +14,8 @@ from kvproxy.lab.router import ROUTER_POLICIES
 from kvproxy.lab.runner import POLICIES, LabConfig, LabError, format_table, run_matrix
 
 
-def _int_list(text: str) -> list[int]:
+def seed_list(text: str) -> list[int]:
+    """``"0,1,2"`` -> [0, 1, 2] (an argparse type; also the demo's and the benchmarks')."""
     try:
         values = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
@@ -58,7 +59,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--token-scale", type=int, default=16, help="token scale K (default 16)")
     parser.add_argument(
-        "--seeds", type=_int_list, default=[0], help="comma-separated seeds (default 0)"
+        "--seeds", type=seed_list, default=[0], help="comma-separated seeds (default 0)"
     )
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
     parser.add_argument("--router-policy", choices=ROUTER_POLICIES, default="consistent_hashing")
