@@ -499,3 +499,9 @@ def test_streaming_held_kv_counts_as_committed_and_never_decays() -> None:
     assert (row["streaming_sessions"], row["streaming_held"]) == (2.0, 400.0)
     led.observe_engine(E1, 1.0, max_total_num_tokens=1000)  # closed: the metric is gone
     assert led.committed(E1, 1.0) == 0.0
+
+
+def test_program_params_defaults_are_the_configs_defaults() -> None:
+    # ProgramParams repeats AdmissionConfig's defaults (so the pure core can be built
+    # without a config); the two must never drift apart.
+    assert ProgramParams() == ProgramParams.from_config(AdmissionConfig())
