@@ -162,30 +162,27 @@ class Scenario:
         }
 
 
-# The demo's W1: the calibrated swe workload (qwen3-8b-h100, K=16, 2 engines) with 8 live
-# sessions per engine (24 sessions a run) on a pool sized for twice their working set;
-# sessions cut at 10 turns, tool pauses at 30 s and the context at 16k tokens (below the
-# pool: a request never exceeds it) so that a run takes one to two simulated minutes.
+# The demo's W1: the calibrated swe workload (qwen3-8b-h100, K=16, 2 engines) at its
+# calibrated size, 48 live sessions per engine (192 sessions a run, two waves) on a pool
+# sized for twice their working set, compressed in time (0.05 wall seconds per simulated
+# second) so that off and both take about three minutes together. Smaller fleets were
+# tried and do not show the gain: at 8 sessions per engine with 8-turn sessions the
+# no-eviction bound itself is 1.27x of off and the demo measured 0.80x (docs/benchmarks.md).
+# The client's request timeout is above admission.new_session_max_wait_s plus a turn.
 DEMO_W1 = Scenario(
     name="w1-swe-2x",
-    sessions_per_engine=8,
-    sessions=24,
+    sessions_per_engine=48,
     pool_ratio=2.0,
-    time_scale=0.2,
-    workload_overrides={
-        "turns_median": 8,
-        "turns_hi": 10,
-        "tool_latency_cap_s": 30,
-        "context_length": 16_384,
-    },
-    run_timeout_sim_s=900.0,
-    request_timeout_sim_s=900.0,
+    time_scale=0.05,
+    run_timeout_sim_s=7200.0,
+    request_timeout_sim_s=1200.0,
 )
-DEMO_SEEDS: tuple[int, ...] = (0, 1, 2)
+DEMO_SEEDS: tuple[int, ...] = (0,)
 QUICK_W1 = dataclasses.replace(
     DEMO_W1,
     name="w1-swe-quick",
     sessions_per_engine=4,
+    time_scale=0.2,
     sessions=12,
     workload_overrides={
         "turns_median": 4,
@@ -810,7 +807,7 @@ def run_lab_table(
     from kvproxy.lab.runner import format_table as lab_table
 
     if quick:
-        s = DEMO_W1
+        s = QUICK_W1
         cfg = LabConfig(
             workload=s.workload,
             engines=s.engines,

@@ -161,8 +161,8 @@ def test_lab_table_runs_every_policy_of_the_lab() -> None:
     assert text.splitlines()[0].split() == ["off", "both"]
     assert "both:" in text and "sessions/min" in text
     assert set(doc["policies"]) == {"off", "both"}
-    # --lab --quick runs the demo's own scaled W1 in the lab.
-    assert doc["policies"]["off"]["median"]["sessions"] == DEMO_W1.total_sessions
+    # --lab --quick runs the quick demo's W1 in the lab.
+    assert doc["policies"]["off"]["median"]["sessions"] == QUICK_W1.total_sessions
 
 
 def test_pid_alive() -> None:
