@@ -14,7 +14,8 @@ set. Every configuration, ``off`` included, sends the same routing key
 Prints per-configuration medians over the seeds, ratios to ``off`` and a one-line
 verdict per feature, and writes ``results.json`` and ``chart.png``.
 
-``kvproxy demo --lab`` prints the lab's policy table (virtual time, seconds);
+``kvproxy demo --lab`` prints the lab's policy and ablation tables (virtual time, no
+processes, about two minutes);
 ``kvproxy demo --quick`` is a smoke run of the real stack (about 20-30 s).
 
 Every process is started by :mod:`kvproxy.stack` and stopped by its PID in a
@@ -770,17 +771,10 @@ LAB_W1: dict[str, Any] = {
 
 
 def lab_policies() -> list[str]:
-    """Every policy the lab runs, plus its ablation configurations when it has them.
-
-    Hook: an ablation set exported by the lab as ``kvproxy.lab.runner.ABLATIONS`` (names
-    ``run_matrix`` accepts as policies) is appended to the table automatically."""
+    """Every policy the lab runs (its ablations are :mod:`kvproxy.lab.ablation`'s)."""
     from kvproxy.lab import runner
 
-    names = list(runner.POLICIES)
-    for extra in getattr(runner, "ABLATIONS", ()):
-        if extra not in names:
-            names.append(str(extra))
-    return names
+    return list(runner.POLICIES)
 
 
 def gap_closed(
@@ -800,9 +794,15 @@ def gap_closed(
 
 
 def run_lab_table(
-    seeds: Sequence[int], *, quick: bool = False, policies: Sequence[str] | None = None
+    seeds: Sequence[int],
+    *,
+    quick: bool = False,
+    policies: Sequence[str] | None = None,
+    ablation: bool = False,
 ) -> tuple[str, dict[str, Any]]:
-    """The lab's policy (and ablation) table for W1: (text, JSON document)."""
+    """The lab's policy table for W1 and, with ``ablation``, what each mechanism of
+    program admission adds: (text, JSON document)."""
+    from kvproxy.lab.ablation import ABLATIONS, format_ablation, run_ablation
     from kvproxy.lab.runner import LabConfig, run_matrix
     from kvproxy.lab.runner import format_table as lab_table
 
@@ -833,15 +833,28 @@ def run_lab_table(
                 "gap to ceiling closed, (x - off) / (ceiling - off) in sessions/min: "
                 + ", ".join(f"{n} {g:.2f}" for n, g in gap.items())
             )
-    doc = {
+    doc: dict[str, Any] = {
         "lab_config": dataclasses.asdict(cfg),
         "seeds": list(seeds),
-        "policies": {
-            name: {"median": r["median"], "per_seed": {str(k): v for k, v in r["per_seed"].items()}}
-            for name, r in results.items()
-        },
+        "policies": _per_seed_doc(results),
     }
+    if ablation:
+        # ``off`` and ``both`` are already in the policy table: run only the rest.
+        rest = [(n, o) for n, o in ABLATIONS if o]
+        abl = run_ablation(cfg, seeds, rest)
+        if "both" in results:
+            abl = {"off": abl["off"], "both (defaults)": results["both"], **abl}
+        lines += ["", "what each mechanism adds (both with one switched off), medians / off:"]
+        lines.append(format_ablation({n: r["median"] for n, r in abl.items()}))
+        doc["ablation"] = _per_seed_doc(abl)
     return "\n".join(lines), doc
+
+
+def _per_seed_doc(results: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
+    return {
+        name: {"median": r["median"], "per_seed": {str(k): v for k, v in r["per_seed"].items()}}
+        for name, r in results.items()
+    }
 
 
 # ------------------------------------------------------------------------------- CLI
@@ -866,7 +879,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--lab",
         action="store_true",
-        help="print the lab's policy table for W1 (virtual time; no processes)",
+        help="print the lab's policy and ablation tables for W1 (virtual time, no processes; "
+        "about two minutes; with --quick the quick scenario's policies only)",
     )
     parser.add_argument(
         "--out", metavar="DIR", help="output directory (default results/demo-<time>)"
@@ -920,7 +934,7 @@ def _run_lab(args: argparse.Namespace) -> int:
     size = "the demo's scaled W1" if args.quick else "W1, 2 engines x 48 live sessions"
     print(f"kvproxy demo --lab: {size}, K=16, seeds {seeds} (virtual time)", flush=True)
     try:
-        text, doc = run_lab_table(seeds, quick=args.quick)
+        text, doc = run_lab_table(seeds, quick=args.quick, ablation=not args.quick)
     except LabError as exc:
         print(f"kvproxy demo: {exc}", file=sys.stderr)
         return 2
