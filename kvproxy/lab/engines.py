@@ -1,7 +1,7 @@
 """Simulated engines of the lab: the pure scheduler driven on the virtual clock.
 
 One :class:`LabEngine` per engine URL. Its driver coroutine runs the same two-call
-step as the HTTP simulator's scheduler loop (``kvproxy.sim.server.Rank``)::
+step as the HTTP simulator's scheduler loop (``kvproxy.sim.rank.Rank``)::
 
     batch = sched.schedule(now)
     await asyncio.sleep(batch.duration)      # virtual seconds: nothing sleeps
@@ -22,8 +22,9 @@ from typing import Any
 
 from kvproxy.sim.config import SchedulerConfig
 from kvproxy.sim.metrics import MetricsContext, render_metrics
+from kvproxy.sim.parse import BadRequest, parse_generate
+from kvproxy.sim.responses import SGLANG_VERSION
 from kvproxy.sim.scheduler import Scheduler, SimError, SimRequest
-from kvproxy.sim.server import SGLANG_VERSION, BadRequest, parse_generate
 
 MODEL_NAME = "kvproxy/sim-model"
 
