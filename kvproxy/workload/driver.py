@@ -489,13 +489,14 @@ async def run_http(
 # ------------------------------------------------------------------------------- CLI
 
 
-def parse_sets(items: Sequence[str]) -> dict[str, str]:
-    """``["turns_median=20", ...]`` -> ``{"turns_median": "20"}``."""
+def parse_sets(items: Sequence[str], flag: str = "--set") -> dict[str, str]:
+    """``["turns_median=20", ...]`` -> ``{"turns_median": "20"}`` (names and values
+    stripped); :class:`WorkloadError` naming ``flag`` for an item without a name."""
     out: dict[str, str] = {}
     for item in items:
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
-            raise WorkloadError(f"--set expects NAME=VALUE (got {item!r})")
+            raise WorkloadError(f"{flag} expects NAME=VALUE (got {item!r})")
         out[key.strip()] = value.strip()
     return out
 
