@@ -24,7 +24,7 @@ from typing import Any
 from kvproxy.sim.config import SchedulerConfig
 from kvproxy.sim.metrics import MetricsContext, render_metrics
 from kvproxy.sim.parse import BadRequest, parse_generate, scheduler_request
-from kvproxy.sim.responses import SGLANG_VERSION
+from kvproxy.sim.responses import SGLANG_VERSION, cache_policy_info
 from kvproxy.sim.scheduler import Scheduler, SimError, SimRequest
 
 MODEL_NAME = "kvproxy/sim-model"
@@ -153,14 +153,7 @@ class LabEngine:
             "served_model_name": MODEL_NAME,
             "max_total_num_tokens": cfg.max_total_tokens,
             "context_length": cfg.context_length,
-            "enable_session_radix_cache": cfg.mode == "session-radix",
-            "enable_streaming_session": cfg.mode == "streaming",
-            "radix_eviction_policy": cfg.eviction_policy,
-            "enable_priority_scheduling": cfg.enable_priority_scheduling,
-            "priority_scheduling_preemption_threshold": (
-                cfg.priority_scheduling_preemption_threshold
-            ),
-            "disable_radix_cache": False,
+            **cache_policy_info(cfg),
             "version": SGLANG_VERSION,
         }
 

@@ -10,7 +10,7 @@ from aiohttp import web
 
 from kvproxy.sim.faults import faults_json
 from kvproxy.sim.metrics import GARBAGE_METRICS, render_metrics
-from kvproxy.sim.responses import SGLANG_VERSION, json_response
+from kvproxy.sim.responses import SGLANG_VERSION, cache_policy_info, json_response
 from kvproxy.sim.scheduler import State
 from kvproxy.sim.state import SIM_STATE, SimState
 
@@ -35,12 +35,7 @@ def server_info(st: SimState, request: web.Request | None = None) -> dict[str, A
         "context_length": cfg.context_length,
         "page_size": 1,
         "schedule_policy": "fcfs",
-        "enable_session_radix_cache": cfg.mode == "session-radix",
-        "enable_streaming_session": cfg.mode == "streaming",
-        "radix_eviction_policy": cfg.eviction_policy,
-        "enable_priority_scheduling": cfg.enable_priority_scheduling,
-        "priority_scheduling_preemption_threshold": cfg.priority_scheduling_preemption_threshold,
-        "disable_radix_cache": False,
+        **cache_policy_info(cfg.scheduler),
         "enable_metrics": True,
         "enable_cache_report": True,
         "load_balance_method": "round_robin",

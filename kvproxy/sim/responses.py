@@ -12,10 +12,24 @@ import orjson
 from aiohttp import web
 
 from kvproxy.sim import tokenizer
+from kvproxy.sim.config import SchedulerConfig
 from kvproxy.sim.scheduler import SimRequest
 
 # The SGLang version the simulator reports (/server_info, /v1/loads).
 SGLANG_VERSION = "0.5.23"
+
+
+def cache_policy_info(cfg: SchedulerConfig) -> dict[str, Any]:
+    """The ``/server_info`` fields of the session mode, eviction and scheduling policy
+    (what kvproxy reads): the HTTP simulator's and the lab engines' report."""
+    return {
+        "enable_session_radix_cache": cfg.mode == "session-radix",
+        "enable_streaming_session": cfg.mode == "streaming",
+        "radix_eviction_policy": cfg.eviction_policy,
+        "enable_priority_scheduling": cfg.enable_priority_scheduling,
+        "priority_scheduling_preemption_threshold": cfg.priority_scheduling_preemption_threshold,
+        "disable_radix_cache": False,
+    }
 
 
 def json_response(data: Any, status: int = 200) -> web.Response:
