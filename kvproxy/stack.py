@@ -8,6 +8,7 @@ process's log.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -17,10 +18,11 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 import orjson
 
@@ -204,6 +206,17 @@ def start_sim_engine(
     proc = _spawn(name or f"sim-engine-{port}", argv, url, log_dir)
     _wait_ready(proc, lambda: _http_get(f"{url}/health")[0] == 200, ready_timeout_s, "GET /health")
     return proc
+
+
+@contextlib.contextmanager
+def sim_engines(count: int, *, log_dir: Path, **options: Any) -> Iterator[list[ManagedProcess]]:
+    """``count`` engines of :func:`start_sim_engine` with the same ``options``, each
+    stopped by PID on exit (also those started before one that failed to start)."""
+    with contextlib.ExitStack() as running:
+        yield [
+            running.enter_context(start_sim_engine(log_dir=log_dir, **options))
+            for _ in range(count)
+        ]
 
 
 def smg_command() -> list[str]:

@@ -12,6 +12,8 @@ import yaml
 
 from kvproxy.lab.router import ROUTER_POLICIES
 from kvproxy.lab.runner import POLICIES, LabConfig, LabError, format_table, run_matrix
+from kvproxy.workload.driver import parse_sets
+from kvproxy.workload.spec import WorkloadError
 
 
 def seed_list(text: str) -> list[int]:
@@ -92,20 +94,13 @@ def run(args: argparse.Namespace) -> int:
     overrides: dict[str, Any] = {}
     if args.pool_tokens is not None:
         overrides["max_total_tokens"] = args.pool_tokens
-    workload_overrides: dict[str, str] = {}
-    for item in args.set:
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            print(f"kvproxy lab: --set needs KEY=VALUE, got {item!r}", file=sys.stderr)
-            return 2
-        workload_overrides[key.strip()] = value.strip()
-    admission: dict[str, Any] = {}
-    for item in args.admission:
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            print(f"kvproxy lab: --admission needs KEY=VALUE, got {item!r}", file=sys.stderr)
-            return 2
-        admission[key.strip()] = yaml.safe_load(value)
+    try:
+        workload_overrides = parse_sets(args.set)
+        admission_values = parse_sets(args.admission, "--admission")
+    except WorkloadError as exc:
+        print(f"kvproxy lab: {exc}", file=sys.stderr)
+        return 2
+    admission: dict[str, Any] = {k: yaml.safe_load(v) for k, v in admission_values.items()}
     cfg = LabConfig(
         workload=args.workload,
         engines=args.engines,

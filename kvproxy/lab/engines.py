@@ -1,14 +1,15 @@
 """Simulated engines of the lab: the pure scheduler driven on the virtual clock.
 
 One :class:`LabEngine` per engine URL. Its driver coroutine runs the same two-call
-step as the HTTP simulator's scheduler loop (``kvproxy.sim.server.Rank``)::
+step as the HTTP simulator's scheduler loop (``kvproxy.sim.rank.Rank``)::
 
     batch = sched.schedule(now)
     await asyncio.sleep(batch.duration)      # virtual seconds: nothing sleeps
     events = sched.finish_batch(batch, loop.time())
 
-and resolves the futures of the requests that finished. A request body is parsed by
-the simulator's own ``parse_generate``, and ``/metrics`` is rendered by the
+and resolves the futures of the requests that finished. A request body is parsed, and
+the scheduler's request built, by the simulator's own ``parse_generate`` and
+``scheduler_request`` (:mod:`kvproxy.sim.parse`), and ``/metrics`` is rendered by the
 simulator's own ``render_metrics``, so the lab sees exactly what an HTTP client of the
 simulator would see (minus the text and the JSON encoding).
 """
@@ -22,8 +23,9 @@ from typing import Any
 
 from kvproxy.sim.config import SchedulerConfig
 from kvproxy.sim.metrics import MetricsContext, render_metrics
+from kvproxy.sim.parse import BadRequest, parse_generate, scheduler_request
+from kvproxy.sim.responses import SGLANG_VERSION, cache_policy_info
 from kvproxy.sim.scheduler import Scheduler, SimError, SimRequest
-from kvproxy.sim.server import SGLANG_VERSION, BadRequest, parse_generate
 
 MODEL_NAME = "kvproxy/sim-model"
 
@@ -109,23 +111,11 @@ class LabEngine:
             raise EngineError(str(exc), 400) from None
         if p.rid in self._waiters or p.rid in self.sched.requests:
             raise EngineError(f"Duplicate request ID: {p.rid}")
-        req = SimRequest(
-            rid=p.rid,
-            input_ids=p.input_ids,
-            max_new_tokens=p.max_new_tokens,
-            priority=p.priority,
-            session_id=p.session_id,
-        )
+        # Answered whole (no SSE): counted as SGLang counts a request that is not streamed.
+        req, options = scheduler_request(p, stream=False)
         loop = asyncio.get_running_loop()
         try:
-            self.sched.submit(
-                req,
-                loop.time(),
-                session_params=p.session_params,
-                output_len=p.output_len,
-                stop_token_ids=p.stop_token_ids,
-                ignore_eos=p.ignore_eos,
-            )
+            self.sched.submit(req, loop.time(), **options)
         except SimError as exc:
             raise EngineError(exc.message, exc.status) from None
         fut: asyncio.Future[SimRequest] = loop.create_future()
@@ -163,14 +153,7 @@ class LabEngine:
             "served_model_name": MODEL_NAME,
             "max_total_num_tokens": cfg.max_total_tokens,
             "context_length": cfg.context_length,
-            "enable_session_radix_cache": cfg.mode == "session-radix",
-            "enable_streaming_session": cfg.mode == "streaming",
-            "radix_eviction_policy": cfg.eviction_policy,
-            "enable_priority_scheduling": cfg.enable_priority_scheduling,
-            "priority_scheduling_preemption_threshold": (
-                cfg.priority_scheduling_preemption_threshold
-            ),
-            "disable_radix_cache": False,
+            **cache_policy_info(cfg),
             "version": SGLANG_VERSION,
         }
 

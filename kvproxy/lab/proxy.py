@@ -29,8 +29,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import Mapping, Sequence
-from contextlib import AsyncExitStack
+from collections.abc import AsyncIterator, Mapping, Sequence
+from contextlib import AsyncExitStack, asynccontextmanager
 from types import TracebackType
 from typing import Any
 
@@ -153,6 +153,20 @@ class LabProxy:
             await self.sessions.stop()
         if self.admission is not None:
             await self.admission.stop()
+
+    @asynccontextmanager
+    async def running(self) -> AsyncIterator[LabProxy]:
+        """The engines' drivers and the proxy started; on exit the proxy stopped, then
+        the engines (also when the proxy failed to start)."""
+        for e in self.engines.values():
+            e.start()
+        try:
+            await self.start()
+            yield self
+        finally:
+            await self.stop()
+            for e in self.engines.values():
+                await e.stop()
 
     def _session_closed(self, session_id: str) -> None:
         assert self.admission is not None

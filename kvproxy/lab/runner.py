@@ -206,10 +206,7 @@ async def _run(cfg: LabConfig) -> LabResult:
         Placement(cfg.router_policy, urls),
     )
     transport = LabTransport(proxy)
-    for e in engines:
-        e.start()
-    await proxy.start()
-    try:
+    async with proxy.running():
         try:
             result = await asyncio.wait_for(
                 run_workload(
@@ -233,10 +230,6 @@ async def _run(cfg: LabConfig) -> LabResult:
                 if stats.get(k)
             }
             admission_counters["program_active"] = float(adm.program_active)
-    finally:
-        await proxy.stop()
-        for e in engines:
-            await e.stop()
     simulated = loop.time()
     summary = dict(summarize(result))
     first_waits = [

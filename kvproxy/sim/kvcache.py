@@ -141,6 +141,14 @@ class KVCache:
 
     def match_prefix(self, ids: Sequence[int], now: float) -> MatchResult:
         """Longest cached prefix of ``ids``; splits a node on a partial match."""
+        pos, node = self._walk(ids, now, None)
+        self._push_if_evictable_leaf(node)
+        return MatchResult(pos, node)
+
+    def _walk(self, ids: Sequence[int], now: float, priority: int | None) -> tuple[int, Node]:
+        """Follow ``ids`` down the tree as far as it is cached: ``(tokens matched, last
+        node)``. Touches every node on the path and splits the last one on a partial
+        match; with ``priority`` (insertion) ratchets the path's priorities up to it."""
         node = self.root
         pos = 0
         n = len(ids)
@@ -150,6 +158,16 @@ class KVCache:
                 break
             k = _common_prefix(ids, pos, child.key)
             self._touch(child, now)
+            # The priority ratchet of SGLang's RadixCache._insert_helper
+            # (python/sglang/srt/mem_cache/radix_cache.py): every node on the inserted
+            # path takes max(node.priority, request priority), a split node inherits the
+            # (ratcheted) priority, a new leaf gets the request's. Matching alone never
+            # changes a priority. PriorityStrategy (mem_cache/evict_policy.py) then evicts
+            # by (priority, last access). Requests' priorities reach it whether or not
+            # priority scheduling is on (cache_finished_req / cache_unfinished_req pass
+            # ``req.priority or 0``).
+            if priority is not None and priority > child.priority:
+                child.priority = priority
             if k < len(child.key):
                 child = self._split(child, k)
                 pos += k
@@ -157,9 +175,11 @@ class KVCache:
                 break
             pos += k
             node = child
+        return pos, node
+
+    def _push_if_evictable_leaf(self, node: Node) -> None:
         if node is not self.root and not node.children and node.lock_ref == 0:
             self._push(node)
-        return MatchResult(pos, node)
 
     def _split(self, child: Node, k: int) -> Node:
         """Split ``child`` so that its first ``k`` tokens become a new parent node."""
@@ -194,32 +214,8 @@ class KVCache:
         counting it as private) and frees its own copy of the tokens that were
         already cached beyond what it had locked.
         """
-        node = self.root
-        pos = 0
         n = len(ids)
-        while pos < n:
-            child = node.children.get(ids[pos])
-            if child is None:
-                break
-            k = _common_prefix(ids, pos, child.key)
-            self._touch(child, now)
-            # The priority ratchet of SGLang's RadixCache._insert_helper
-            # (python/sglang/srt/mem_cache/radix_cache.py): every node on the inserted
-            # path takes max(node.priority, request priority), a split node inherits the
-            # (ratcheted) priority, a new leaf gets the request's. Matching alone never
-            # changes a priority. PriorityStrategy (mem_cache/evict_policy.py) then evicts
-            # by (priority, last access). Requests' priorities reach it whether or not
-            # priority scheduling is on (cache_finished_req / cache_unfinished_req pass
-            # ``req.priority or 0``).
-            if priority > child.priority:
-                child.priority = priority
-            if k < len(child.key):
-                child = self._split(child, k)
-                pos += k
-                node = child
-                break
-            pos += k
-            node = child
+        pos, node = self._walk(ids, now, priority)
         already = pos
         if pos < n:
             leaf = Node(list(ids[pos:]), node, self._new_id())
@@ -230,8 +226,7 @@ class KVCache:
             # The new leaf starts unlocked (evictable); a caller that keeps using it locks it.
             self.evictable += n - pos
             node = leaf
-        if node is not self.root and not node.children and node.lock_ref == 0:
-            self._push(node)
+        self._push_if_evictable_leaf(node)
         return already, node
 
     # ---------------------------------------------------------------- locks

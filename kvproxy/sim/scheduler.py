@@ -1,7 +1,7 @@
 """Continuous-batching scheduler of the simulated engine (one DP rank).
 
 Pure Python, no asyncio, no I/O; time is injected (simulated seconds). The shell
-(``kvproxy.sim.server``) drives it with two calls per step::
+(``kvproxy.sim.rank.Rank``, one loop per DP rank) drives it with two calls per step::
 
     batch = sched.schedule(now)          # decide the next batch, allocate its KV
     now += batch.duration                # the shell sleeps duration * time_scale

@@ -116,6 +116,39 @@ async def _read_sse(
     return ttft
 
 
+@dataclass(slots=True)
+class _Reply:
+    """What a turn learnt of its answer before it ended (or failed)."""
+
+    start: float
+    ttft: float | None = None
+    wait_ms: float | None = None
+
+    def failed(self, prompt_tokens: int, now: float, error: str) -> TurnOutcome:
+        return TurnOutcome(
+            output_ids=[],
+            prompt_tokens=prompt_tokens,
+            cached_tokens=0,
+            completion_tokens=0,
+            ttft_s=self.ttft if self.ttft is not None else now,
+            latency_s=now,
+            ok=False,
+            error=error,
+            admission_wait_ms=self.wait_ms,
+        )
+
+
+def _stream_failure(state: StreamState) -> str | None:
+    """The error of an answer read whole but not complete (None: a good answer)."""
+    if state.error is not None:
+        return state.error
+    if not state.done:
+        return "truncated: stream ended without [DONE]"
+    if state.finish_reason == "abort":
+        return "aborted"
+    return None
+
+
 class HttpTransport:
     """Streams SGLang ``/generate`` through ``http`` (one pooled aiohttp session).
 
@@ -172,11 +205,10 @@ class HttpTransport:
             ROUTING_KEY_HEADER: session_id,
         }
 
-    async def generate(
-        self, session_id: str, input_ids: list[int], max_new_tokens: int, *, final: bool
-    ) -> TurnOutcome:
-        loop = asyncio.get_running_loop()
-        start = loop.time()
+    def _turn_request(
+        self, session_id: str, input_ids: list[int], max_new_tokens: int, final: bool
+    ) -> tuple[dict[str, str], dict[str, Any], bool]:
+        """The headers and body of one turn, and whether it is streamed."""
         headers = self._headers(session_id)
         if final and self.send_final:
             headers[FINAL_HEADER] = "1"
@@ -199,59 +231,27 @@ class HttpTransport:
         )
         if nvext is not None:
             body["nvext"] = nvext
+        return headers, body, stream
+
+    async def generate(
+        self, session_id: str, input_ids: list[int], max_new_tokens: int, *, final: bool
+    ) -> TurnOutcome:
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        headers, body, stream = self._turn_request(session_id, input_ids, max_new_tokens, final)
         state = StreamState()
-        ttft: float | None = None
-        wait_ms: float | None = None
-
-        def failed(error: str) -> TurnOutcome:
-            now = loop.time() - start
-            return TurnOutcome(
-                output_ids=[],
-                prompt_tokens=len(input_ids),
-                cached_tokens=0,
-                completion_tokens=0,
-                ttft_s=ttft if ttft is not None else now,
-                latency_s=now,
-                ok=False,
-                error=error,
-                admission_wait_ms=wait_ms,
-            )
-
+        reply = _Reply(start)
         try:
-            async with self.http.post(
-                f"{self.base}/generate",
-                data=orjson.dumps(body),
-                headers=headers,
-                timeout=self.timeout,
-            ) as resp:
-                wait = resp.headers.get(ADMISSION_WAIT_HEADER)
-                if wait is not None:
-                    with contextlib.suppress(ValueError):
-                        wait_ms = float(wait)
-                if resp.status != 200:
-                    text = (await resp.text())[:200]
-                    return failed(f"http_{resp.status}: {text}")
-                if stream:
-                    ttft = await _read_sse(resp, state, loop.time, start)
-                else:
-                    with contextlib.suppress(orjson.JSONDecodeError):
-                        doc = orjson.loads(await resp.read())
-                        if isinstance(doc, Mapping):
-                            state.feed_generate(doc)
-                            state.done = True
-                    ttft = loop.time() - start
+            error = await self._post_turn(headers, body, stream, state, reply)
         except TimeoutError:
-            return failed("timeout")
+            error = "timeout"
         except aiohttp.ClientError as exc:
-            return failed(f"client_error: {type(exc).__name__} {exc}")
-        error = state.error
-        if error is None and not state.done:
-            error = "truncated: stream ended without [DONE]"
-        elif error is None and state.finish_reason == "abort":
-            error = "aborted"
-        if error is not None:
-            return failed(error)
+            error = f"client_error: {type(exc).__name__} {exc}"
+        if error is None:
+            error = _stream_failure(state)
         latency = loop.time() - start
+        if error is not None:
+            return reply.failed(len(input_ids), latency, error)
         return TurnOutcome(
             output_ids=state.output_ids,
             prompt_tokens=state.prompt_tokens
@@ -261,11 +261,45 @@ class HttpTransport:
             completion_tokens=state.completion_tokens
             if state.completion_tokens is not None
             else len(state.output_ids),
-            ttft_s=ttft if ttft is not None else latency,
+            ttft_s=reply.ttft if reply.ttft is not None else latency,
             latency_s=latency,
             finish_reason=state.finish_reason,
-            admission_wait_ms=wait_ms,
+            admission_wait_ms=reply.wait_ms,
         )
+
+    async def _post_turn(
+        self,
+        headers: dict[str, str],
+        body: dict[str, Any],
+        stream: bool,
+        state: StreamState,
+        reply: _Reply,
+    ) -> str | None:
+        """POST one turn and read its answer into ``state``; the error of a non-200."""
+        clock = asyncio.get_running_loop().time
+        async with self.http.post(
+            f"{self.base}/generate",
+            data=orjson.dumps(body),
+            headers=headers,
+            timeout=self.timeout,
+        ) as resp:
+            wait = resp.headers.get(ADMISSION_WAIT_HEADER)
+            if wait is not None:
+                with contextlib.suppress(ValueError):
+                    reply.wait_ms = float(wait)
+            if resp.status != 200:
+                text = (await resp.text())[:200]
+                return f"http_{resp.status}: {text}"
+            if stream:
+                reply.ttft = await _read_sse(resp, state, clock, reply.start)
+            else:
+                with contextlib.suppress(orjson.JSONDecodeError):
+                    doc = orjson.loads(await resp.read())
+                    if isinstance(doc, Mapping):
+                        state.feed_generate(doc)
+                        state.done = True
+                reply.ttft = clock() - reply.start
+        return None
 
     async def close(self, session_id: str) -> None:
         if not self.close_sessions:
@@ -455,13 +489,14 @@ async def run_http(
 # ------------------------------------------------------------------------------- CLI
 
 
-def parse_sets(items: Sequence[str]) -> dict[str, str]:
-    """``["turns_median=20", ...]`` -> ``{"turns_median": "20"}``."""
+def parse_sets(items: Sequence[str], flag: str = "--set") -> dict[str, str]:
+    """``["turns_median=20", ...]`` -> ``{"turns_median": "20"}`` (names and values
+    stripped); :class:`WorkloadError` naming ``flag`` for an item without a name."""
     out: dict[str, str] = {}
     for item in items:
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
-            raise WorkloadError(f"--set expects NAME=VALUE (got {item!r})")
+            raise WorkloadError(f"{flag} expects NAME=VALUE (got {item!r})")
         out[key.strip()] = value.strip()
     return out
 

@@ -279,6 +279,25 @@ def _programs(spec: WorkloadSpec, seed: int, sessions: int) -> Iterator[list[Ses
         yield program
 
 
+def _check_run(
+    spec: WorkloadSpec,
+    sessions: int,
+    concurrency: int,
+    time_scale: float,
+    deadline_s: float | None,
+) -> None:
+    """Raise :class:`WorkloadError` for arguments :func:`run_workload` cannot run."""
+    if sessions < 0:
+        raise WorkloadError(f"sessions must be >= 0 (got {sessions})")
+    if concurrency < 1:
+        raise WorkloadError(f"concurrency must be >= 1 (got {concurrency})")
+    if time_scale < 0:
+        raise WorkloadError(f"time_scale must be >= 0 (got {time_scale})")
+    spec.validate()
+    if deadline_s is not None and deadline_s <= 0:
+        raise WorkloadError(f"deadline_s must be > 0 (got {deadline_s})")
+
+
 async def run_workload(
     spec: WorkloadSpec,
     transport: Transport,
@@ -295,13 +314,7 @@ async def run_workload(
 
     ``deadline_s`` (loop seconds): cancel what still runs then (those sessions count as
     failed, ``result.timed_out``); None waits for every session."""
-    if sessions < 0:
-        raise WorkloadError(f"sessions must be >= 0 (got {sessions})")
-    if concurrency < 1:
-        raise WorkloadError(f"concurrency must be >= 1 (got {concurrency})")
-    if time_scale < 0:
-        raise WorkloadError(f"time_scale must be >= 0 (got {time_scale})")
-    spec.validate()
+    _check_run(spec, sessions, concurrency, time_scale, deadline_s)
     result = WorkloadResult(
         spec=spec,
         seed=seed,
@@ -334,8 +347,6 @@ async def run_workload(
     if deadline_s is None:
         await body
     else:
-        if deadline_s <= 0:
-            raise WorkloadError(f"deadline_s must be > 0 (got {deadline_s})")
         try:
             await asyncio.wait_for(body, deadline_s)
         except TimeoutError:

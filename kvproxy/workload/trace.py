@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -187,6 +187,100 @@ def _turn(path: str, line: int, i: int, obj: Any) -> TraceTurn:
     return TraceTurn(count, ids, output, float(latency))
 
 
+def _json_line(path: str, line_no: int, raw: str) -> dict[str, Any]:
+    try:
+        obj = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise _error(path, line_no, "json", f"not valid JSON ({exc})") from None
+    if not isinstance(obj, dict):
+        raise _error(path, line_no, "json", "expected a JSON object per line")
+    return obj
+
+
+def _header(path: str, line_no: int, obj: dict[str, Any]) -> dict[str, Any]:
+    """The checked header line (the caller checks that it is the first)."""
+    _unknown(path, line_no, obj, _HEADER_KEYS, "header")
+    if obj["kvproxy_trace"] != TRACE_VERSION:
+        raise _error(
+            path,
+            line_no,
+            "kvproxy_trace",
+            f"unsupported version {obj['kvproxy_trace']!r} (this reader knows {TRACE_VERSION})",
+        )
+    for key, minimum in (
+        ("token_scale", 1),
+        ("context_length", 2),
+        ("sessions_per_engine", 1),
+    ):
+        if key in obj:
+            _int(path, line_no, key, obj[key], minimum)
+    for key in ("name", "cost_model"):
+        if key in obj:
+            _str(path, line_no, key, obj[key])
+    return obj
+
+
+def _prefix(
+    path: str, line_no: int, obj: dict[str, Any], prefixes: Mapping[str, TracePrefix]
+) -> TracePrefix:
+    """A checked prefix line, new among ``prefixes`` (those declared before it)."""
+    _unknown(path, line_no, obj, _PREFIX_KEYS, "prefix")
+    name = _str(path, line_no, "prefix", obj["prefix"])
+    if name in prefixes:
+        raise _error(
+            path,
+            line_no,
+            "prefix",
+            f"prefix {name!r} is already declared on line {prefixes[name].line}",
+        )
+    if ("tokens" in obj) == ("ids" in obj):
+        raise _error(path, line_no, "tokens", "give exactly one of 'tokens' (a count) or 'ids'")
+    ids = _ids(path, line_no, "ids", obj["ids"]) if "ids" in obj else None
+    count = len(ids) if ids is not None else _int(path, line_no, "tokens", obj["tokens"], 1)
+    if len(prefixes) >= MAX_PREFIXES:
+        raise _error(path, line_no, "prefix", f"more than {MAX_PREFIXES} prefixes")
+    return TracePrefix(name, line_no, count, ids)
+
+
+def _optional_str(path: str, line_no: int, obj: Mapping[str, Any], field: str) -> str | None:
+    value = obj.get(field)
+    return None if value is None else _str(path, line_no, field, value)
+
+
+def _session(
+    path: str,
+    line_no: int,
+    obj: dict[str, Any],
+    prefixes: Mapping[str, TracePrefix],
+    names: set[str],
+) -> TraceSession:
+    """A checked session line; its name is new among ``names`` (sessions before it)."""
+    _unknown(path, line_no, obj, _SESSION_KEYS, "session")
+    name = _str(path, line_no, "session", obj["session"])
+    if name in names:
+        raise _error(path, line_no, "session", f"duplicate session {name!r}")
+    prefix = _optional_str(path, line_no, obj, "prefix")
+    if prefix is not None and prefix not in prefixes:
+        raise _error(
+            path,
+            line_no,
+            "prefix",
+            f"unknown prefix {prefix!r} (declare it on an earlier line)",
+        )
+    group = _optional_str(path, line_no, obj, "group")
+    turns_raw = obj.get("turns")
+    if not isinstance(turns_raw, list) or not turns_raw:
+        raise _error(path, line_no, "turns", "expected a non-empty list of turns")
+    if len(turns_raw) > MAX_TURNS_PER_SESSION:
+        raise _error(path, line_no, "turns", f"more than {MAX_TURNS_PER_SESSION} turns")
+    turns = tuple(_turn(path, line_no, i, t) for i, t in enumerate(turns_raw))
+    if prefix is None and turns[0].input_tokens == 0:
+        raise _error(
+            path, line_no, "turns[0].input", "the first prompt is empty (no prefix, no input)"
+        )
+    return TraceSession(line_no, name, prefix, group, turns)
+
+
 def parse_trace(text: str, path: str = "<trace>") -> Trace:
     """Parse and validate a trace; raises :class:`WorkloadError` naming line and field."""
     header: dict[str, Any] = {}
@@ -197,92 +291,25 @@ def parse_trace(text: str, path: str = "<trace>") -> Trace:
     for line_no, raw in enumerate(text.splitlines(), start=1):
         if not raw.strip():
             continue
-        try:
-            obj = orjson.loads(raw)
-        except orjson.JSONDecodeError as exc:
-            raise _error(path, line_no, "json", f"not valid JSON ({exc})") from None
-        if not isinstance(obj, dict):
-            raise _error(path, line_no, "json", "expected a JSON object per line")
+        obj = _json_line(path, line_no, raw)
         if "kvproxy_trace" in obj:
             if seen_object:
                 raise _error(path, line_no, "kvproxy_trace", "the header must be the first line")
-            _unknown(path, line_no, obj, _HEADER_KEYS, "header")
-            if obj["kvproxy_trace"] != TRACE_VERSION:
-                raise _error(
-                    path,
-                    line_no,
-                    "kvproxy_trace",
-                    f"unsupported version {obj['kvproxy_trace']!r} (this reader knows {TRACE_VERSION})",
-                )
-            header = obj
-            for key, minimum in (
-                ("token_scale", 1),
-                ("context_length", 2),
-                ("sessions_per_engine", 1),
-            ):
-                if key in obj:
-                    _int(path, line_no, key, obj[key], minimum)
-            for key in ("name", "cost_model"):
-                if key in obj:
-                    _str(path, line_no, key, obj[key])
-            seen_object = True
-            continue
-        seen_object = True
-        if "prefix" in obj and "session" not in obj:
-            _unknown(path, line_no, obj, _PREFIX_KEYS, "prefix")
-            name = _str(path, line_no, "prefix", obj["prefix"])
-            if name in prefixes:
-                raise _error(
-                    path,
-                    line_no,
-                    "prefix",
-                    f"prefix {name!r} is already declared on line {prefixes[name].line}",
-                )
-            if ("tokens" in obj) == ("ids" in obj):
-                raise _error(
-                    path, line_no, "tokens", "give exactly one of 'tokens' (a count) or 'ids'"
-                )
-            ids = _ids(path, line_no, "ids", obj["ids"]) if "ids" in obj else None
-            count = len(ids) if ids is not None else _int(path, line_no, "tokens", obj["tokens"], 1)
-            if len(prefixes) >= MAX_PREFIXES:
-                raise _error(path, line_no, "prefix", f"more than {MAX_PREFIXES} prefixes")
-            prefixes[name] = TracePrefix(name, line_no, count, ids)
-            continue
-        if "session" not in obj:
+            header = _header(path, line_no, obj)
+        elif "prefix" in obj and "session" not in obj:
+            p = _prefix(path, line_no, obj, prefixes)
+            prefixes[p.name] = p
+        elif "session" not in obj:
             raise _error(
                 path, line_no, "session", "missing (a line is a header, a prefix or a session)"
             )
-        _unknown(path, line_no, obj, _SESSION_KEYS, "session")
-        name = _str(path, line_no, "session", obj["session"])
-        if name in names:
-            raise _error(path, line_no, "session", f"duplicate session {name!r}")
-        prefix = obj.get("prefix")
-        if prefix is not None:
-            prefix = _str(path, line_no, "prefix", prefix)
-            if prefix not in prefixes:
-                raise _error(
-                    path,
-                    line_no,
-                    "prefix",
-                    f"unknown prefix {prefix!r} (declare it on an earlier line)",
-                )
-        group = obj.get("group")
-        if group is not None:
-            group = _str(path, line_no, "group", group)
-        turns_raw = obj.get("turns")
-        if not isinstance(turns_raw, list) or not turns_raw:
-            raise _error(path, line_no, "turns", "expected a non-empty list of turns")
-        if len(turns_raw) > MAX_TURNS_PER_SESSION:
-            raise _error(path, line_no, "turns", f"more than {MAX_TURNS_PER_SESSION} turns")
-        turns = tuple(_turn(path, line_no, i, t) for i, t in enumerate(turns_raw))
-        if prefix is None and turns[0].input_tokens == 0:
-            raise _error(
-                path, line_no, "turns[0].input", "the first prompt is empty (no prefix, no input)"
-            )
-        if len(sessions) >= MAX_TRACE_SESSIONS:
-            raise _error(path, line_no, "session", f"more than {MAX_TRACE_SESSIONS} sessions")
-        names.add(name)
-        sessions.append(TraceSession(line_no, name, prefix, group, turns))
+        else:
+            session = _session(path, line_no, obj, prefixes, names)
+            if len(sessions) >= MAX_TRACE_SESSIONS:
+                raise _error(path, line_no, "session", f"more than {MAX_TRACE_SESSIONS} sessions")
+            names.add(session.name)
+            sessions.append(session)
+        seen_object = True
     if not sessions:
         raise WorkloadError(f"{path}: the trace has no sessions")
     scale = int(header.get("token_scale", 1))
@@ -321,6 +348,23 @@ def trace_plans(spec: WorkloadSpec, seed: int) -> Iterator[SessionPlan]:
     if trace is None:
         raise WorkloadError("not a trace workload")
     factor = trace.token_scale / spec.token_scale
+    prefix_ids = _prefix_ids(trace, spec, seed, factor)
+    for index in _grouped_order(trace.sessions):
+        s = trace.sessions[index]
+        rng = random.Random(f"{seed}:trace:{index}")
+        first_prefix = prefix_ids[s.prefix] if s.prefix is not None else []
+        turns, exit_context = _turn_plans(s, spec, rng, factor, first_prefix)
+        yield SessionPlan(
+            session_id=f"{spec.name}-{seed}-{index:05d}",
+            turns=tuple(turns),
+            group=None if s.group is None else f"{spec.name}-{seed}-{s.group}",
+            exit_context=exit_context,
+            turns_drawn=len(s.turns),
+        )
+
+
+def _prefix_ids(trace: Trace, spec: WorkloadSpec, seed: int, factor: float) -> dict[str, list[int]]:
+    """Each declared prefix's token ids (given, or drawn at the rescaled count)."""
     prefix_ids: dict[str, list[int]] = {}
     for name, p in trace.prefixes.items():
         if p.ids is not None:
@@ -328,10 +372,14 @@ def trace_plans(spec: WorkloadSpec, seed: int) -> Iterator[SessionPlan]:
         else:
             n = max(1, math.floor(p.tokens * factor + 0.5))
             prefix_ids[name] = token_ids(random.Random(f"{seed}:trace-prefix:{name}"), n, spec)
+    return prefix_ids
 
+
+def _grouped_order(sessions: Sequence[TraceSession]) -> list[int]:
+    """Session indices in trace order, except that a group's members follow its first."""
     order: list[int] = []
     by_group: dict[str, list[int]] = {}
-    for i, s in enumerate(trace.sessions):
+    for i, s in enumerate(sessions):
         if s.group is None:
             order.append(i)
         elif s.group in by_group:
@@ -339,35 +387,36 @@ def trace_plans(spec: WorkloadSpec, seed: int) -> Iterator[SessionPlan]:
         else:
             by_group[s.group] = [i]
             order.append(i)
+    out: list[int] = []
     for first in order:
-        g = trace.sessions[first].group
-        for index in by_group[g] if g is not None else [first]:
-            s = trace.sessions[index]
-            rng = random.Random(f"{seed}:trace:{index}")
-            sid = f"{spec.name}-{seed}-{index:05d}"
-            turns: list[TurnPlan] = []
-            context = 0
-            exit_context = False
-            last = len(s.turns) - 1
-            for i, t in enumerate(s.turns):
-                if t.input_ids is not None:
-                    new = list(t.input_ids)
-                else:
-                    new = token_ids(rng, stochastic_round(t.input_tokens * factor, rng), spec)
-                if i == 0 and s.prefix is not None:
-                    new = [*prefix_ids[s.prefix], *new]
-                if i == 0 and not new:
-                    new = token_ids(rng, 1, spec)
-                out = max(1, stochastic_round(t.output_tokens * factor, rng))
-                if i and context + len(new) + out > spec.context_length:
-                    exit_context = True
-                    break
-                turns.append(TurnPlan(new, out, 0.0 if i == last else t.tool_latency_s))
-                context += len(new) + out
-            yield SessionPlan(
-                session_id=sid,
-                turns=tuple(turns),
-                group=None if g is None else f"{spec.name}-{seed}-{g}",
-                exit_context=exit_context,
-                turns_drawn=len(s.turns),
-            )
+        g = sessions[first].group
+        out.extend(by_group[g] if g is not None else [first])
+    return out
+
+
+def _turn_plans(
+    s: TraceSession,
+    spec: WorkloadSpec,
+    rng: random.Random,
+    factor: float,
+    prefix: list[int],
+) -> tuple[list[TurnPlan], bool]:
+    """The session's turns until one would pass the context length (then True)."""
+    turns: list[TurnPlan] = []
+    context = 0
+    last = len(s.turns) - 1
+    for i, t in enumerate(s.turns):
+        if t.input_ids is not None:
+            new = list(t.input_ids)
+        else:
+            new = token_ids(rng, stochastic_round(t.input_tokens * factor, rng), spec)
+        if i == 0 and prefix:
+            new = [*prefix, *new]
+        if i == 0 and not new:
+            new = token_ids(rng, 1, spec)
+        out = max(1, stochastic_round(t.output_tokens * factor, rng))
+        if i and context + len(new) + out > spec.context_length:
+            return turns, True
+        turns.append(TurnPlan(new, out, 0.0 if i == last else t.tool_latency_s))
+        context += len(new) + out
+    return turns, False

@@ -50,49 +50,60 @@ def parse_prometheus(text: str) -> dict[str, float]:
     """
     out: dict[str, float] = {}
     for raw in text.splitlines():
-        line = raw.strip()
-        if not line or line.startswith("#"):
-            continue
-        name_end = len(line)
-        for i, ch in enumerate(line):
-            if ch in "{ ":
-                name_end = i
-                break
-        name = line[:name_end]
-        if name.startswith(("sglang:", "sglang_")):
-            name = name[len("sglang:") :]
-        else:
-            continue
-        if name.endswith("_created"):
-            continue
-        value_part = line[name_end:]
-        labels = ""
-        if value_part.startswith("{"):
-            close = value_part.rfind("}")
-            if close < 0:
-                continue
-            labels = value_part[1:close]
-            value_part = value_part[close + 1 :]
-        fields_ = value_part.split()
-        if not fields_:
-            continue
-        try:
-            value = float(fields_[0])
-        except ValueError:
-            continue
-        if math.isnan(value):
-            continue
-        # prometheus_client exposes a counter "x_total" under family "x"; accept both.
-        if name in ENGINE_LABELLED:
-            label = _label(labels, ENGINE_LABELLED[name])
-            if label is not None:
-                key = f"{name}:{label}"
-                out[key] = out.get(key, 0.0) + value
-        elif name in ENGINE_COUNTERS:
-            out[name] = out.get(name, 0.0) + value
-        elif name in ENGINE_GAUGES:
-            out[name] = max(out.get(name, value), value)
+        sample = _sglang_sample(raw.strip())
+        if sample is not None:
+            _accumulate(out, *sample)
     return out
+
+
+def _sglang_sample(line: str) -> tuple[str, str, float] | None:
+    """``(name without the sglang prefix, labels, value)`` of one sample line, or None
+    for a comment, another family, a ``_created`` series or an unreadable line."""
+    if not line or line.startswith("#"):
+        return None
+    name_end = len(line)
+    for i, ch in enumerate(line):
+        if ch in "{ ":
+            name_end = i
+            break
+    name = line[:name_end]
+    if not name.startswith(("sglang:", "sglang_")):
+        return None
+    name = name[len("sglang:") :]
+    if name.endswith("_created"):
+        return None
+    value_part = line[name_end:]
+    labels = ""
+    if value_part.startswith("{"):
+        close = value_part.rfind("}")
+        if close < 0:
+            return None
+        labels = value_part[1:close]
+        value_part = value_part[close + 1 :]
+    fields_ = value_part.split()
+    if not fields_:
+        return None
+    try:
+        value = float(fields_[0])
+    except ValueError:
+        return None
+    if math.isnan(value):
+        return None
+    return name, labels, value
+
+
+def _accumulate(out: dict[str, float], name: str, labels: str, value: float) -> None:
+    """Add one sample to ``out``: counters summed (per label where labelled), gauges maxed."""
+    # prometheus_client exposes a counter "x_total" under family "x"; accept both.
+    if name in ENGINE_LABELLED:
+        label = _label(labels, ENGINE_LABELLED[name])
+        if label is not None:
+            key = f"{name}:{label}"
+            out[key] = out.get(key, 0.0) + value
+    elif name in ENGINE_COUNTERS:
+        out[name] = out.get(name, 0.0) + value
+    elif name in ENGINE_GAUGES:
+        out[name] = max(out.get(name, value), value)
 
 
 def _label(labels: str, wanted: str) -> str | None:

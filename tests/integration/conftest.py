@@ -7,11 +7,16 @@ with :func:`make_proxy` (real HTTP on 127.0.0.1, in front of the real router).
 
 Tests share the engines, so each one uses its own session ids / rids and reads back
 only the recorded requests that carry them.
+
+A module that needs engines of another kind starts its own with
+:func:`kvproxy.stack.sim_engines` and ``kvproxy.stack.start_router`` (a context
+manager: stopped by PID on exit) in module-scoped fixtures, and its kvproxy with
+:func:`start_proxy` from a whole config document.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,8 +37,11 @@ __all__ = [
     "ENGINE_TOKENS",
     "MakeProxy",
     "Proxy",
+    "StartProxy",
     "recorded",
+    "reset_faults",
     "set_faults",
+    "sim_state",
     "wait_until",
 ]
 
@@ -49,31 +57,21 @@ def stack_logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def engines(stack_logs: Path) -> Iterator[list[stack.ManagedProcess]]:
-    started: list[stack.ManagedProcess] = []
-    try:
-        for _ in range(2):
-            started.append(
-                stack.start_sim_engine(
-                    max_total_tokens=ENGINE_TOKENS,
-                    mode="session-radix",
-                    eviction_policy="priority",
-                    extra_args=ENGINE_ARGS,
-                    log_dir=stack_logs,
-                )
-            )
+    with stack.sim_engines(
+        2,
+        max_total_tokens=ENGINE_TOKENS,
+        mode="session-radix",
+        eviction_policy="priority",
+        extra_args=ENGINE_ARGS,
+        log_dir=stack_logs,
+    ) as started:
         yield started
-    finally:
-        for proc in started:
-            proc.stop()
 
 
 @pytest.fixture(scope="session")
 def router(engines: list[stack.ManagedProcess], stack_logs: Path) -> Iterator[stack.ManagedProcess]:
-    proc = stack.start_router([e.url for e in engines], log_dir=stack_logs)
-    try:
+    with stack.start_router([e.url for e in engines], log_dir=stack_logs) as proc:
         yield proc
-    finally:
-        proc.stop()
 
 
 @pytest.fixture
@@ -87,27 +85,39 @@ class Proxy:
     app: web.Application
 
 
+StartProxy = Callable[..., Awaitable[Proxy]]
 MakeProxy = Callable[..., Awaitable[Proxy]]
 
 
 @pytest.fixture
-async def make_proxy(router: stack.ManagedProcess) -> AsyncIterator[MakeProxy]:
-    """``await make_proxy(session_lifecycle={...}, admission={...}, ...)`` -> Proxy."""
+async def start_proxy() -> AsyncIterator[StartProxy]:
+    """``await start_proxy(doc, source=None)`` -> Proxy: kvproxy in-process for the config
+    document ``doc`` (real HTTP on 127.0.0.1), closed after the test."""
     servers: list[TestServer] = []
+
+    async def start(doc: Mapping[str, Any], *, source: str | None = None) -> Proxy:
+        server = TestServer(create_app(from_mapping(doc, source=source)), host="127.0.0.1")
+        await server.start_server()
+        servers.append(server)
+        return Proxy(url=str(server.make_url("")).rstrip("/"), app=server.app)
+
+    yield start
+    for server in servers:
+        await server.close()
+
+
+@pytest.fixture
+async def make_proxy(router: stack.ManagedProcess, start_proxy: StartProxy) -> MakeProxy:
+    """``await make_proxy(session_lifecycle={...}, admission={...}, ...)`` -> Proxy, in
+    front of the session's router."""
 
     async def factory(*, source: str | None = None, **sections: dict[str, Any]) -> Proxy:
         doc: dict[str, Any] = {"router": {"url": router.url}, "server": {"log_level": "WARNING"}}
         for name, values in sections.items():
             doc.setdefault(name, {}).update(values)
-        cfg = from_mapping(doc, source=source)
-        server = TestServer(create_app(cfg), host="127.0.0.1")
-        await server.start_server()
-        servers.append(server)
-        return Proxy(url=str(server.make_url("")).rstrip("/"), app=server.app)
+        return await start_proxy(doc, source=source)
 
-    yield factory
-    for server in servers:
-        await server.close()
+    return factory
 
 
 @pytest.fixture(autouse=True)
@@ -116,16 +126,12 @@ async def _reset_engine_faults(request: pytest.FixtureRequest) -> AsyncIterator[
     yield
     if "engines" not in request.fixturenames:
         return
-    urls = [e.url for e in request.getfixturevalue("engines")]
-    async with aiohttp.ClientSession() as session:
-        for url in urls:
-            async with session.post(f"{url}/sim/faults", json={"reset": True}) as resp:
-                assert resp.status == 200
+    await reset_faults([e.url for e in request.getfixturevalue("engines")])
 
 
 # ------------------------------------------------------------------- helpers
 async def recorded(
-    http: aiohttp.ClientSession, engine_urls: list[str], *, path: str | None = None
+    http: aiohttp.ClientSession, engine_urls: Sequence[str], *, path: str | None = None
 ) -> list[dict[str, Any]]:
     """Requests the engines recorded (oldest first), optionally only one path."""
     out: list[dict[str, Any]] = []
@@ -142,6 +148,12 @@ async def set_faults(http: aiohttp.ClientSession, engine_urls: list[str], **faul
     for url in engine_urls:
         async with http.post(f"{url}/sim/faults", json=faults) as resp:
             assert resp.status == 200, await resp.text()
+
+
+async def reset_faults(engine_urls: Sequence[str]) -> None:
+    """Back to the faults the engines started with (own client: for fixture teardown)."""
+    async with aiohttp.ClientSession() as session:
+        await set_faults(session, list(engine_urls), reset=True)
 
 
 async def sim_state(http: aiohttp.ClientSession, url: str) -> dict[str, Any]:

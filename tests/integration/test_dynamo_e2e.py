@@ -13,23 +13,20 @@ from __future__ import annotations
 
 import itertools
 import re
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import orjson
 import pytest
-from aiohttp.test_utils import TestServer
 
 from kvproxy import stack
-from kvproxy.app import create_app
-from kvproxy.config import from_mapping
 from kvproxy.keys import AGENTS, FLEET, SESSIONS
 from kvproxy.sessions import dynamo
 from kvproxy.workload.wire import StreamState, parse_sse_line
 
-from .conftest import wait_until
+from .conftest import Proxy, StartProxy, recorded, wait_until
 
 MODEL = "kvproxy/sim-model"
 
@@ -40,72 +37,49 @@ _ids = itertools.count()
 
 @pytest.fixture(scope="module")
 def st_engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[stack.ManagedProcess]]:
-    logs = tmp_path_factory.mktemp("dynamo-stack")
-    started: list[stack.ManagedProcess] = []
-    try:
-        for _ in range(2):
-            started.append(
-                stack.start_sim_engine(
-                    max_total_tokens=POOL, mode="streaming", extra_args=ENGINE_ARGS, log_dir=logs
-                )
-            )
+    with stack.sim_engines(
+        2,
+        max_total_tokens=POOL,
+        mode="streaming",
+        extra_args=ENGINE_ARGS,
+        log_dir=tmp_path_factory.mktemp("dynamo-stack"),
+    ) as started:
         yield started
-    finally:
-        for proc in started:
-            proc.stop()
 
 
 @pytest.fixture(scope="module")
 def st_router(
     st_engines: list[stack.ManagedProcess], tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[stack.ManagedProcess]:
-    proc = stack.start_router(
+    with stack.start_router(
         [e.url for e in st_engines],
         policy="consistent_hashing",
         extra_args=("--disable-worker-overload-protection",),
         log_dir=Path(tmp_path_factory.mktemp("dynamo-router")),
-    )
-    try:
+    ) as proc:
         yield proc
-    finally:
-        proc.stop()
 
 
-@pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
-        yield session
-
-
-class Proxy:
-    def __init__(self, server: TestServer) -> None:
-        self.server = server
-        self.url = str(server.make_url("")).rstrip("/")
-
-
-@pytest.fixture
-async def proxy(st_router: stack.ManagedProcess) -> AsyncIterator[Proxy]:
-    doc = {
+def _config(router_url: str, **lifecycle: Any) -> dict[str, Any]:
+    return {
         "server": {"log_level": "WARNING"},
-        "router": {
-            "url": st_router.url,
-            "policy": "consistent_hashing",
-            "discovery_interval_s": 0.5,
-        },
-        "session_lifecycle": {"enabled": True, "check_engines": False},
+        "router": {"url": router_url, "policy": "consistent_hashing", "discovery_interval_s": 0.5},
+        "session_lifecycle": {"enabled": True, "check_engines": False, **lifecycle},
     }
-    server = TestServer(create_app(from_mapping(doc)), host="127.0.0.1")
-    await server.start_server()
-    p = Proxy(server)
 
+
+async def _placed(p: Proxy, sid: str) -> None:
     async def placed() -> bool:
-        return p.server.app[AGENTS]._owner("probe") is not None
+        return p.app[AGENTS]._owner(sid) is not None
 
     await wait_until(placed, timeout_s=10, what="placement known")
-    try:
-        yield p
-    finally:
-        await server.close()
+
+
+@pytest.fixture
+async def proxy(st_router: stack.ManagedProcess, start_proxy: StartProxy) -> Proxy:
+    p = await start_proxy(_config(st_router.url))
+    await _placed(p, "probe")
+    return p
 
 
 _METRIC = re.compile(r"^sglang:(num_streaming_sessions|streaming_session_held_tokens)\S*\s+(\S+)$")
@@ -119,11 +93,6 @@ async def streaming_metrics(http: aiohttp.ClientSession, url: str) -> dict[str, 
             if m:
                 out[m.group(1)] += float(m.group(2))
     return out
-
-
-async def recorded(http: aiohttp.ClientSession, url: str) -> list[dict[str, Any]]:
-    async with http.get(f"{url}/sim/requests") as resp:
-        return orjson.loads(await resp.read())["requests"]
 
 
 async def generate(http: aiohttp.ClientSession, p: Proxy, body: dict[str, Any]) -> dict[str, Any]:
@@ -171,7 +140,7 @@ async def test_open_pins_kv_on_one_engine_serves_from_the_slot_and_matches_a_pla
 ) -> None:
     urls = [e.url for e in st_engines]
     sid = f"sub-{next(_ids)}"
-    owner = proxy.server.app[AGENTS]._owner(sid)
+    owner = proxy.app[AGENTS]._owner(sid)
     assert owner in urls
     prompt = [1000 + i for i in range(40)]
     first = await generate(http, proxy, _turn(prompt, f"{sid}-t0", sid, "open", timeout=60))
@@ -189,7 +158,7 @@ async def test_open_pins_kv_on_one_engine_serves_from_the_slot_and_matches_a_pla
     assert second["meta_info"]["cached_tokens"] >= len(prev) - 1  # served from the slot
     sent = [
         orjson.loads(e["body"])
-        for e in await recorded(http, owner)
+        for e in await recorded(http, [owner])
         if e["path"] == "/generate" and f"{sid}-t1" in e["body"]
     ]
     assert len(sent) == 1
@@ -208,8 +177,8 @@ async def test_open_pins_kv_on_one_engine_serves_from_the_slot_and_matches_a_pla
         )
 
     await wait_until(freed, timeout_s=10, what="the streaming session freed")
-    assert proxy.server.app[AGENTS].counters.total(dynamo.STREAM_EXTENDED) >= 2
-    assert len(proxy.server.app[AGENTS].slots) == 0
+    assert proxy.app[AGENTS].counters.total(dynamo.STREAM_EXTENDED) >= 2
+    assert len(proxy.app[AGENTS].slots) == 0
 
 
 async def test_generated_tokens_equal_a_run_without_session_control(
@@ -229,7 +198,7 @@ async def test_a_mismatching_turn_falls_back_without_an_error(
 ) -> None:
     urls = [e.url for e in st_engines]
     sid = f"mis-{next(_ids)}"
-    owner = proxy.server.app[AGENTS]._owner(sid)
+    owner = proxy.app[AGENTS]._owner(sid)
     prompt = [5000 + i for i in range(30)]
     first = await generate(http, proxy, _turn(prompt, f"{sid}-t0", sid, "open", timeout=60))
     edited = [*prompt, 9, *first["output_ids"][1:], 7, 7]  # the answer was rewritten
@@ -237,7 +206,7 @@ async def test_a_mismatching_turn_falls_back_without_an_error(
     assert doc["meta_info"]["prompt_tokens"] == len(edited)
     sent = [
         orjson.loads(e["body"])
-        for e in await recorded(http, owner)
+        for e in await recorded(http, [owner])
         if e["path"] == "/generate" and f"{sid}-t1" in e["body"]
     ]
     assert len(sent) == 1
@@ -249,7 +218,7 @@ async def test_a_mismatching_turn_falls_back_without_an_error(
         return counts == [0] * len(urls)
 
     await wait_until(closed, timeout_s=10, what="the streaming session closed on fall-back")
-    assert proxy.server.app[AGENTS].counters.total(dynamo.STREAM_FALLBACK + "mismatch") == 1
+    assert proxy.app[AGENTS].counters.total(dynamo.STREAM_FALLBACK + "mismatch") == 1
 
 
 async def test_bind_with_a_short_timeout_is_closed_after_it(
@@ -264,25 +233,24 @@ async def test_bind_with_a_short_timeout_is_closed_after_it(
     }
     async with http.post(f"{proxy.url}/v1/chat/completions", json=body) as resp:
         assert resp.status == 200, await resp.text()
-    assert proxy.server.app[SESSIONS].state(sid) == "open"
+    assert proxy.app[SESSIONS].state(sid) == "open"
     # Routed stickily although sticky_routing is off.
-    owner = proxy.server.app[AGENTS]._owner(sid)
-    chats = [e for e in await recorded(http, owner) if e["path"] == "/v1/chat/completions"]
+    owner = proxy.app[AGENTS]._owner(sid)
+    chats = [e for e in await recorded(http, [owner]) if e["path"] == "/v1/chat/completions"]
     assert any(
         e["headers"].get("X-SMG-Routing-Key") == sid or e["headers"].get("x-smg-routing-key") == sid
         for e in chats
     ) or any(sid in e["body"] for e in chats)
 
     async def closed() -> bool:
-        return proxy.server.app[SESSIONS].state(sid) == "closed"
+        return proxy.app[SESSIONS].state(sid) == "closed"
 
     await wait_until(closed, timeout_s=10, what="the bind timeout closing the session")
-    assert proxy.server.app[AGENTS].counters.total(dynamo.BIND_CLOSED) >= 1
+    assert proxy.app[AGENTS].counters.total(dynamo.BIND_CLOSED) >= 1
     closes = [
         e
-        for u in (e.url for e in st_engines)
-        for e in await recorded(http, u)
-        if e["path"] == "/close_session" and sid in e["body"]
+        for e in await recorded(http, [e.url for e in st_engines], path="/close_session")
+        if sid in e["body"]
     ]
     assert len(closes) == len(st_engines)  # broadcast to every engine
 
@@ -291,7 +259,7 @@ async def test_speculative_prefill_reaches_the_sessions_engine_after_the_respons
     proxy: Proxy, http: aiohttp.ClientSession
 ) -> None:
     sid = f"spec-{next(_ids)}"
-    owner = proxy.server.app[AGENTS]._owner(sid)
+    owner = proxy.app[AGENTS]._owner(sid)
     body = {
         "model": MODEL,
         "messages": [{"role": "user", "content": f"plan the task {sid}"}],
@@ -314,23 +282,23 @@ async def test_speculative_prefill_reaches_the_sessions_engine_after_the_respons
         ]
 
     async def prefilled() -> bool:
-        return len(mine(await recorded(http, owner))) == 2
+        return len(mine(await recorded(http, [owner]))) == 2
 
     await wait_until(prefilled, timeout_s=10, what="the speculative prefill")
-    turn, prefill = mine(await recorded(http, owner))  # arrival order on the engine
+    turn, prefill = mine(await recorded(http, [owner]))  # arrival order on the engine
     assert turn["priority"] == 3  # agent_hints.priority became the top-level priority
-    assert proxy.server.app[AGENTS].counters.total(dynamo.HINT_PRIORITY) >= 1
+    assert proxy.app[AGENTS].counters.total(dynamo.HINT_PRIORITY) >= 1
     # The prefill carries the answer the client received: it was built after it.
     assert prefill["messages"][-1] == {"role": "assistant", "content": answer}
     assert prefill["max_tokens"] == 1 and prefill["session_id"] == sid
     assert "nvext" not in prefill and prefill["rid"] != turn["rid"]
 
     async def answered() -> bool:
-        return proxy.server.app[AGENTS].counters.total(dynamo.PREFILL_SENT) == 1
+        return proxy.app[AGENTS].counters.total(dynamo.PREFILL_SENT) == 1
 
     await wait_until(answered, timeout_s=10, what="the prefill's answer")
     # Never counted as a turn: one request tracked for the session.
-    await proxy.server.app[SESSIONS].close(sid, reason="test")
+    await proxy.app[SESSIONS].close(sid, reason="test")
 
 
 async def test_nvext_on_generate_reaches_the_engine_unless_stripped(
@@ -352,7 +320,7 @@ async def test_a_session_the_engine_no_longer_knows_falls_back_to_the_same_token
     proxy: Proxy, http: aiohttp.ClientSession
 ) -> None:
     sid = f"gone-{next(_ids)}"
-    owner = proxy.server.app[AGENTS]._owner(sid)
+    owner = proxy.app[AGENTS]._owner(sid)
     prompt = [6000 + i for i in range(20)]
     first = await generate(http, proxy, _turn(prompt, f"{sid}-t0", sid, "open", timeout=60))
     # The engine drops the session behind kvproxy's back (as its own timeout would).
@@ -368,7 +336,7 @@ async def test_a_session_the_engine_no_longer_knows_falls_back_to_the_same_token
     assert doc["output_ids"] == plain["output_ids"]
     bodies = [
         orjson.loads(e["body"])
-        for e in await recorded(http, owner)
+        for e in await recorded(http, [owner])
         if e["path"] == "/generate" and f"{sid}-t1" in e["body"]
     ]
     # The translated attempt (refused by the engine), then the ordinary retry.
@@ -376,11 +344,11 @@ async def test_a_session_the_engine_no_longer_knows_falls_back_to_the_same_token
         (True, False),
         (False, True),
     ]
-    assert proxy.server.app[AGENTS].counters.total(dynamo.STREAM_FALLBACK + "engine_error") >= 1
-    assert proxy.server.app[AGENTS].slots.get(sid) is None
+    assert proxy.app[AGENTS].counters.total(dynamo.STREAM_FALLBACK + "engine_error") >= 1
+    assert proxy.app[AGENTS].slots.get(sid) is None
     # kvproxy's /close_session reached the engine after the refused attempt and before
     # the ordinary retry (a slot's pinned KV is freed before the retry needs room).
-    log = await recorded(http, owner)
+    log = await recorded(http, [owner])
     marks = [
         (e["path"], "session_params" in orjson.loads(e["body"]))
         for e in log
@@ -406,8 +374,8 @@ async def test_no_speculative_prefill_when_the_session_ends(
     }
     async with http.post(f"{proxy.url}/v1/chat/completions", json=body) as resp:
         assert resp.status == 200
-    assert proxy.server.app[AGENTS].counters.total(dynamo.PREFILL_SKIPPED + "session_end") == 1
-    assert proxy.server.app[AGENTS].counters.total(dynamo.PREFILL_SENT) == 0
+    assert proxy.app[AGENTS].counters.total(dynamo.PREFILL_SKIPPED + "session_end") == 1
+    assert proxy.app[AGENTS].counters.total(dynamo.PREFILL_SENT) == 0
 
 
 async def stream_generate(
@@ -429,7 +397,7 @@ async def test_streamed_turns_are_translated_too_and_generate_the_same_tokens(
 ) -> None:
     tag = f"sse-{next(_ids)}"
     sid = f"{tag}-s"
-    owner = proxy.server.app[AGENTS]._owner(sid)
+    owner = proxy.app[AGENTS]._owner(sid)
     runs: dict[str, list[list[int]]] = {}
     for mode in ("control", "plain"):
         prompt = [7000 + i for i in range(30)]
@@ -448,7 +416,7 @@ async def test_streamed_turns_are_translated_too_and_generate_the_same_tokens(
     assert runs["control"] == runs["plain"]
     sent = [
         orjson.loads(e["body"])
-        for e in await recorded(http, owner)
+        for e in await recorded(http, [owner])
         if e["path"] == "/generate" and f"{tag}-t1" in e["body"] and sid in e["body"]
     ]
     assert len(sent) == 1 and sent[0]["session_params"] == {"id": sid}
@@ -459,7 +427,7 @@ async def test_a_streamed_turn_the_engine_refuses_is_sent_as_the_ordinary_reques
     proxy: Proxy, http: aiohttp.ClientSession
 ) -> None:
     sid = f"sse-gone-{next(_ids)}"
-    owner = proxy.server.app[AGENTS]._owner(sid)
+    owner = proxy.app[AGENTS]._owner(sid)
     prompt = [7500 + i for i in range(20)]
     first = await stream_generate(http, proxy, _turn(prompt, f"{sid}-t0", sid, "open", timeout=60))
     async with http.post(f"{owner}/close_session", json={"session_id": sid}) as resp:
@@ -467,42 +435,26 @@ async def test_a_streamed_turn_the_engine_refuses_is_sent_as_the_ordinary_reques
     nxt = [*prompt, *first.output_ids, 1]
     again = await stream_generate(http, proxy, _turn(nxt, f"{sid}-t1", sid))
     assert again.prompt_tokens == len(nxt) and again.output_ids
-    assert proxy.server.app[AGENTS].slots.get(sid) is None
+    assert proxy.app[AGENTS].slots.get(sid) is None
 
 
 async def test_strip_nvext_paths_removes_only_nvext(
-    st_router: stack.ManagedProcess, http: aiohttp.ClientSession
+    st_router: stack.ManagedProcess, http: aiohttp.ClientSession, start_proxy: StartProxy
 ) -> None:
-    doc = {
-        "server": {"log_level": "WARNING"},
-        "router": {"url": st_router.url, "policy": "consistent_hashing"},
-        "session_lifecycle": {
-            "enabled": True,
-            "check_engines": False,
-            "strip_nvext_paths": ["/generate"],
-        },
-    }
-    server = TestServer(create_app(from_mapping(doc)), host="127.0.0.1")
-    await server.start_server()
-    p = Proxy(server)
-    try:
-        sid = f"strip-{next(_ids)}"
-        body = {**_turn([1, 2, 3], f"{sid}-r", sid), "custom_labels": {"k": "v"}}
-        await generate(http, p, body)
-
-        async def placed() -> bool:
-            return p.server.app[AGENTS]._owner(sid) is not None
-
-        await wait_until(placed, timeout_s=10, what="placement known")
-        sent = [
-            orjson.loads(e["body"])
-            for u in p.server.app[FLEET].all_engines()
-            for e in await recorded(http, u)
-            if e["path"] == "/generate" and f"{sid}-r" in e["body"]
-        ]
-        assert len(sent) == 1
-        assert "nvext" not in sent[0]
-        assert sent[0]["custom_labels"] == {"k": "v"} and sent[0]["session_id"] == sid
-        assert sent[0]["input_ids"] == [1, 2, 3]
-    finally:
-        await server.close()
+    # No discovery_interval_s here: the default, as before.
+    doc = _config(st_router.url, strip_nvext_paths=["/generate"])
+    del doc["router"]["discovery_interval_s"]
+    p = await start_proxy(doc)
+    sid = f"strip-{next(_ids)}"
+    body = {**_turn([1, 2, 3], f"{sid}-r", sid), "custom_labels": {"k": "v"}}
+    await generate(http, p, body)
+    await _placed(p, sid)
+    sent = [
+        orjson.loads(e["body"])
+        for e in await recorded(http, p.app[FLEET].all_engines(), path="/generate")
+        if f"{sid}-r" in e["body"]
+    ]
+    assert len(sent) == 1
+    assert "nvext" not in sent[0]
+    assert sent[0]["custom_labels"] == {"k": "v"} and sent[0]["session_id"] == sid
+    assert sent[0]["input_ids"] == [1, 2, 3]

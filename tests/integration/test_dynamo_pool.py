@@ -12,22 +12,19 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import orjson
 import pytest
-from aiohttp.test_utils import TestServer
 
 from kvproxy import stack
-from kvproxy.app import create_app
-from kvproxy.config import from_mapping
 from kvproxy.keys import AGENTS
 from kvproxy.sessions import dynamo
 
-from .conftest import wait_until
+from .conftest import Proxy, StartProxy, wait_until
 
 POOL = 4000
 SHARE = 0.5
@@ -36,34 +33,26 @@ SHARE = 0.5
 @pytest.fixture(scope="module")
 def small_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[stack.ManagedProcess]:
     logs = Path(tmp_path_factory.mktemp("dynamo-pool"))
-    engines: list[stack.ManagedProcess] = []
-    router = None
-    try:
-        for _ in range(2):
-            engines.append(
-                stack.start_sim_engine(
-                    max_total_tokens=POOL,
-                    mode="streaming",
-                    extra_args=("--time-scale", "0.02"),
-                    log_dir=logs,
-                )
-            )
-        router = stack.start_router(
+    with (
+        stack.sim_engines(
+            2,
+            max_total_tokens=POOL,
+            mode="streaming",
+            extra_args=("--time-scale", "0.02"),
+            log_dir=logs,
+        ) as engines,
+        stack.start_router(
             [e.url for e in engines],
             policy="consistent_hashing",
             extra_args=("--disable-worker-overload-protection",),
             log_dir=logs,
-        )
+        ) as router,
+    ):
         yield router
-    finally:
-        if router is not None:
-            router.stop()
-        for e in engines:
-            e.stop()
 
 
 @pytest.fixture
-async def proxy(small_stack: stack.ManagedProcess) -> AsyncIterator[TestServer]:
+async def proxy(small_stack: stack.ManagedProcess, start_proxy: StartProxy) -> Proxy:
     doc = {
         "server": {"log_level": "WARNING"},
         "router": {"url": small_stack.url, "policy": "consistent_hashing"},
@@ -73,18 +62,14 @@ async def proxy(small_stack: stack.ManagedProcess) -> AsyncIterator[TestServer]:
             "streaming_max_pool_share": SHARE,
         },
     }
-    server = TestServer(create_app(from_mapping(doc)), host="127.0.0.1")
-    await server.start_server()
-    agents = server.app[AGENTS]
+    p = await start_proxy(doc)
+    agents = p.app[AGENTS]
 
     async def placed() -> bool:
         return agents._owner("probe") is not None
 
     await wait_until(placed, timeout_s=10, what="placement known")
-    try:
-        yield server
-    finally:
-        await server.close()
+    return p
 
 
 async def _session(
@@ -113,10 +98,10 @@ async def _session(
 
 
 async def test_sessions_that_would_overfill_the_pool_go_as_bind_and_all_finish(
-    proxy: TestServer,
+    proxy: Proxy,
 ) -> None:
     agents = proxy.app[AGENTS]
-    url = str(proxy.make_url("")).rstrip("/")
+    url = proxy.url
     peaks: dict[str, int] = {}
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20)) as http:
         done = await asyncio.wait_for(
@@ -131,10 +116,10 @@ async def test_sessions_that_would_overfill_the_pool_go_as_bind_and_all_finish(
 
 
 async def test_idle_slots_are_released_when_an_ordinary_request_needs_the_room(
-    proxy: TestServer,
+    proxy: Proxy,
 ) -> None:
     agents = proxy.app[AGENTS]
-    url = str(proxy.make_url("")).rstrip("/")
+    url = proxy.url
     candidates = [f"room-{i}" for i in range(64)]
     engine = agents._owner(candidates[0])
     same = [s for s in candidates if agents._owner(s) == engine]

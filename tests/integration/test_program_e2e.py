@@ -18,15 +18,12 @@ from typing import Any
 import aiohttp
 import orjson
 import pytest
-from aiohttp.test_utils import TestServer
 
 from kvproxy import stack
-from kvproxy.app import create_app
-from kvproxy.config import from_mapping
 from kvproxy.fleet.ring import HashRing
 from kvproxy.keys import ADMISSION
 
-from .conftest import set_faults, wait_until
+from .conftest import Proxy, StartProxy, recorded, reset_faults, set_faults, wait_until
 
 POOL = 20_000
 ENGINE_ARGS = ("--time-scale", "0.02", "--record-requests", "4096", "--enable-priority-scheduling")
@@ -37,42 +34,32 @@ _ids = itertools.count()
 
 @pytest.fixture(scope="module")
 def ch_engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[stack.ManagedProcess]]:
-    logs = tmp_path_factory.mktemp("program-stack")
-    started: list[stack.ManagedProcess] = []
-    try:
-        for _ in range(3):
-            started.append(
-                stack.start_sim_engine(
-                    max_total_tokens=POOL,
-                    mode="session-radix",
-                    eviction_policy="priority",
-                    extra_args=ENGINE_ARGS,
-                    log_dir=logs,
-                )
-            )
+    with stack.sim_engines(
+        3,
+        max_total_tokens=POOL,
+        mode="session-radix",
+        eviction_policy="priority",
+        extra_args=ENGINE_ARGS,
+        log_dir=tmp_path_factory.mktemp("program-stack"),
+    ) as started:
         yield started
-    finally:
-        for proc in started:
-            proc.stop()
 
 
 @pytest.fixture(scope="module")
 def ch_router(
     ch_engines: list[stack.ManagedProcess], tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[stack.ManagedProcess]:
-    proc = stack.start_router(
+    with stack.start_router(
         [e.url for e in ch_engines],
         policy="consistent_hashing",
         log_dir=Path(tmp_path_factory.mktemp("program-router")),
-    )
-    try:
+    ) as proc:
         yield proc
-    finally:
-        proc.stop()
 
 
 @pytest.fixture
 async def http() -> AsyncIterator[aiohttp.ClientSession]:
+    # Longer than the suite's 30 s: an admitted request may be held up to max_wait_s (30 s).
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
         yield session
 
@@ -80,10 +67,7 @@ async def http() -> AsyncIterator[aiohttp.ClientSession]:
 @pytest.fixture(autouse=True)
 async def _clear_faults(ch_engines: list[stack.ManagedProcess]) -> AsyncIterator[None]:
     yield
-    async with aiohttp.ClientSession() as session:
-        for e in ch_engines:
-            async with session.post(f"{e.url}/sim/faults", json={"reset": True}) as resp:
-                assert resp.status == 200
+    await reset_faults([e.url for e in ch_engines])
 
 
 async def smg_workers(http: aiohttp.ClientSession, router_url: str) -> list[dict[str, Any]]:
@@ -94,25 +78,20 @@ async def smg_workers(http: aiohttp.ClientSession, router_url: str) -> list[dict
 
 async def served_by(http: aiohttp.ClientSession, engine_urls: list[str], rid: str) -> list[str]:
     """Which engines recorded a request carrying ``rid``."""
-    out = []
-    for url in engine_urls:
-        async with http.get(f"{url}/sim/requests") as resp:
-            entries = orjson.loads(await resp.read())["requests"]
-        if any(rid in e["body"] for e in entries):
-            out.append(url)
-    return out
+    return [
+        url for url in engine_urls if any(rid in e["body"] for e in await recorded(http, [url]))
+    ]
 
 
 async def recorded_bodies(
     http: aiohttp.ClientSession, engine_urls: list[str], marker: str
 ) -> list[tuple[str, dict[str, Any]]]:
-    out = []
-    for url in engine_urls:
-        async with http.get(f"{url}/sim/requests") as resp:
-            for e in orjson.loads(await resp.read())["requests"]:
-                if e["path"] == "/generate" and marker in e["body"]:
-                    out.append((url, orjson.loads(e["body"])))
-    return out
+    return [
+        (url, orjson.loads(e["body"]))
+        for url in engine_urls
+        for e in await recorded(http, [url], path="/generate")
+        if marker in e["body"]
+    ]
 
 
 async def test_ring_mirror_predicts_smg_including_with_an_engine_unhealthy(
@@ -157,16 +136,8 @@ async def test_ring_mirror_predicts_smg_including_with_an_engine_unhealthy(
     await wait_until(healthy, timeout_s=20, what="smg marking the engine healthy again")
 
 
-class Proxy:
-    def __init__(self, server: TestServer) -> None:
-        self.server = server
-        self.url = str(server.make_url("")).rstrip("/")
-
-
 @pytest.fixture
-async def proxy(ch_router: stack.ManagedProcess) -> AsyncIterator[Any]:
-    servers: list[TestServer] = []
-
+async def proxy(ch_router: stack.ManagedProcess, start_proxy: StartProxy) -> Any:
     async def factory(policy: str = "consistent_hashing", **admission: Any) -> Proxy:
         doc = {
             "server": {"log_level": "WARNING"},
@@ -185,10 +156,7 @@ async def proxy(ch_router: stack.ManagedProcess) -> AsyncIterator[Any]:
                 **admission,
             },
         }
-        server = TestServer(create_app(from_mapping(doc)), host="127.0.0.1")
-        await server.start_server()
-        servers.append(server)
-        p = Proxy(server)
+        p = await start_proxy(doc)
         await wait_until(
             _program_ready(p) if policy == "consistent_hashing" else _noop,
             timeout_s=10,
@@ -196,14 +164,12 @@ async def proxy(ch_router: stack.ManagedProcess) -> AsyncIterator[Any]:
         )
         return p
 
-    yield factory
-    for server in servers:
-        await server.close()
+    return factory
 
 
 def _program_ready(p: Proxy):
     async def ready() -> bool:
-        h = p.server.app[ADMISSION].health().to_json()
+        h = p.app[ADMISSION].health().to_json()
         return bool(h["program_active"] and h["placement"]["available"])
 
     return ready
@@ -214,7 +180,7 @@ async def _noop() -> bool:
 
 
 def keys_on(p: Proxy, engine: str, n: int, prefix: str) -> list[str]:
-    owner = p.server.app[ADMISSION].placement.owner
+    owner = p.app[ADMISSION].placement.owner
     out = [k for k in (f"{prefix}-{next(_ids)}" for _ in range(2000)) if owner(k) == engine]
     assert len(out) >= n
     return out[:n]
@@ -249,7 +215,7 @@ async def test_a_full_engine_holds_its_new_sessions_while_the_others_pass(
     waiting = asyncio.create_task(gen(http, p, a2, 4_000))
 
     async def held() -> bool:
-        return p.server.app[ADMISSION].health().waiting_new == 1
+        return p.app[ADMISSION].health().waiting_new == 1
 
     await wait_until(held, what="a2 waiting")
     r = await gen(http, p, b1, 4_000)  # another engine's new session passes
@@ -269,7 +235,7 @@ async def test_a_full_engine_holds_its_new_sessions_while_the_others_pass(
     # Every request went to its session's ring owner, with the routing key set.
     bodies = await recorded_bodies(http, [e.url for e in ch_engines], "full-")
     assert bodies
-    owner = p.server.app[ADMISSION].placement.owner
+    owner = p.app[ADMISSION].placement.owner
     for url, body in bodies:
         assert owner(body["session_id"]) == url
 
@@ -278,7 +244,7 @@ async def test_priority_reaches_the_engines_and_grows_with_the_context(
     proxy, ch_engines, http
 ) -> None:
     p = await proxy(priority_steering=True)
-    assert p.server.app[ADMISSION].priority_steering
+    assert p.app[ADMISSION].priority_steering
     (sid,) = keys_on(p, ch_engines[2].url, 1, "prio")
     for tokens in (1_000, 9_000, 17_000):
         assert (await gen(http, p, sid, tokens)).status == 200
@@ -309,7 +275,7 @@ async def test_a_paused_sessions_turn_waits_no_longer_than_its_bound(
     assert r.headers[DECISION] == "continuing_forwarded"
 
     async def paused() -> bool:
-        return p.server.app[ADMISSION].health().to_json()["sessions"]["paused"] == 1
+        return p.app[ADMISSION].health().to_json()["sessions"]["paused"] == 1
 
     await wait_until(paused, what="the small idle session paused")
     r = await gen(http, p, small, 3_100)
@@ -343,7 +309,7 @@ async def test_fail_open_paths(proxy, ch_engines, http) -> None:
     async def stale() -> bool:
         return not any(
             e["fresh"]
-            for e in p.server.app[ADMISSION].health().to_json()["program_engines"]
+            for e in p.app[ADMISSION].health().to_json()["program_engines"]
             if e["url"] == url
         )
 
@@ -391,7 +357,7 @@ async def test_ledger_returns_to_zero_after_a_burst_with_disconnects_errors_and_
     await asyncio.gather(*(session(i, s) for i, s in enumerate(sids)))
 
     async def drained() -> bool:
-        h = p.server.app[ADMISSION].health().to_json()
+        h = p.app[ADMISSION].health().to_json()
         s = h["sessions"]
         return (
             h["waiting"] == 0
@@ -402,5 +368,5 @@ async def test_ledger_returns_to_zero_after_a_burst_with_disconnects_errors_and_
         )
 
     await wait_until(drained, timeout_s=15, what="the session ledger back to zero")
-    rows = p.server.app[ADMISSION].health().to_json()["program_engines"]
+    rows = p.app[ADMISSION].health().to_json()["program_engines"]
     assert all(r["footprint"] == 0 and r["committed"] == 0 for r in rows)

@@ -198,3 +198,11 @@ def test_cli_admission_overrides_reach_the_controller(
     assert row["admission_counters"]["program_active"] == 1.0  # per-engine ledgers
     assert main([*args, "--admission", "nope=1"]) == 2
     assert "unknown admission keys: nope" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag", ["--set", "--admission"])
+def test_cli_refuses_an_override_without_a_name(
+    flag: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["lab", "--sessions", "1", flag, "=3"]) == 2
+    assert f"{flag} expects NAME=VALUE (got '=3')" in capsys.readouterr().err

@@ -48,10 +48,7 @@ def _headers(sid: str) -> dict[str, str]:
 def test_closing_a_session_aborts_its_request_and_tells_every_engine() -> None:
     async def main() -> dict[str, Any]:
         proxy, engines = _lab("lifecycle")
-        for e in engines:
-            e.start()
-        await proxy.start()
-        try:
+        async with proxy.running():
             turn = asyncio.create_task(proxy.generate(_headers("s1"), _body(1, 200, 200)))
             await asyncio.sleep(2.0)  # the request is decoding on its engine
             assert not turn.done()
@@ -68,10 +65,6 @@ def test_closing_a_session_aborts_its_request_and_tells_every_engine() -> None:
                 "state": proxy.sessions.state("s1"),
                 "session_id": req.session_id,
             }
-        finally:
-            await proxy.stop()
-            for e in engines:
-                await e.stop()
 
     out = run_virtual(main())
     assert out["finish"]["type"] == "abort"
@@ -87,10 +80,7 @@ def test_closing_a_session_aborts_its_request_and_tells_every_engine() -> None:
 def test_admission_scrapes_the_engines_and_a_close_ends_residency() -> None:
     async def main() -> dict[str, Any]:
         proxy, engines = _lab("admission", priority_steering=True)
-        for e in engines:
-            e.start()
-        await proxy.start()
-        try:
+        async with proxy.running():
             assert proxy.admission is not None
             req, wait = await proxy.generate(_headers("s2"), _body(2, 100, 10))
             session = proxy.admission.program.ledger.get("s2")
@@ -109,10 +99,6 @@ def test_admission_scrapes_the_engines_and_a_close_ends_residency() -> None:
                 "decisions": dict(proxy.decisions),
                 "session_id": req.session_id,
             }
-        finally:
-            await proxy.stop()
-            for e in engines:
-                await e.stop()
 
     out = run_virtual(main())
     assert out["finish"]["type"] == "length"
