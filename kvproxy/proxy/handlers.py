@@ -13,8 +13,8 @@ and the plan is carried out here, in order:
    attempt ends, on every exit path.
 
 With both features off the body is not even parsed: the bytes forwarded are the
-bytes received. Refusals are raised as :class:`~kvproxy.proxy.middleware.Refused`;
-the middleware maps them and counts every response (:mod:`kvproxy.proxy.middleware`).
+bytes received. Refusals are raised as :class:`~kvproxy.proxy.refusals.Refused`;
+:meth:`ProxyHandlers.dispatch` maps them and counts every response once.
 """
 
 from __future__ import annotations
@@ -37,7 +37,6 @@ from kvproxy.config import LiveConfig
 from kvproxy.proxy.body import parse_object
 from kvproxy.proxy.errors import ErrorType
 from kvproxy.proxy.metrics import ProxyMetrics
-from kvproxy.proxy.middleware import Refused, count_as
 from kvproxy.proxy.pipeline import (
     Plan,
     Refusal,
@@ -46,6 +45,7 @@ from kvproxy.proxy.pipeline import (
     render_body,
     with_turn_headers,
 )
+from kvproxy.proxy.refusals import Refused, refusal_response
 from kvproxy.proxy.responses import error_response
 from kvproxy.proxy.scan import counted_keys_for, scan_object
 from kvproxy.proxy.session_relay import serve_streaming
@@ -181,25 +181,41 @@ class ProxyHandlers:
 
     # ------------------------------------------------------------------ dispatch
     async def dispatch(self, request: web.Request) -> web.StreamResponse:
-        """Catch-all route: strip ``/sessions/{id}``, then intercept or pass through."""
+        """Catch-all route: strip ``/sessions/{id}``, then intercept or pass through.
+
+        Every response, a refusal included, is counted once in ``kvproxy_requests_total``
+        by the path after ``/sessions/{id}`` (the path as received when it is refused
+        before that prefix is read)."""
         started = time.perf_counter()
-        count_as(request, request.path)
-        if self.shutdown.started:
-            raise Refused(ErrorType.SHUTTING_DOWN, "kvproxy is shutting down")
-        lifecycle_on = self.live.config.session_lifecycle.enabled
+        counted = request.path
         try:
-            path_sid, path = split_session_path(request.path)
+            if self.shutdown.started:
+                raise Refused(ErrorType.SHUTTING_DOWN, "kvproxy is shutting down")
+            path_sid, path = self._session_path(request)
+            counted = path
+            response = await self._route(request, path, path_sid, started)
+        except Refused as exc:
+            response = refusal_response(exc)
+        self.metrics.count(counted, response.status)
+        return response
+
+    def _session_path(self, request: web.Request) -> tuple[str | None, str]:
+        try:
+            return split_session_path(request.path)
         except InvalidSessionId as exc:
-            if lifecycle_on:
+            if self.live.config.session_lifecycle.enabled:
                 raise Refused(ErrorType.INVALID_SESSION_ID, str(exc)) from None
             # The feature is off: nothing reads the id, so the path goes as it came.
-            path_sid, path = None, request.path
-        count_as(request, path)
+            return None, request.path
+
+    async def _route(
+        self, request: web.Request, path: str, path_sid: str | None, started: float
+    ) -> web.StreamResponse:
         if request.method == "POST":
             if path in INTERCEPTED_PATHS:
                 return await self.intercepted(request, path, path_sid, started)
             if path == "/close_session":
-                if lifecycle_on:
+                if self.live.config.session_lifecycle.enabled:
                     return await self.close_session_api(request, path_sid)
                 if self.live.config.admission.enabled:
                     return await self.close_session_passthrough(request, path_sid, started)
@@ -558,7 +574,10 @@ class ProxyHandlers:
                 ErrorType.INVALID_REQUEST,
                 "session lifecycle is disabled (session_lifecycle.enabled: false)",
             )
-        return await self._close(request.match_info["session_id"], reason="admin")
+        try:
+            return await self._close(request.match_info["session_id"], reason="admin")
+        except Refused as exc:
+            return refusal_response(exc)
 
     async def _close(self, session_id: str, *, reason: str) -> web.Response:
         try:
