@@ -25,14 +25,13 @@ import functools
 import logging
 import time
 from collections.abc import Callable, Mapping
-from contextlib import AsyncExitStack
 from dataclasses import dataclass
 
 import aiohttp
 import orjson
 from aiohttp import web
 
-from kvproxy.admission.coordinator import AdmissionController, AdmissionRequest
+from kvproxy.admission.coordinator import AdmissionController, AdmissionRequest, Decision
 from kvproxy.config import LiveConfig
 from kvproxy.proxy.body import parse_object
 from kvproxy.proxy.errors import ErrorType
@@ -282,8 +281,7 @@ class ProxyHandlers:
                 attempt.on_disconnect = functools.partial(
                     self.sessions.abort_in_background, plan.abort_rids
                 )
-            async with AsyncExitStack() as stack:
-                return await self._admitted(stack, attempt, plan, turn, None)
+            return await self._admitted(attempt, plan, turn, None)
         finally:
             if turn is not None:
                 self.agents.end(turn)
@@ -297,25 +295,50 @@ class ProxyHandlers:
             abort_rids=plan.abort_rids or None,
         )
         try:
-            async with AsyncExitStack() as stack:
-                tracked = await stack.enter_async_context(tracking)
+            async with tracking as tracked:
                 attempt.on_disconnect = tracked.disconnected
-                return await self._admitted(stack, attempt, plan, turn, tracked)
+                return await self._admitted(attempt, plan, turn, tracked)
         except SessionClosed as exc:
             raise Refused(ErrorType.SESSION_CLOSED, str(exc)) from None
 
     async def _admitted(
+        self, attempt: Attempt, plan: Plan, turn: Turn | None, tracked: TrackedRequest | None
+    ) -> web.StreamResponse:
+        """Wait for admission, then forward; the lease is held until the attempt ends."""
+        if not plan.admit:
+            return await self._send(attempt, plan, turn, tracked, None)
+        areq = AdmissionRequest(
+            ticket_id=plan.ticket,
+            path=attempt.path,
+            headers=attempt.request.headers,
+            body=plan.body if plan.body is not None else {},
+            session_id=plan.session_id,
+            routing_key=plan.routing_key,
+        )
+        # ``async with`` spelled out: a tracked request waits through until_forwarded
+        # (a session close cancels the wait), and the lease is released only when it
+        # was granted.
+        lease = self.admission.admit(areq)
+        enter = lease.__aenter__()
+        decision = await (tracked.until_forwarded(enter) if tracked is not None else enter)
+        try:
+            steering = self._admission_decided(attempt, plan, areq, decision)
+            response = await self._send(attempt, plan, turn, tracked, steering)
+        except BaseException as exc:
+            await lease.__aexit__(type(exc), exc, exc.__traceback__)
+            raise
+        await lease.__aexit__(None, None, None)
+        return response
+
+    async def _send(
         self,
-        stack: AsyncExitStack,
         attempt: Attempt,
         plan: Plan,
         turn: Turn | None,
         tracked: TrackedRequest | None,
+        steering: int | None,
     ) -> web.StreamResponse:
-        """Wait for admission (the lease lives on ``stack``), then forward."""
-        steering: int | None = None
-        if plan.admit:
-            steering = await self._admission_wait(stack, attempt, plan, tracked)
+        """Forward the planned request (or serve it as a Dynamo turn)."""
         if tracked is not None:
             tracked.forwarded()
         fields, source = final_fields(plan, steering)
@@ -335,25 +358,10 @@ class ProxyHandlers:
             self._after_turn(attempt, plan, turn)
         return response
 
-    async def _admission_wait(
-        self,
-        stack: AsyncExitStack,
-        attempt: Attempt,
-        plan: Plan,
-        tracked: TrackedRequest | None,
+    def _admission_decided(
+        self, attempt: Attempt, plan: Plan, areq: AdmissionRequest, decision: Decision
     ) -> int | None:
         """The admission decision's steering priority; its headers go on the response."""
-        admission = self.admission
-        areq = AdmissionRequest(
-            ticket_id=plan.ticket,
-            path=attempt.path,
-            headers=attempt.request.headers,
-            body=plan.body if plan.body is not None else {},
-            session_id=plan.session_id,
-            routing_key=plan.routing_key,
-        )
-        enter = stack.enter_async_context(admission.admit(areq))
-        decision = await (tracked.until_forwarded(enter) if tracked else enter)
         attempt.waited = decision.wait_s
         if decision.reason == "cancelled":
             # The ticket was cancelled from outside (e.g. a duplicate rid whose twin was
@@ -366,6 +374,7 @@ class ProxyHandlers:
             attempt.response_headers = _admission_headers(
                 decision.action, decision.reason, decision.wait_s
             )
+        admission = self.admission
 
         def observe(usage: Usage | None) -> None:
             # The engine's own usage report, from the final chunk (or the body).
