@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import aiohttp
 import orjson
 from aiohttp import web
+from multidict import CIMultiDict
 
 from kvproxy.admission.coordinator import AdmissionController, AdmissionRequest, Decision
 from kvproxy.config import LiveConfig
@@ -91,6 +92,7 @@ class Attempt:
         "path",
         "request",
         "response_headers",
+        "sent_headers",
         "started",
         "waited",
     )
@@ -110,6 +112,8 @@ class Attempt:
         self.extra_headers = extra_headers
         self.waited = 0.0  # seconds spent in the admission queue (not proxy overhead)
         self.response_headers: Mapping[str, str] | None = None
+        # The request headers forwarded (set by ProxyHandlers.forward).
+        self.sent_headers: CIMultiDict[str] | None = None
         self.on_disconnect: Callable[[], None] | None = None
         self.observe_usage: ObserveUsage | None = None
         self.observe_body: ObserveBody | None = None
@@ -416,7 +420,9 @@ class ProxyHandlers:
 
     def _after_turn(self, attempt: Attempt, plan: Plan, turn: Turn) -> None:
         assert plan.body is not None
-        headers = forward_request_headers(attempt.request, plan.headers or None)
+        headers = attempt.sent_headers  # forward()'s, unless session control served it
+        if headers is None:
+            headers = forward_request_headers(attempt.request, plan.headers or None)
         self.agents.after_response(turn, plan.body, headers)
 
     # ------------------------------------------------------------------- forward
@@ -426,7 +432,7 @@ class ProxyHandlers:
         url = self.live.router_base + attempt.path
         if request.query_string:
             url += "?" + request.query_string
-        headers = forward_request_headers(request, attempt.extra_headers)
+        headers = attempt.sent_headers = forward_request_headers(request, attempt.extra_headers)
         sent_at = time.perf_counter()
         try:
             upstream_cm = self.http.request(
