@@ -38,7 +38,6 @@ from kvproxy.keys import (
 )
 from kvproxy.proxy.handlers import INTERCEPTED_PATHS, ProxyHandlers, Shutdown
 from kvproxy.proxy.metrics import ProxyMetrics
-from kvproxy.proxy.middleware import CountingMiddleware
 from kvproxy.proxy.slow_clients import SlowClientGuard
 from kvproxy.proxy.upstream import create_client_session
 from kvproxy.sessions.dynamo import AgentControl
@@ -205,11 +204,9 @@ def create_app(config: Config, *, overrides: Mapping[str, Any] | None = None) ->
     """Build the kvproxy application for ``config``."""
     registry = CollectorRegistry(auto_describe=True)
     metrics = ProxyMetrics(registry)
-    # One middleware maps refusals to error responses and counts every proxied response.
-    app = web.Application(
-        client_max_size=config.server.max_body_bytes,
-        middlewares=[CountingMiddleware(metrics)],
-    )
+    # No middleware: the proxy's routes map refusals and count responses themselves
+    # (kvproxy.proxy.refusals), which spares every request two wrapped frames.
+    app = web.Application(client_max_size=config.server.max_body_bytes)
     app[CONFIG] = LiveConfig(config, overrides=dict(overrides or {}))
     app[REGISTRY] = registry
     app[PROXY_METRICS] = metrics

@@ -47,4 +47,6 @@ def inject_fields(raw: bytes, fields: Mapping[str, Any]) -> bytes:
         nxt += 1
     if nxt < n and raw[nxt] != 0x7D:  # not "}": the object has members of its own
         members += b","
-    return b"".join((raw[: start + 1], members, raw[start + 1 :]))
+    # Views, not slices: the join is then the only copy of a big body.
+    view = memoryview(raw)
+    return b"".join((view[: start + 1], members, view[start + 1 :]))

@@ -13,8 +13,8 @@ and the plan is carried out here, in order:
    attempt ends, on every exit path.
 
 With both features off the body is not even parsed: the bytes forwarded are the
-bytes received. Refusals are raised as :class:`~kvproxy.proxy.middleware.Refused`;
-the middleware maps them and counts every response (:mod:`kvproxy.proxy.middleware`).
+bytes received. Refusals are raised as :class:`~kvproxy.proxy.refusals.Refused`;
+:meth:`ProxyHandlers.dispatch` maps them and counts every response once.
 """
 
 from __future__ import annotations
@@ -25,19 +25,18 @@ import functools
 import logging
 import time
 from collections.abc import Callable, Mapping
-from contextlib import AsyncExitStack
 from dataclasses import dataclass
 
 import aiohttp
 import orjson
 from aiohttp import web
+from multidict import CIMultiDict
 
-from kvproxy.admission.coordinator import AdmissionController, AdmissionRequest
+from kvproxy.admission.coordinator import AdmissionController, AdmissionRequest, Decision
 from kvproxy.config import LiveConfig
 from kvproxy.proxy.body import parse_object
 from kvproxy.proxy.errors import ErrorType
 from kvproxy.proxy.metrics import ProxyMetrics
-from kvproxy.proxy.middleware import Refused, count_as
 from kvproxy.proxy.pipeline import (
     Plan,
     Refusal,
@@ -46,6 +45,7 @@ from kvproxy.proxy.pipeline import (
     render_body,
     with_turn_headers,
 )
+from kvproxy.proxy.refusals import Refused, refusal_response
 from kvproxy.proxy.responses import error_response
 from kvproxy.proxy.scan import counted_keys_for, scan_object
 from kvproxy.proxy.session_relay import serve_streaming
@@ -92,6 +92,7 @@ class Attempt:
         "path",
         "request",
         "response_headers",
+        "sent_headers",
         "started",
         "waited",
     )
@@ -111,6 +112,8 @@ class Attempt:
         self.extra_headers = extra_headers
         self.waited = 0.0  # seconds spent in the admission queue (not proxy overhead)
         self.response_headers: Mapping[str, str] | None = None
+        # The request headers forwarded (set by ProxyHandlers.forward).
+        self.sent_headers: CIMultiDict[str] | None = None
         self.on_disconnect: Callable[[], None] | None = None
         self.observe_usage: ObserveUsage | None = None
         self.observe_body: ObserveBody | None = None
@@ -181,25 +184,41 @@ class ProxyHandlers:
 
     # ------------------------------------------------------------------ dispatch
     async def dispatch(self, request: web.Request) -> web.StreamResponse:
-        """Catch-all route: strip ``/sessions/{id}``, then intercept or pass through."""
+        """Catch-all route: strip ``/sessions/{id}``, then intercept or pass through.
+
+        Every response, a refusal included, is counted once in ``kvproxy_requests_total``
+        by the path after ``/sessions/{id}`` (the path as received when it is refused
+        before that prefix is read)."""
         started = time.perf_counter()
-        count_as(request, request.path)
-        if self.shutdown.started:
-            raise Refused(ErrorType.SHUTTING_DOWN, "kvproxy is shutting down")
-        lifecycle_on = self.live.config.session_lifecycle.enabled
+        counted = request.path
         try:
-            path_sid, path = split_session_path(request.path)
+            if self.shutdown.started:
+                raise Refused(ErrorType.SHUTTING_DOWN, "kvproxy is shutting down")
+            path_sid, path = self._session_path(request)
+            counted = path
+            response = await self._route(request, path, path_sid, started)
+        except Refused as exc:
+            response = refusal_response(exc)
+        self.metrics.count(counted, response.status)
+        return response
+
+    def _session_path(self, request: web.Request) -> tuple[str | None, str]:
+        try:
+            return split_session_path(request.path)
         except InvalidSessionId as exc:
-            if lifecycle_on:
+            if self.live.config.session_lifecycle.enabled:
                 raise Refused(ErrorType.INVALID_SESSION_ID, str(exc)) from None
             # The feature is off: nothing reads the id, so the path goes as it came.
-            path_sid, path = None, request.path
-        count_as(request, path)
+            return None, request.path
+
+    async def _route(
+        self, request: web.Request, path: str, path_sid: str | None, started: float
+    ) -> web.StreamResponse:
         if request.method == "POST":
             if path in INTERCEPTED_PATHS:
                 return await self.intercepted(request, path, path_sid, started)
             if path == "/close_session":
-                if lifecycle_on:
+                if self.live.config.session_lifecycle.enabled:
                     return await self.close_session_api(request, path_sid)
                 if self.live.config.admission.enabled:
                     return await self.close_session_passthrough(request, path_sid, started)
@@ -266,8 +285,7 @@ class ProxyHandlers:
                 attempt.on_disconnect = functools.partial(
                     self.sessions.abort_in_background, plan.abort_rids
                 )
-            async with AsyncExitStack() as stack:
-                return await self._admitted(stack, attempt, plan, turn, None)
+            return await self._admitted(attempt, plan, turn, None)
         finally:
             if turn is not None:
                 self.agents.end(turn)
@@ -281,25 +299,50 @@ class ProxyHandlers:
             abort_rids=plan.abort_rids or None,
         )
         try:
-            async with AsyncExitStack() as stack:
-                tracked = await stack.enter_async_context(tracking)
+            async with tracking as tracked:
                 attempt.on_disconnect = tracked.disconnected
-                return await self._admitted(stack, attempt, plan, turn, tracked)
+                return await self._admitted(attempt, plan, turn, tracked)
         except SessionClosed as exc:
             raise Refused(ErrorType.SESSION_CLOSED, str(exc)) from None
 
     async def _admitted(
+        self, attempt: Attempt, plan: Plan, turn: Turn | None, tracked: TrackedRequest | None
+    ) -> web.StreamResponse:
+        """Wait for admission, then forward; the lease is held until the attempt ends."""
+        if not plan.admit:
+            return await self._send(attempt, plan, turn, tracked, None)
+        areq = AdmissionRequest(
+            ticket_id=plan.ticket,
+            path=attempt.path,
+            headers=attempt.request.headers,
+            body=plan.body if plan.body is not None else {},
+            session_id=plan.session_id,
+            routing_key=plan.routing_key,
+        )
+        # ``async with`` spelled out: a tracked request waits through until_forwarded
+        # (a session close cancels the wait), and the lease is released only when it
+        # was granted.
+        lease = self.admission.admit(areq)
+        enter = lease.__aenter__()
+        decision = await (tracked.until_forwarded(enter) if tracked is not None else enter)
+        try:
+            steering = self._admission_decided(attempt, plan, areq, decision)
+            response = await self._send(attempt, plan, turn, tracked, steering)
+        except BaseException as exc:
+            await lease.__aexit__(type(exc), exc, exc.__traceback__)
+            raise
+        await lease.__aexit__(None, None, None)
+        return response
+
+    async def _send(
         self,
-        stack: AsyncExitStack,
         attempt: Attempt,
         plan: Plan,
         turn: Turn | None,
         tracked: TrackedRequest | None,
+        steering: int | None,
     ) -> web.StreamResponse:
-        """Wait for admission (the lease lives on ``stack``), then forward."""
-        steering: int | None = None
-        if plan.admit:
-            steering = await self._admission_wait(stack, attempt, plan, tracked)
+        """Forward the planned request (or serve it as a Dynamo turn)."""
         if tracked is not None:
             tracked.forwarded()
         fields, source = final_fields(plan, steering)
@@ -319,25 +362,10 @@ class ProxyHandlers:
             self._after_turn(attempt, plan, turn)
         return response
 
-    async def _admission_wait(
-        self,
-        stack: AsyncExitStack,
-        attempt: Attempt,
-        plan: Plan,
-        tracked: TrackedRequest | None,
+    def _admission_decided(
+        self, attempt: Attempt, plan: Plan, areq: AdmissionRequest, decision: Decision
     ) -> int | None:
         """The admission decision's steering priority; its headers go on the response."""
-        admission = self.admission
-        areq = AdmissionRequest(
-            ticket_id=plan.ticket,
-            path=attempt.path,
-            headers=attempt.request.headers,
-            body=plan.body if plan.body is not None else {},
-            session_id=plan.session_id,
-            routing_key=plan.routing_key,
-        )
-        enter = stack.enter_async_context(admission.admit(areq))
-        decision = await (tracked.until_forwarded(enter) if tracked else enter)
         attempt.waited = decision.wait_s
         if decision.reason == "cancelled":
             # The ticket was cancelled from outside (e.g. a duplicate rid whose twin was
@@ -350,6 +378,7 @@ class ProxyHandlers:
             attempt.response_headers = _admission_headers(
                 decision.action, decision.reason, decision.wait_s
             )
+        admission = self.admission
 
         def observe(usage: Usage | None) -> None:
             # The engine's own usage report, from the final chunk (or the body).
@@ -391,7 +420,9 @@ class ProxyHandlers:
 
     def _after_turn(self, attempt: Attempt, plan: Plan, turn: Turn) -> None:
         assert plan.body is not None
-        headers = forward_request_headers(attempt.request, plan.headers or None)
+        headers = attempt.sent_headers  # forward()'s, unless session control served it
+        if headers is None:
+            headers = forward_request_headers(attempt.request, plan.headers or None)
         self.agents.after_response(turn, plan.body, headers)
 
     # ------------------------------------------------------------------- forward
@@ -401,7 +432,7 @@ class ProxyHandlers:
         url = self.live.router_base + attempt.path
         if request.query_string:
             url += "?" + request.query_string
-        headers = forward_request_headers(request, attempt.extra_headers)
+        headers = attempt.sent_headers = forward_request_headers(request, attempt.extra_headers)
         sent_at = time.perf_counter()
         try:
             upstream_cm = self.http.request(
@@ -558,7 +589,10 @@ class ProxyHandlers:
                 ErrorType.INVALID_REQUEST,
                 "session lifecycle is disabled (session_lifecycle.enabled: false)",
             )
-        return await self._close(request.match_info["session_id"], reason="admin")
+        try:
+            return await self._close(request.match_info["session_id"], reason="admin")
+        except Refused as exc:
+            return refusal_response(exc)
 
     async def _close(self, session_id: str, *, reason: str) -> web.Response:
         try:

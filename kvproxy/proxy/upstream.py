@@ -57,11 +57,16 @@ def create_client_session(cfg: RouterConfig) -> aiohttp.ClientSession:
     )
 
 
-def _connection_tokens(headers: Mapping[str, str]) -> frozenset[str]:
+# What never crosses the hop, as lower-case names (the headers' own spelling is kept).
+_DROPPED = HOP_BY_HOP | _RECOMPUTED
+
+
+def _dropped(headers: Mapping[str, str]) -> frozenset[str]:
+    """The names not forwarded: hop-by-hop, recomputed, and those ``Connection`` names."""
     value = headers.get("Connection")
     if not value:
-        return frozenset()
-    return frozenset(t.strip().lower() for t in value.split(",") if t.strip())
+        return _DROPPED
+    return _DROPPED | {t.strip().lower() for t in value.split(",") if t.strip()}
 
 
 def forward_request_headers(
@@ -69,13 +74,9 @@ def forward_request_headers(
 ) -> CIMultiDict[str]:
     """Client headers minus hop-by-hop ones, with X-Forwarded-For appended."""
     src = request.headers
-    named = _connection_tokens(src)
-    out: CIMultiDict[str] = CIMultiDict()
-    for key, value in src.items():
-        lk = key.lower()
-        if lk in HOP_BY_HOP or lk in _RECOMPUTED or lk in named:
-            continue
-        out.add(key, value)
+    dropped = _dropped(src)
+    # One list handed to CIMultiDict (built in C) instead of one add() per header.
+    out = CIMultiDict([(k, v) for k, v in src.items() if k.lower() not in dropped])
     peer = request.remote or "unknown"
     prior = src.get("X-Forwarded-For")
     out["X-Forwarded-For"] = f"{prior}, {peer}" if prior else peer
@@ -86,11 +87,5 @@ def forward_request_headers(
 
 def forward_response_headers(headers: CIMultiDictProxy[str]) -> CIMultiDict[str]:
     """Upstream response headers minus hop-by-hop ones and the body length."""
-    named = _connection_tokens(headers)
-    out: CIMultiDict[str] = CIMultiDict()
-    for key, value in headers.items():
-        lk = key.lower()
-        if lk in HOP_BY_HOP or lk in _RECOMPUTED or lk in named:
-            continue
-        out.add(key, value)
-    return out
+    dropped = _dropped(headers)
+    return CIMultiDict([(k, v) for k, v in headers.items() if k.lower() not in dropped])

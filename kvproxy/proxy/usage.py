@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from itertools import islice
 from typing import Any
 
 import orjson
@@ -36,6 +37,7 @@ SEARCH_BYTES = 4096
 # Per stream: at most twice this plus one chunk is held (2,000 open streams: ~32 MB).
 DEFAULT_TAIL_BYTES = 8 * 1024
 
+_DONE = b"[DONE]"
 _KEYS = ("prompt_tokens", "completion_tokens", "cached_tokens")
 _KEY_RES = {key: re.compile(rb'"' + key.encode() + rb'"\s*:\s*(\d+)') for key in _KEYS}
 
@@ -161,6 +163,28 @@ def _events_from_end(tail: bytes, complete_start: bool) -> tuple[list[bytes], by
     return out, cut
 
 
+def _parse_event(payload: bytes) -> tuple[Any, bool]:
+    """``(doc, True)``: the event's JSON; ``(None, False)``: too big to parse, or not JSON
+    (cut by the window, say), so only a key search can read it."""
+    if len(payload) > MAX_EVENT_BYTES:
+        return None, False
+    try:
+        return orjson.loads(payload), True
+    except orjson.JSONDecodeError:
+        return None, False
+
+
+def _note_sequence(per_index: dict[int, Usage], doc: dict[str, Any], found: Usage) -> bool:
+    """Keep ``found`` as its sequence's totals unless a later chunk of that sequence was
+    read already (cumulative counts: the later one is newer). False: stop reading (an
+    ``n == 1`` stream, whose last chunk is enough)."""
+    index = doc.get("index")
+    key = index if type(index) is int else 0
+    if key not in per_index:
+        per_index[key] = found
+    return index is not None
+
+
 def usage_from_stream_tail(
     tail: bytes, *, complete_start: bool = False, max_events: int = 16
 ) -> Usage | None:
@@ -170,41 +194,19 @@ def usage_from_stream_tail(
     the window). Parses at most ``max_events`` events from the end.
     """
     per_index: dict[int, Usage] = {}
-    seen = 0
     events, cut = _events_from_end(tail, complete_start)
-    for payload in events:
-        if payload == b"[DONE]":
-            continue
-        seen += 1
-        if seen > max_events:
-            break
-        if len(payload) > MAX_EVENT_BYTES:
-            found = search_usage(payload)
-            if found is not None and not per_index:
-                return found
-            continue
-        try:
-            doc = orjson.loads(payload)
-        except orjson.JSONDecodeError:
-            if not per_index:
-                found = search_usage(payload)  # cut by the window, or not JSON
-                if found is not None:
-                    return found
+    for payload in islice((p for p in events if p != _DONE), max_events):
+        doc, parsed = _parse_event(payload)
+        if not parsed:
+            if not per_index and (searched := search_usage(payload)) is not None:
+                return searched
             continue
         found = _from_object(doc)
         if found is None:
             continue
         if found.source == "usage":
             return found  # OpenAI usage covers every choice of the request
-        index = doc.get("index") if isinstance(doc, dict) else None
-        key = index if type(index) is int else 0
-        if key in per_index:
-            # An earlier chunk of a sequence already read: cumulative counts are older.
-            if index is None:
-                break  # n == 1: the last chunk was enough
-            continue
-        per_index[key] = found
-        if index is None:
+        if not _note_sequence(per_index, doc, found):
             break
     if not per_index:
         # The one event that carries it may be the one the window cut.

@@ -25,7 +25,6 @@ import contextlib
 import logging
 import time
 from collections.abc import (
-    AsyncIterator,
     Awaitable,
     Callable,
     Coroutine,
@@ -35,6 +34,7 @@ from collections.abc import (
 )
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
+from types import TracebackType
 from typing import Any, TypeVar
 
 import aiohttp
@@ -309,6 +309,39 @@ class SessionsHealth:
         }
 
 
+class _Tracking(AbstractAsyncContextManager[TrackedRequest]):
+    """What :meth:`SessionManager.track` returns: a plain class, not a generator-based
+    context manager (it is entered on every request of a session)."""
+
+    __slots__ = ("_args", "_manager", "_req")
+
+    def __init__(
+        self,
+        manager: SessionManager,
+        session_id: str,
+        rid: str,
+        rids: tuple[str, ...],
+        close_after: bool,
+    ) -> None:
+        self._manager = manager
+        self._args = (session_id, rid, rids, close_after)
+        self._req: TrackedRequest | None = None
+
+    async def __aenter__(self) -> TrackedRequest:
+        self._req = self._manager._enter(*self._args)
+        return self._req
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        req, self._req = self._req, None
+        if req is not None:
+            self._manager._leave(req)
+
+
 class SessionManager:
     """Owns the session table, the close tasks and the engine session-mode check."""
 
@@ -458,12 +491,11 @@ class SessionManager:
         ``abort_rids`` (default ``(rid,)``) are the rids an abort must name.
         """
         rids = tuple(abort_rids) if abort_rids else (rid,)
-        return self._track(session_id, rid, rids, close_after)
+        return _Tracking(self, session_id, rid, rids, close_after)
 
-    @contextlib.asynccontextmanager
-    async def _track(
+    def _enter(
         self, session_id: str, rid: str, rids: tuple[str, ...], close_after: bool
-    ) -> AsyncIterator[TrackedRequest]:
+    ) -> TrackedRequest:
         begin = self._table.begin(session_id, self._clock())
         if begin.token is None:
             self._counters.inc(REJECTED_CLOSING)
@@ -476,20 +508,21 @@ class SessionManager:
             self._counters.inc(EVICTED, len(begin.evicted))
         req = TrackedRequest(self, session_id, begin.token, rid, rids, close_after)
         self._requests[begin.token] = req
-        try:
-            yield req
-        finally:
-            self._requests.pop(req.token, None)
-            self._table.end(session_id, req.token, self._clock())
-            if not req._finished.done():
-                req._finished.set_result(None)
-            if (
-                close_after
-                and self._cfg.enabled
-                and session_id not in self._closes
-                and self._begin_close(session_id, "final_turn") is not None
-            ):
-                self._counters.inc(CLOSED_FINAL)
+        return req
+
+    def _leave(self, req: TrackedRequest) -> None:
+        session_id = req.session_id
+        self._requests.pop(req.token, None)
+        self._table.end(session_id, req.token, self._clock())
+        if not req._finished.done():
+            req._finished.set_result(None)
+        if (
+            req.close_after
+            and self._cfg.enabled
+            and session_id not in self._closes
+            and self._begin_close(session_id, "final_turn") is not None
+        ):
+            self._counters.inc(CLOSED_FINAL)
 
     def _mark_forwarded(self, req: TrackedRequest) -> None:
         self._table.forwarded(req.session_id, req.token, req.abort_rids, self._clock())

@@ -181,6 +181,36 @@ async def test_body_over_the_limit_is_413_json(
             assert (await resp.json())["error"]["type"] == "body_too_large"
 
 
+async def test_every_response_is_counted_once_refusals_included(
+    make_proxy: MakeProxy, http: aiohttp.ClientSession
+) -> None:
+    # Counted by the path after /sessions/{id}; a request refused before that prefix
+    # is read is counted by the path as received (label "other").
+    proxy = await make_proxy(session_lifecycle={"enabled": True}, server={"max_body_bytes": 2048})
+    sid = new_marker()
+    ok = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2}}
+    async with http.post(f"{proxy.url}/sessions/{sid}/generate", json=ok) as resp:
+        assert resp.status == 200
+        await resp.read()
+    big = orjson.dumps({"input_ids": list(range(2000))})
+    async with http.post(
+        proxy.url + "/generate", data=big, headers={"Content-Type": "application/json"}
+    ) as resp:
+        assert resp.status == 413
+    async with http.post(proxy.url + "/sessions/%zz/generate", json=ok) as resp:
+        assert resp.status == 400
+        assert (await resp.json())["error"]["type"] == "invalid_session_id"
+    async with http.get(proxy.url + "/metrics") as resp:
+        text = await resp.text()
+    assert 'kvproxy_requests_total{path="/generate",status="200"} 1.0' in text
+    assert 'kvproxy_requests_total{path="/generate",status="413"} 1.0' in text
+    assert 'kvproxy_requests_total{path="other",status="400"} 1.0' in text
+    # The operator's close route answers its refusals too (not counted: not proxied).
+    async with http.post(proxy.url + "/kvproxy/sessions/bad%20id/close") as resp:
+        assert resp.status == 400
+        assert (await resp.json())["error"]["type"] == "invalid_session_id"
+
+
 async def test_other_paths_pass_through_with_query_strings(
     make_proxy: MakeProxy, router: stack.ManagedProcess, http: aiohttp.ClientSession
 ) -> None:

@@ -1,0 +1,222 @@
+"""Command line: ``python scripts/bench_proxy.py`` (see that script's docstring)."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from benchproxy.common import HOST, MEASUREMENTS, TARGETS
+from benchproxy.load import run_client
+from benchproxy.report import format_report, machine_info, target_checks
+from benchproxy.runner import Bench, Params
+from benchproxy.targets import (
+    raise_nofile,
+    serve_floor,
+    serve_upstream,
+    start_proxy,
+    start_upstream,
+)
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    def handler(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description="kvproxy overhead benchmark: direct vs through kvproxy against one fast upstream.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="short sanity run (smaller and shorter everything)"
+    )
+    parser.add_argument(
+        "--out", default="results/bench_proxy.json", help="JSON results (default %(default)s)"
+    )
+    parser.add_argument(
+        "--md", default=None, help="also write the markdown tables here (default: --out with .md)"
+    )
+    parser.add_argument("--targets", default=",".join(TARGETS), help="comma list of %(default)s")
+    parser.add_argument(
+        "--skip", default="", help=f"comma list of measurements to skip: {', '.join(MEASUREMENTS)}"
+    )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=None,
+        help="interleaved rounds per measurement (default 3; --quick 1)",
+    )
+    parser.add_argument(
+        "--rate", type=float, default=None, help="fixed offered load in req/s (default 1000)"
+    )
+    parser.add_argument(
+        "--ladder",
+        default=None,
+        metavar="RATES",
+        help="comma list of open-loop rates for the QPS ladder (default 100,500,1000,2000)",
+    )
+    parser.add_argument(
+        "--connections", type=int, default=None, help="saturation connections (default 64)"
+    )
+    parser.add_argument(
+        "--no-wrk",
+        action="store_true",
+        help="use the Python closed-loop generator even if wrk is installed",
+    )
+    parser.add_argument(
+        "--launcher",
+        choices=("auto", "stack", "direct"),
+        default="auto",
+        help="start proxies with kvproxy.stack when importable (auto), always (stack), or with "
+        "`python -m kvproxy serve` (direct)",
+    )
+    parser.add_argument(
+        "--profile",
+        default=None,
+        metavar="DIR",
+        help="also record a py-spy profile of each proxy under saturation",
+    )
+    parser.add_argument(
+        "--workdir", default=None, help="configs and logs (default: a fresh temporary directory)"
+    )
+    # Internal modes.
+    parser.add_argument("--serve-upstream", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--host", default=HOST, help=argparse.SUPPRESS)
+    parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--client", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--serve-floor", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--upstream", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    args.targets = [t.strip() for t in args.targets.split(",") if t.strip()]
+    unknown = [t for t in args.targets if t not in TARGETS]
+    if unknown:
+        parser.error(f"unknown targets {unknown} (choose from {', '.join(TARGETS)})")
+    args.skip = {s.strip() for s in args.skip.split(",") if s.strip()}
+    if bad := args.skip - set(MEASUREMENTS):
+        parser.error(f"unknown measurements in --skip: {sorted(bad)}")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.serve_upstream:
+        return serve_upstream(args.host, args.port)
+    if args.client is not None:
+        return run_client(args.client)
+    if args.serve_floor:
+        return serve_floor(args.host, args.port, args.upstream)
+
+    params = Params.quick() if args.quick else Params()
+    if args.rounds is not None:
+        params.rounds = max(1, args.rounds)
+    if args.rate is not None:
+        params.fixed_rate = args.rate
+    if args.connections is not None:
+        params.sat_connections = args.connections
+    if args.ladder:
+        try:
+            params.ladder_rates = tuple(float(r) for r in args.ladder.split(",") if r.strip())
+        except ValueError:
+            print(f"bench_proxy: --ladder: not a list of numbers: {args.ladder!r}", file=sys.stderr)
+            return 2
+    nofile = raise_nofile()
+    if nofile < params.open_streams * 2 + 256 and "open-streams" not in args.skip:
+        print(
+            f"warning: open-file limit is {nofile}; {params.open_streams} open streams may fail",
+            file=sys.stderr,
+        )
+    workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="bench_proxy_"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    command = "python scripts/bench_proxy.py" + (
+        " " + " ".join(sys.argv[1:]) if len(sys.argv) > 1 else ""
+    )
+    bench = Bench(args=args, params=params, workdir=workdir)
+    started = time.time()
+    bench.say(f"bench_proxy: workdir {workdir}")
+    with _sigterm_as_interrupt():
+        try:
+            bench.upstream = start_upstream(workdir)
+            bench.say(f"upstream {bench.upstream.url} (pid {bench.upstream.pid})")
+            for name in (t for t in args.targets if t != "direct"):
+                try:
+                    proxy = start_proxy(name, bench.upstream.url, workdir, args.launcher)
+                except Exception as exc:
+                    bench.notes.append(f"proxy {name} did not start: {exc}")
+                    bench.say(f"proxy {name} did not start: {exc}")
+                    continue
+                bench.proxies[name] = proxy
+                bench.say(f"proxy {name} {proxy.url} (pid {proxy.pid})")
+            steps: list[tuple[str, Callable[[], None]]] = [
+                ("saturation", bench.saturation),
+                ("fixed", bench.fixed),
+                ("ladder", bench.ladder),
+                ("streams", bench.streams),
+                ("bigbody", bench.bigbody),
+                ("open-streams", bench.open_streams),
+            ]
+            for key, step in steps:
+                if key in args.skip:
+                    continue
+                load0 = os.getloadavg()
+                try:
+                    step()
+                except (RuntimeError, TimeoutError, OSError, ValueError, KeyError) as exc:
+                    bench.notes.append(f"{key}: {exc}")
+                    bench.say(f"  {key} failed: {exc}")
+                bench.loadavg[key] = {"before": load0, "after": os.getloadavg()}
+        except KeyboardInterrupt:
+            bench.notes.append("interrupted")
+            bench.say("interrupted; stopping processes")
+        finally:
+            for proc in bench.proxies.values():
+                proc.stop()
+            if bench.upstream is not None:
+                bench.upstream.stop()
+
+    report = format_report(bench.results, params)
+    doc = {
+        "command": command,
+        "machine": machine_info(),
+        "params": params.__dict__,
+        "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
+        "wall_s": round(time.time() - started, 1),
+        "results": bench.results,
+        "loadavg": bench.loadavg,
+        "checks": [
+            {"target": c[0], "requirement": c[1], "measured": c[2], "met": c[3]}
+            for c in target_checks(bench.results, params)
+        ],
+        "notes": bench.notes,
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=2, default=str) + "\n")
+    md = Path(args.md) if args.md else out.with_suffix(".md")
+    loads = ", ".join(
+        f"{k} {v['before'][0]:.2f} -> {v['after'][0]:.2f}" for k, v in bench.loadavg.items()
+    )
+    md.write_text(
+        f"Command: `{command}`\n\nLoad average (1 min) around each measurement: {loads}\n\n{report}"
+    )
+    bench.say("\n" + report)
+    for note in bench.notes:
+        bench.say(f"note: {note}")
+    bench.say(f"results: {out}  tables: {md}  logs: {workdir}")
+    return 0 if not bench.notes else 1

@@ -1,0 +1,427 @@
+"""The processes measured: the fast upstream, the reference forwarder, kvproxy (and their
+lifecycle: start, readiness, CPU and RSS readings, stop by PID)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import resource
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from benchproxy.common import HOST, PROXY_FEATURES, REPO, SCRIPT
+
+
+def serve_upstream(host: str, port: int) -> int:
+    """A fast SGLang-shaped engine/router stand-in (aiohttp + uvloop)."""
+    import orjson
+    import uvloop
+    from aiohttp import web
+
+    self_url = f"http://{host}:{port}"
+    generate_reply = orjson.dumps(
+        {
+            "text": " ok" * 16,
+            "output_ids": list(range(16)),
+            "meta_info": {
+                "id": "bench",
+                "prompt_tokens": 1000,
+                "completion_tokens": 16,
+                "cached_tokens": 0,
+                "finish_reason": {"type": "length", "length": 16},
+                "e2e_latency": 0.0,
+            },
+        }
+    )
+    openai_reply = orjson.dumps(
+        {
+            "id": "bench",
+            "object": "chat.completion",
+            "model": "bench",
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": "ok"},
+                    "finish_reason": "length",
+                }
+            ],
+            "usage": {"prompt_tokens": 1000, "completion_tokens": 16, "total_tokens": 1016},
+        }
+    )
+    metrics_text = (
+        b"# HELP sglang:max_total_num_tokens Maximum total number of tokens.\n"
+        b"# TYPE sglang:max_total_num_tokens gauge\n"
+        b'sglang:max_total_num_tokens{model_name="bench"} 1000000000.0\n'
+        b"# HELP sglang:token_usage The token usage.\n"
+        b"# TYPE sglang:token_usage gauge\n"
+        b'sglang:token_usage{model_name="bench"} 0.1\n'
+        b"# TYPE sglang:num_used_tokens gauge\n"
+        b'sglang:num_used_tokens{model_name="bench"} 100000000.0\n'
+        b"# TYPE sglang:num_running_reqs gauge\n"
+        b'sglang:num_running_reqs{model_name="bench"} 0.0\n'
+        b"# TYPE sglang:num_queue_reqs gauge\n"
+        b'sglang:num_queue_reqs{model_name="bench"} 0.0\n'
+    )
+    server_info = orjson.dumps(
+        {
+            "model_path": "bench",
+            "version": "0.5.23",
+            "enable_session_radix_cache": True,
+            "radix_eviction_policy": "priority",
+            "enable_streaming_session": False,
+            "enable_priority_scheduling": False,
+            "disable_radix_cache": False,
+        }
+    )
+    workers = orjson.dumps({"workers": [{"url": self_url, "is_healthy": True, "labels": {}}]})
+
+    def wants_stream(body: bytes) -> bool:
+        return b'"stream":true' in body or b'"stream": true' in body
+
+    async def stream(request: web.Request) -> web.StreamResponse:
+        chunks = int(request.headers.get("X-Bench-Chunks", "20"))
+        gap = float(request.headers.get("X-Bench-Gap-Ms", "50")) / 1000.0
+        resp = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        )
+        await resp.prepare(request)
+        for i in range(chunks):
+            if i:
+                await asyncio.sleep(gap)
+            doc = {"text": f" t{i}", "meta_info": {"id": "bench", "completion_tokens": i + 1}}
+            await resp.write(b"data: " + orjson.dumps(doc) + b"\n\n")
+        await asyncio.sleep(gap)
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    async def generate(request: web.Request) -> web.StreamResponse:
+        body = await request.read()
+        if wants_stream(body):
+            return await stream(request)
+        reply = generate_reply if request.path == "/generate" else openai_reply
+        return web.Response(body=reply, content_type="application/json")
+
+    def fixed(
+        payload: bytes, content_type: str = "application/json"
+    ) -> Callable[[web.Request], Any]:
+        async def handler(request: web.Request) -> web.Response:
+            await request.read()
+            return web.Response(body=payload, content_type=content_type)
+
+        return handler
+
+    app = web.Application(client_max_size=64 * 1024 * 1024)
+    for path in ("/generate", "/v1/chat/completions", "/v1/completions"):
+        app.router.add_post(path, generate)
+    app.router.add_get("/metrics", fixed(metrics_text, "text/plain"))
+    app.router.add_get("/health", fixed(b"{}"))
+    app.router.add_get("/workers", fixed(workers))
+    app.router.add_get("/server_info", fixed(server_info))
+    app.router.add_get("/get_server_info", fixed(server_info))
+    app.router.add_post("/close_session", fixed(b"{}"))
+    app.router.add_post("/abort_request", fixed(b"{}"))
+    app.router.add_route("*", "/{tail:.*}", fixed(b"{}"))
+    web.run_app(
+        app,
+        host=host,
+        port=port,
+        backlog=4096,
+        access_log=None,
+        print=None,
+        shutdown_timeout=1.0,
+        loop=uvloop.new_event_loop(),
+    )
+    return 0
+
+
+def serve_floor(host: str, port: int, upstream: str) -> int:
+    """The reference forwarder: the least an aiohttp proxy does per request.
+
+    Reads the body, sends it upstream on a pooled keep-alive session, relays the answer
+    (chunk by chunk for SSE). No header hygiene, metrics, parsing or features: what
+    kvproxy with its features off costs beyond this is kvproxy's own overhead."""
+    import aiohttp
+    import uvloop
+    from aiohttp import web
+
+    skip = {"host", "content-length", "connection", "keep-alive", "transfer-encoding"}
+
+    async def client_ctx(app: web.Application) -> Any:
+        app[http_key] = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0), auto_decompress=False
+        )
+        yield
+        await app[http_key].close()
+
+    async def forward(request: web.Request) -> web.StreamResponse:
+        body = await request.read()
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in skip}
+        http = request.app[http_key]
+        async with http.request(
+            request.method, upstream + request.path_qs, data=body or None, headers=headers
+        ) as r:
+            content_type = r.headers.get("Content-Type", "application/octet-stream")
+            if content_type.startswith("text/event-stream"):
+                resp = web.StreamResponse(status=r.status, headers={"Content-Type": content_type})
+                await resp.prepare(request)
+                async for chunk in r.content.iter_any():
+                    await resp.write(chunk)
+                await resp.write_eof()
+                return resp
+            data = await r.read()
+            return web.Response(status=r.status, body=data, headers={"Content-Type": content_type})
+
+    http_key = web.AppKey("http", aiohttp.ClientSession)
+    app = web.Application(client_max_size=64 * 1024 * 1024)
+    app.cleanup_ctx.append(client_ctx)
+    app.router.add_route("*", "/{tail:.*}", forward)
+    web.run_app(
+        app,
+        host=host,
+        port=port,
+        access_log=None,
+        print=None,
+        shutdown_timeout=1.0,
+        loop=uvloop.new_event_loop(),
+    )
+    return 0
+
+
+def raise_nofile(want: int = 65536) -> int:
+    """Raise this process's open-file limit (inherited by the processes it starts)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = want if hard == resource.RLIM_INFINITY else min(want, hard)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return int(s.getsockname()[1])
+
+
+# Loopback requests never go through an HTTP proxy named in the environment.
+_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+def http_get(url: str, timeout: float = 2.0) -> tuple[int, bytes]:
+    try:
+        with _OPENER.open(url, timeout=timeout) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+def tcp_listen_drops() -> dict[str, int]:
+    """The kernel's TcpExt ListenOverflows / ListenDrops counters (accept queue full)."""
+    try:
+        with open("/proc/net/netstat") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return {}
+    for names, values in zip(lines[::2], lines[1::2], strict=False):
+        if names.startswith("TcpExt:"):
+            table = dict(zip(names.split()[1:], values.split()[1:], strict=False))
+            return {k: int(table[k]) for k in ("ListenOverflows", "ListenDrops") if k in table}
+    return {}
+
+
+def rss_mb(pid: int) -> float | None:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024.0
+    except OSError:
+        return None
+    return None
+
+
+_CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds of ``pid`` so far."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / _CLK_TCK
+
+
+@dataclass
+class Proc:
+    name: str
+    url: str
+    popen: subprocess.Popen[bytes]
+    log: Path
+    stop_hook: Callable[[], None] | None = None
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def stop(self) -> None:
+        if self.stop_hook is not None:
+            with contextlib.suppress(Exception):
+                self.stop_hook()
+        if self.popen.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.popen.pid, signal.SIGTERM)
+            try:
+                self.popen.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(self.popen.pid, signal.SIGKILL)
+                self.popen.wait(timeout=5)
+
+    def log_tail(self, lines: int = 20) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+
+def wait_ready(
+    proc: Proc, path: str, timeout_s: float, want_status: str | None = None
+) -> dict[str, Any] | None:
+    """Poll ``proc.url + path`` until 200 (and JSON status == want_status, when given)."""
+    deadline = time.monotonic() + timeout_s
+    last: dict[str, Any] | None = None
+    while time.monotonic() < deadline:
+        if proc.popen.poll() is not None:
+            raise RuntimeError(
+                f"{proc.name} exited with {proc.popen.returncode}:\n{proc.log_tail()}"
+            )
+        try:
+            status, body = http_get(proc.url + path, timeout=1.0)
+        except OSError:
+            status, body = 0, b""
+        if status == 200:
+            if want_status is None:
+                return None
+            with contextlib.suppress(ValueError):
+                last = json.loads(body)
+                if last.get("status") == want_status:
+                    return last
+        time.sleep(0.1)
+    if want_status is not None and last is not None:
+        return last  # up but not in the wanted state: the caller reports it
+    raise RuntimeError(
+        f"{proc.name} not ready on {path} after {timeout_s:.0f} s:\n{proc.log_tail()}"
+    )
+
+
+def start_upstream(workdir: Path, floor_of: str | None = None) -> Proc:
+    """The fast upstream, or (``floor_of`` = the upstream's URL) the reference forwarder."""
+    port = free_port()
+    name = "floor" if floor_of else "upstream"
+    log = workdir / f"{name}.log"
+    mode = ["--serve-floor", "--upstream", floor_of] if floor_of else ["--serve-upstream"]
+    with open(log, "wb") as out:
+        popen = subprocess.Popen(
+            [sys.executable, str(SCRIPT), *mode, "--host", HOST, "--port", str(port)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+    proc = Proc(name, f"http://{HOST}:{port}", popen, log)
+    try:
+        wait_ready(proc, "/health", 20.0)
+    except BaseException:
+        proc.stop()
+        raise
+    return proc
+
+
+def write_proxy_config(path: Path, name: str, upstream: str, port: int) -> None:
+    lifecycle, admission = PROXY_FEATURES[name]
+    path.write_text(
+        "\n".join(
+            [
+                "server:",
+                f"  port: {port}",
+                "  log_level: WARNING",
+                "  shutdown_grace_s: 1.0",
+                "router:",
+                f"  url: {upstream}",
+                f"  engines: [{upstream}]",
+                "session_lifecycle:",
+                f"  enabled: {str(lifecycle).lower()}",
+                "admission:",
+                f"  enabled: {str(admission).lower()}",
+                "  poll_interval_s: 0.5",
+                "",
+            ]
+        )
+    )
+
+
+def start_proxy(name: str, upstream: str, workdir: Path, launcher: str) -> Proc:
+    """Start kvproxy with feature set ``name``; through kvproxy.stack when available."""
+    if name == "floor":
+        return start_upstream(workdir, floor_of=upstream)
+    port = free_port()
+    cfg = workdir / f"kvproxy-{name}.yaml"
+    write_proxy_config(cfg, name, upstream, port)
+    log_dir = workdir / f"kvproxy-{name}"
+    log_dir.mkdir(exist_ok=True)
+    proc: Proc | None = None
+    if launcher in ("auto", "stack"):
+        try:
+            from kvproxy.stack import start_kvproxy  # type: ignore[import-not-found,unused-ignore]
+        except ImportError:
+            if launcher == "stack":
+                raise
+        else:
+            managed = start_kvproxy(
+                config_path=cfg, router_url=upstream, port=port, log_dir=log_dir
+            )
+            proc = Proc(
+                name,
+                str(managed.url).rstrip("/"),
+                managed.popen,
+                Path(getattr(managed, "log_path", log_dir / "kvproxy.log")),
+                stop_hook=managed.stop,
+            )
+    if proc is None:
+        log = log_dir / "kvproxy.log"
+        cmd = [sys.executable, "-m", "kvproxy", "serve", "--config", str(cfg), "--port", str(port)]
+        cmd += ["--router-url", upstream]
+        with open(log, "wb") as out:
+            popen = subprocess.Popen(
+                cmd,
+                cwd=REPO,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        proc = Proc(name, f"http://{HOST}:{port}", popen, log)
+    try:
+        wait_ready(proc, "/kvproxy/health", 30.0)
+        if name == "admission":
+            # Wait for the first /metrics poll so that measurements see a live ledger.
+            doc = wait_ready(proc, "/kvproxy/health", 10.0, want_status="ok")
+            if doc is not None and doc.get("status") != "ok":
+                print(f"  note: {name} proxy health is {doc.get('status')!r}", flush=True)
+    except BaseException:
+        proc.stop()
+        raise
+    return proc
