@@ -65,7 +65,7 @@ class ProgramCore:
 
     def configure(self, params: ProgramParams) -> None:
         self.p = params
-        self.ledger.p = params
+        self.ledger.configure(params)
 
     # -- requests ------------------------------------------------------------------
 
@@ -108,7 +108,8 @@ class ProgramCore:
             self._start(ticket, s, now, tokens, Outcome.BYPASS_OVERSIZED)
             return Verdict(Outcome.BYPASS_OVERSIZED, engine=owner)
         paused_waiting, new_waiting = self.queues.waiting(owner)
-        if not paused_waiting and not new_waiting and led.fits(owner, tokens, now):
+        fit = led.fits(owner, tokens, now) if continuing else led.fits_new(owner, s, tokens, now)
+        if not paused_waiting and not new_waiting and fit:
             outcome = Outcome.CONTINUING_FORWARDED if continuing else Outcome.NEW_ADMITTED
             led.activate(s)
             self._start(ticket, s, now, tokens, outcome)
@@ -307,9 +308,11 @@ class ProgramCore:
             return Outcome.BYPASS_NO_METRICS
         if e.tokens > led.capacity(url):
             return Outcome.BYPASS_OVERSIZED
-        if led.fits(url, e.tokens, now):
-            continuing = s.state is SessionState.ACTIVE
-            return Outcome.CONTINUING_WAITED if continuing else Outcome.NEW_WAITED
+        continuing = s.state is SessionState.ACTIVE
+        if continuing and led.fits(url, e.tokens, now):
+            return Outcome.CONTINUING_WAITED
+        if not continuing and led.fits_new(url, s, e.tokens, now):
+            return Outcome.NEW_WAITED
         if now >= e.deadline:
             return Outcome.NEW_AGED
         return None
@@ -451,6 +454,10 @@ class ProgramCore:
         """Forget everything; returns the tickets that were waiting."""
         tickets = list(self.queues.entries)
         self.queues = Queues()
+        lengths = {url: eng.context_length for url, eng in self.ledger.engines.items()}
         self.ledger = EngineLedger(self.p)
+        for url, n in lengths.items():  # (from /server_info, read once per engine)
+            if n is not None:
+                self.ledger.set_context_length(url, n)
         self._inflight.clear()
         return tickets
