@@ -283,7 +283,7 @@ class EngineLedger:
         (``sglang:streaming_session_held_tokens``), so it stays committed however long
         its session idles."""
         b = self.p.session_buffer_tokens
-        total = sum(self.weight(s, now) * s.footprint(b) for s in self._active(url))
+        total = math.fsum(self.weight(s, now) * s.footprint(b) for s in self._active(url))
         eng = self.engines.get(url)
         held = float(eng.streaming_held) if eng is not None else 0.0
         return max(0.0, total - self.credit(url), held)
@@ -319,7 +319,8 @@ class EngineLedger:
 
     def reserved(self, url: str, now: float) -> float:
         """R(e): decayed reservations of the engine's ACTIVE sessions, less the credit."""
-        total = sum(self.weight(s, now) * self.reservation(s) for s in self._active(url))
+        # fsum: exact, so the result does not depend on the set's (hash) order.
+        total = math.fsum(self.weight(s, now) * self.reservation(s) for s in self._active(url))
         eng = self.engines.get(url)
         held = float(eng.streaming_held) if eng is not None else 0.0
         return max(0.0, total - self.credit(url), held)

@@ -370,7 +370,8 @@ class ProgramCore:
         b = self.p.session_buffer_tokens
         active = [led.sessions[sid] for sid in led.engines[url].sessions]
         idle = [s for s in active if not s.running and s.idle_s(now) >= self.p.idle_lease_s]
-        idle.sort(key=lambda s: (s.footprint(b), -s.idle_s(now)))
+        # (ties last by id: the set's order depends on the hash seed)
+        idle.sort(key=lambda s: (s.footprint(b), -s.idle_s(now), s.sid))
         target = self.p.pause_low * cap
         for s in idle:
             if u <= target:
@@ -381,7 +382,7 @@ class ProgramCore:
         if u > target:
             running = [s for s in active if s.running and not s.pause_pending]
             if running:
-                smallest = min(running, key=lambda s: s.footprint(b))
+                smallest = min(running, key=lambda s: (s.footprint(b), s.sid))
                 smallest.pause_pending = True
                 self.events[Event.PAUSE_MARKED] += 1
 
@@ -437,6 +438,7 @@ class ProgramCore:
                     "max_total_num_tokens": eng.max_total_num_tokens,
                     "committed": led.committed(url, now),
                     "footprint": float(led.undecayed(url)),
+                    "reserved": led.reserved(url, now),
                     "target": eng.theta,
                     "gate_off": led.gate_off(url),
                     "shared_prefix": float(eng.shared_prefix),

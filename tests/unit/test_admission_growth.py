@@ -216,3 +216,11 @@ def test_growth_params_follow_the_config() -> None:
     cfg = AdmissionConfig(growth_reservation=False, growth_quantile=0.75, growth_window=32)
     p = ProgramParams.from_config(cfg)
     assert (p.growth_reservation, p.growth_quantile, p.growth_window) == (False, 0.75, 32)
+
+
+def test_engine_rows_show_the_reserved_tokens() -> None:
+    c = core()
+    learn_peaks(c, [400, 400])
+    run_turn(c, "a1", "a", 50, 1.0)
+    (row,) = [r for r in c.engine_rows(1.0) if r["url"] == E1]
+    assert (row["footprint"], row["reserved"]) == (50.0, 400.0)
