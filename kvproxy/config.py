@@ -193,7 +193,7 @@ class AdmissionConfig:
     pause: bool = True
     paused_max_wait_s: float = 30.0
     # A new session waits in its engine's FIFO at most this long, then goes anyway.
-    new_session_max_wait_s: float = 600.0
+    new_session_max_wait_s: float = 3600.0
     # Inject a size-based top-level priority when every engine evicts by priority. Off by
     # default: with --enable-priority-scheduling (required for priority eviction) the
     # priority also orders the engine's waiting queue, which starves small sessions
@@ -226,6 +226,19 @@ class AdmissionConfig:
     feedback_window_s: float = 5.0
     # Per-session constant added to its footprint (tokens).
     session_buffer_tokens: int = 100
+    # Growth-aware admission of new sessions: a new session starts only if what the
+    # engine's admitted sessions and it are expected to grow to (each: max(footprint,
+    # expected peak context)) fits growth_target x capacity. The expected peak is the
+    # growth_quantile of the last growth_window closed sessions' final contexts once
+    # growth_min_closed have closed; before, context + the fleet's per-turn growth x
+    # growth_horizon_turns (the engine's context length before any growth is seen),
+    # capped by the engine's context length. Continuing turns are never held by it.
+    growth_reservation: bool = True
+    growth_target: float = 0.92
+    growth_quantile: float = 0.25
+    growth_window: int = 256
+    growth_min_closed: int = 16
+    growth_horizon_turns: float = 16.0
     # Bound of the per-engine session table (least recently active idle session first).
     max_sessions: int = 100_000
     # A session with no request for this long stops being counted resident (its KV is
@@ -599,6 +612,8 @@ def _validate_program(a: AdmissionConfig) -> None:
         "target_max",
         "gate_off_below",
         "thrash_cached_fraction",
+        "growth_target",
+        "growth_quantile",
     ):
         value = getattr(a, key)
         _check(0 < value <= 1, f"admission.{key}: must be in (0, 1] (got {value})")
@@ -625,6 +640,15 @@ def _validate_program(a: AdmissionConfig) -> None:
         f"admission.session_buffer_tokens: must be >= 0 (got {a.session_buffer_tokens})",
     )
     _check(a.max_sessions >= 1, f"admission.max_sessions: must be >= 1 (got {a.max_sessions})")
+    _check(a.growth_window >= 1, f"admission.growth_window: must be >= 1 (got {a.growth_window})")
+    _check(
+        a.growth_min_closed >= 0,
+        f"admission.growth_min_closed: must be >= 0 (got {a.growth_min_closed})",
+    )
+    _check(
+        a.growth_horizon_turns >= 0,
+        f"admission.growth_horizon_turns: must be >= 0 (got {a.growth_horizon_turns})",
+    )
 
 
 # CLI flag -> (section, key). Relax-compatible names first.

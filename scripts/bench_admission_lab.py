@@ -95,6 +95,7 @@ ABLATION: tuple[tuple[str, dict[str, Any]], ...] = (
     ("both (defaults)", {}),
     ("fleet ledger", {"ledger": "fleet"}),
     ("hold continuing", {"hold_continuing": True}),
+    ("no growth reservation", {"growth_reservation": False}),
     ("no pause", {"pause": False}),
     ("priority steering on", {"priority_steering": True}),
     ("pause bound 8 s", {"paused_max_wait_s": 8.0}),

@@ -82,6 +82,12 @@ ENGINE_FAMILIES = (
         "agentic_kv_admission_engine_committed_tokens",
         "Decayed footprint W of the engine's active sessions (drives admission).",
     ),
+    (
+        "reserved",
+        "agentic_kv_admission_engine_reserved_tokens",
+        "Decayed reservations R of the engine's active sessions: max(footprint, expected "
+        "peak) each (drives the growth gate on new sessions).",
+    ),
     ("capacity", "agentic_kv_admission_engine_capacity_tokens", "max_total_num_tokens x headroom."),
     (
         "target",

@@ -928,7 +928,11 @@ class AdmissionController:
     def set_server_info(self, url: str, info: Mapping[str, Any]) -> None:
         """An engine's ``/server_info`` document (lab / tests: no HTTP)."""
         base = base_url(url)
-        self._modes[base] = parse_server_info(base, info)
+        self._note_mode(parse_server_info(base, info))
+
+    def _note_mode(self, mode: EngineSessionMode) -> None:
+        self._modes[mode.url] = mode
+        self.program.ledger.set_context_length(mode.url, mode.context_length)
 
     @property
     def priority_steering(self) -> bool:
@@ -961,7 +965,7 @@ class AdmissionController:
         return moved
 
     async def _probe_engines(self, urls: Sequence[str]) -> None:
-        if self._http is None or not self._cfg.priority_steering:
+        if self._http is None or not (self._cfg.priority_steering or self._cfg.growth_reservation):
             return
         missing = [u for u in urls if base_url(u) not in self._modes]
         if not missing:
@@ -972,7 +976,7 @@ class AdmissionController:
         )
         for result in results:
             if isinstance(result, EngineSessionMode):
-                self._modes[result.url] = result
+                self._note_mode(result)
 
     def _program_observe(
         self, urls: Sequence[str], results: Sequence[str | BaseException], now: float

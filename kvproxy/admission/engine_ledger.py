@@ -27,8 +27,9 @@ leaves at once; an idle one leaves after ``idle_ttl_s``; the table is bounded by
 
 from __future__ import annotations
 
+import bisect
 import math
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -64,6 +65,87 @@ class Session:
         return 0.0 if self.running else max(0.0, now - self.since)
 
 
+class PeakModel:
+    """What a session is expected to grow to (its peak context), learned on line. Pure.
+
+    Fleet-wide: every engine serves the same workload. Once ``min_closed`` sessions have
+    closed (or expired) with at least one response, the expected peak is the ``quantile``
+    of the last ``window`` of their final contexts. Before that, the prior: a session's
+    context plus the fleet's per-turn growth (an EMA over every response) times
+    ``horizon_turns``; before any growth was seen, the engine's context length. Either is
+    capped by the engine's context length when known (no session can grow past it).
+    """
+
+    def __init__(
+        self, *, quantile: float, window: int, min_closed: int, horizon_turns: float, alpha: float
+    ) -> None:
+        self._order: deque[int] = deque(maxlen=max(1, window))
+        self._sorted: list[int] = []
+        self.growth: float | None = None  # fleet EMA of per-turn growth
+        self.configure(
+            quantile=quantile,
+            window=window,
+            min_closed=min_closed,
+            horizon_turns=horizon_turns,
+            alpha=alpha,
+        )
+
+    def configure(
+        self, *, quantile: float, window: int, min_closed: int, horizon_turns: float, alpha: float
+    ) -> None:
+        self.quantile = quantile
+        self.min_closed = min_closed
+        self.horizon_turns = horizon_turns
+        self.alpha = alpha
+        if self._order.maxlen != max(1, window):
+            kept = list(self._order)[-max(1, window) :]
+            self._order = deque(kept, maxlen=max(1, window))
+            self._sorted = sorted(kept)
+        self._learned = None
+
+    def observe_growth(self, delta: float) -> None:
+        a = self.alpha
+        self.growth = delta if self.growth is None else a * delta + (1 - a) * self.growth
+
+    def observe_closed(self, peak: int) -> None:
+        if peak <= 0:
+            return
+        if len(self._order) == self._order.maxlen:
+            old = self._order[0]
+            del self._sorted[bisect.bisect_left(self._sorted, old)]
+        self._order.append(peak)
+        bisect.insort(self._sorted, peak)
+        self._learned = None
+
+    @property
+    def closed(self) -> int:
+        return len(self._sorted)
+
+    def learned(self) -> int | None:
+        """The quantile of closed sessions' peaks, or None before ``min_closed``."""
+        if len(self._sorted) < max(1, self.min_closed):
+            return None
+        if self._learned is None:
+            i = min(len(self._sorted) - 1, int(self.quantile * len(self._sorted)))
+            self._learned = self._sorted[i]
+        return self._learned
+
+    def peak(self, ctx: int, context_length: int | None) -> int:
+        """The expected peak context of a session now at ``ctx`` tokens."""
+        learned = self.learned()
+        if learned is not None:
+            out = learned
+        elif self.growth is not None:
+            out = int(ctx + self.growth * self.horizon_turns)
+        elif context_length is not None:
+            out = context_length
+        else:
+            out = ctx
+        if context_length is not None:
+            out = min(out, context_length)
+        return max(out, ctx)
+
+
 @dataclass(slots=True)
 class Engine:
     url: str
@@ -74,6 +156,8 @@ class Engine:
     evicted_total: int | None = None
     retracted_total: int | None = None
     sessions: set[str] = field(default_factory=set)  # ACTIVE sessions on it
+    # The engine's context length (/server_info), when known: caps an expected peak.
+    context_length: int | None = None
     # KV held by the engine's streaming sessions (pinned: never evicted, never decays).
     streaming_held: int = 0
     streaming_sessions: int = 0
@@ -96,6 +180,24 @@ class EngineLedger:
         self.p = params
         self.sessions: OrderedDict[str, Session] = OrderedDict()  # least recent first
         self.engines: dict[str, Engine] = {}
+        self.peaks = PeakModel(
+            quantile=params.growth_quantile,
+            window=params.growth_window,
+            min_closed=params.growth_min_closed,
+            horizon_turns=params.growth_horizon_turns,
+            alpha=params.growth_alpha,
+        )
+
+    def configure(self, params: ProgramParams) -> None:
+        """New parameters; what was learned (peaks, growth) is kept."""
+        self.p = params
+        self.peaks.configure(
+            quantile=params.growth_quantile,
+            window=params.growth_window,
+            min_closed=params.growth_min_closed,
+            horizon_turns=params.growth_horizon_turns,
+            alpha=params.growth_alpha,
+        )
 
     # -- engines -------------------------------------------------------------------
 
@@ -181,7 +283,7 @@ class EngineLedger:
         (``sglang:streaming_session_held_tokens``), so it stays committed however long
         its session idles."""
         b = self.p.session_buffer_tokens
-        total = sum(self.weight(s, now) * s.footprint(b) for s in self._active(url))
+        total = math.fsum(self.weight(s, now) * s.footprint(b) for s in self._active(url))
         eng = self.engines.get(url)
         held = float(eng.streaming_held) if eng is not None else 0.0
         return max(0.0, total - self.credit(url), held)
@@ -201,6 +303,43 @@ class EngineLedger:
         eng = self.engines.get(url)
         theta = self.p.target_start if eng is None else eng.theta
         return self.committed(url, now) + tokens <= theta * self.capacity(url)
+
+    # -- growth-aware admission of new sessions ------------------------------------
+
+    def set_context_length(self, url: str, context_length: int | None) -> None:
+        eng = self.engine(url)
+        eng.context_length = context_length if context_length and context_length > 0 else None
+
+    def reservation(self, s: Session, url: str | None = None) -> int:
+        """What the session is expected to hold at its peak: max(footprint, peak)."""
+        eng = self.engines.get(url or s.engine)
+        cl = None if eng is None else eng.context_length
+        b = self.p.session_buffer_tokens
+        return max(s.footprint(b), self.peaks.peak(max(s.ctx, s.est), cl) + b)
+
+    def reserved(self, url: str, now: float) -> float:
+        """R(e): decayed reservations of the engine's ACTIVE sessions, less the credit."""
+        # fsum: exact, so the result does not depend on the set's (hash) order.
+        total = math.fsum(self.weight(s, now) * self.reservation(s) for s in self._active(url))
+        eng = self.engines.get(url)
+        held = float(eng.streaming_held) if eng is not None else 0.0
+        return max(0.0, total - self.credit(url), held)
+
+    def fits_new(self, url: str, s: Session, tokens: int, now: float) -> bool:
+        """A new session's first turn of ``tokens``: it fits now (``fits``) and, with
+        growth reservation on, what the admitted sessions and it are expected to grow to
+        fits ``growth_target x C`` (the crossover does not apply: a first turn is small,
+        its growth is not). An engine with no active session takes it anyway."""
+        if not self.fits(url, tokens, now):
+            return False
+        if not self.p.growth_reservation:
+            return True
+        eng = self.engines.get(url)
+        if eng is None or not eng.sessions:
+            return True  # an empty engine takes any session it fits (no deadlock)
+        probe = Session(sid=s.sid, engine=url, since=now, ctx=s.ctx, est=max(s.est, tokens))
+        need = self.reservation(probe, url)
+        return self.reserved(url, now) + need <= self.p.growth_target * self.capacity(url)
 
     # -- sessions ------------------------------------------------------------------
 
@@ -274,6 +413,7 @@ class EngineLedger:
             delta = max(0, total - s.ctx)
             a = self.p.growth_alpha
             s.growth = delta if s.turns == 1 else a * delta + (1 - a) * s.growth
+            self.peaks.observe_growth(delta)
         s.ctx = total
         s.est = 0
         s.turns += 1
@@ -305,6 +445,8 @@ class EngineLedger:
         s = self.sessions.pop(sid, None)
         if s is None:
             return None
+        if s.turns > 0:  # what it grew to (contexts only grow within a session)
+            self.peaks.observe_closed(s.ctx)
         eng = self.engines.get(s.engine)
         if eng is not None and sid in eng.sessions:
             eng.sessions.discard(sid)

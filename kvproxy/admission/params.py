@@ -18,7 +18,7 @@ class ProgramParams:
     hold_continuing: bool = False
     pause: bool = True
     paused_max_wait_s: float = 30.0
-    new_session_max_wait_s: float = 600.0
+    new_session_max_wait_s: float = 3600.0
     priority_steering: bool = False
     priority_unit_tokens: int = 4096
     priority_max: int = 9
@@ -42,6 +42,13 @@ class ProgramParams:
     cut_interval_s: float = 10.0  # at most one cut per this long
     session_buffer_tokens: int = 100
     growth_alpha: float = 0.5  # EMA weight of the newest per-turn growth
+    # Growth-aware admission of new sessions (docs/admission.md#growth-reservation).
+    growth_reservation: bool = True
+    growth_target: float = 0.92
+    growth_quantile: float = 0.25
+    growth_window: int = 256
+    growth_min_closed: int = 16
+    growth_horizon_turns: float = 16.0
     staleness_s: float = 6.0
     max_queue: int = 10_000
     max_sessions: int = 100_000
@@ -73,6 +80,12 @@ class ProgramParams:
             feedback_window_s=cfg.feedback_window_s * k,
             cut_interval_s=2 * cfg.feedback_window_s * k,
             session_buffer_tokens=cfg.session_buffer_tokens,
+            growth_reservation=cfg.growth_reservation,
+            growth_target=cfg.growth_target,
+            growth_quantile=cfg.growth_quantile,
+            growth_window=cfg.growth_window,
+            growth_min_closed=cfg.growth_min_closed,
+            growth_horizon_turns=cfg.growth_horizon_turns,
             staleness_s=cfg.effective_staleness_s * k,
             max_queue=cfg.max_queue,
             max_sessions=cfg.max_sessions,

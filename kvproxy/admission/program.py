@@ -65,7 +65,7 @@ class ProgramCore:
 
     def configure(self, params: ProgramParams) -> None:
         self.p = params
-        self.ledger.p = params
+        self.ledger.configure(params)
 
     # -- requests ------------------------------------------------------------------
 
@@ -108,7 +108,8 @@ class ProgramCore:
             self._start(ticket, s, now, tokens, Outcome.BYPASS_OVERSIZED)
             return Verdict(Outcome.BYPASS_OVERSIZED, engine=owner)
         paused_waiting, new_waiting = self.queues.waiting(owner)
-        if not paused_waiting and not new_waiting and led.fits(owner, tokens, now):
+        fit = led.fits(owner, tokens, now) if continuing else led.fits_new(owner, s, tokens, now)
+        if not paused_waiting and not new_waiting and fit:
             outcome = Outcome.CONTINUING_FORWARDED if continuing else Outcome.NEW_ADMITTED
             led.activate(s)
             self._start(ticket, s, now, tokens, outcome)
@@ -307,9 +308,11 @@ class ProgramCore:
             return Outcome.BYPASS_NO_METRICS
         if e.tokens > led.capacity(url):
             return Outcome.BYPASS_OVERSIZED
-        if led.fits(url, e.tokens, now):
-            continuing = s.state is SessionState.ACTIVE
-            return Outcome.CONTINUING_WAITED if continuing else Outcome.NEW_WAITED
+        continuing = s.state is SessionState.ACTIVE
+        if continuing and led.fits(url, e.tokens, now):
+            return Outcome.CONTINUING_WAITED
+        if not continuing and led.fits_new(url, s, e.tokens, now):
+            return Outcome.NEW_WAITED
         if now >= e.deadline:
             return Outcome.NEW_AGED
         return None
@@ -367,7 +370,8 @@ class ProgramCore:
         b = self.p.session_buffer_tokens
         active = [led.sessions[sid] for sid in led.engines[url].sessions]
         idle = [s for s in active if not s.running and s.idle_s(now) >= self.p.idle_lease_s]
-        idle.sort(key=lambda s: (s.footprint(b), -s.idle_s(now)))
+        # (ties last by id: the set's order depends on the hash seed)
+        idle.sort(key=lambda s: (s.footprint(b), -s.idle_s(now), s.sid))
         target = self.p.pause_low * cap
         for s in idle:
             if u <= target:
@@ -378,7 +382,7 @@ class ProgramCore:
         if u > target:
             running = [s for s in active if s.running and not s.pause_pending]
             if running:
-                smallest = min(running, key=lambda s: s.footprint(b))
+                smallest = min(running, key=lambda s: (s.footprint(b), s.sid))
                 smallest.pause_pending = True
                 self.events[Event.PAUSE_MARKED] += 1
 
@@ -434,6 +438,7 @@ class ProgramCore:
                     "max_total_num_tokens": eng.max_total_num_tokens,
                     "committed": led.committed(url, now),
                     "footprint": float(led.undecayed(url)),
+                    "reserved": led.reserved(url, now),
                     "target": eng.theta,
                     "gate_off": led.gate_off(url),
                     "shared_prefix": float(eng.shared_prefix),
@@ -451,6 +456,10 @@ class ProgramCore:
         """Forget everything; returns the tickets that were waiting."""
         tickets = list(self.queues.entries)
         self.queues = Queues()
+        lengths = {url: eng.context_length for url, eng in self.ledger.engines.items()}
         self.ledger = EngineLedger(self.p)
+        for url, n in lengths.items():  # (from /server_info, read once per engine)
+            if n is not None:
+                self.ledger.set_context_length(url, n)
         self._inflight.clear()
         return tickets

@@ -53,6 +53,8 @@ class EngineSessionMode:
     # False when the reply carried none of the session-related server arguments
     # (an engine too old to have them, or something that is not an SGLang engine).
     recognised: bool = True
+    # The engine's context_length (tokens per request), when it reports one.
+    context_length: int | None = None
 
     @property
     def mode(self) -> str:
@@ -116,7 +118,14 @@ def parse_server_info(url: str, info: Mapping[str, Any]) -> EngineSessionMode:
         version=_text(info.get("version")),
         model=_text(info.get("served_model_name") or info.get("model_path")),
         recognised=any(key in info for key in _SESSION_KEYS),
+        context_length=_positive_int(info.get("context_length")),
     )
+
+
+def _positive_int(value: Any) -> int | None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return int(value) if value > 0 else None
 
 
 def parse_version(version: str | None) -> tuple[int, ...] | None:

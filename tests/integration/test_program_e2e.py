@@ -263,7 +263,11 @@ async def test_priority_reaches_the_engines_and_grows_with_the_context(
 async def test_a_paused_sessions_turn_waits_no_longer_than_its_bound(
     proxy, ch_engines, http
 ) -> None:
-    p = await proxy(idle_lease_s=0.2, idle_half_life_s=600.0, paused_max_wait_s=0.5)
+    # The growth gate off: before any growth is seen it reserves the engine's context
+    # length per session, which would hold big's first turn; this test is the pause's.
+    p = await proxy(
+        idle_lease_s=0.2, idle_half_life_s=600.0, paused_max_wait_s=0.5, growth_reservation=False
+    )
     a_url = ch_engines[1].url
     small, big = keys_on(p, a_url, 2, "pause")
     # small 3k, big 12k then 14.25k (growth 2.25k: footprint ~16.5k). U ~19.5k passes
@@ -370,3 +374,25 @@ async def test_ledger_returns_to_zero_after_a_burst_with_disconnects_errors_and_
     await wait_until(drained, timeout_s=15, what="the session ledger back to zero")
     rows = p.app[ADMISSION].health().to_json()["program_engines"]
     assert all(r["footprint"] == 0 and r["committed"] == 0 for r in rows)
+
+
+async def test_the_growth_gate_reads_the_engines_context_length_through_the_real_stack(
+    proxy, ch_engines, http
+) -> None:
+    # Before any growth is seen a session is expected to grow to its engine's
+    # context_length (from the engine's /server_info over HTTP: 40,960 here, past the
+    # 20k pool): a second new session on the engine waits until the first closes.
+    p = await proxy()
+    a1, a2 = keys_on(p, ch_engines[2].url, 2, "growth")
+    assert (await gen(http, p, a1, 100)).headers[DECISION] == "new_admitted"
+    second = asyncio.create_task(gen(http, p, a2, 100))
+
+    async def held() -> bool:
+        return p.server.app[ADMISSION].health().to_json()["held"] is not None
+
+    await wait_until(held, what="the second new session held")
+    assert not second.done()
+    await close(http, p, a1)
+    r = await asyncio.wait_for(second, 10.0)
+    assert r.status == 200 and r.headers[DECISION] == "new_waited"
+    await close(http, p, a2)
