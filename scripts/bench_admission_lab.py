@@ -31,6 +31,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from kvproxy.lab.ablation import ABLATIONS
 from kvproxy.lab.runner import LabConfig, run_lab
 
 # Fields of a row kept in the JSON (the rest of the summary is dropped).
@@ -91,17 +92,7 @@ def _pair(table: str, workload: str, per_engine: int, *, batch: bool = False) ->
 
 
 # Ablation on W1: each mechanism switched off (or to its alternative) alone.
-ABLATION: tuple[tuple[str, dict[str, Any]], ...] = (
-    ("both (defaults)", {}),
-    ("fleet ledger", {"ledger": "fleet"}),
-    ("hold continuing", {"hold_continuing": True}),
-    ("no growth reservation", {"growth_reservation": False}),
-    ("no pause", {"pause": False}),
-    ("priority steering on", {"priority_steering": True}),
-    ("pause bound 8 s", {"paused_max_wait_s": 8.0}),
-    ("no feedback", {"feedback": False}),
-    ("request mode (Relax)", {"mode": "request"}),
-)
+ABLATION = ABLATIONS
 
 # Trade-off: the hold bounds (paused turns, new sessions): (paused_max_wait_s,
 # new_session_max_wait_s) points.

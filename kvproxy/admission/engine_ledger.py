@@ -81,6 +81,7 @@ class PeakModel:
     ) -> None:
         self._order: deque[int] = deque(maxlen=max(1, window))
         self._sorted: list[int] = []
+        self._learned: int | None = None  # memoised quantile of _sorted
         self.growth: float | None = None  # fleet EMA of per-turn growth
         self.configure(
             quantile=quantile,

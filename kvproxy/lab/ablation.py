@@ -19,6 +19,7 @@ ABLATIONS: tuple[tuple[str, Mapping[str, Any]], ...] = (
     ("both (defaults)", {}),
     ("fleet ledger", {"ledger": "fleet"}),
     ("hold continuing", {"hold_continuing": True}),
+    ("no growth reservation", {"growth_reservation": False}),
     ("no pause", {"pause": False}),
     ("priority steering on", {"priority_steering": True}),
     ("pause bound 8 s", {"paused_max_wait_s": 8.0}),
