@@ -388,7 +388,7 @@ async def test_the_growth_gate_reads_the_engines_context_length_through_the_real
     second = asyncio.create_task(gen(http, p, a2, 100))
 
     async def held() -> bool:
-        return p.server.app[ADMISSION].health().to_json()["held"] is not None
+        return p.app[ADMISSION].health().to_json()["held"] is not None
 
     await wait_until(held, what="the second new session held")
     assert not second.done()
