@@ -23,7 +23,6 @@ import json
 import math
 import os
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -31,6 +30,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from kvproxy.demo import git_revision
 from kvproxy.lab.ablation import ABLATIONS
 from kvproxy.lab.runner import LabConfig, run_lab
 
@@ -467,12 +467,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for seed in seeds:
             rows.setdefault((c.table, c.name), {})[seed] = done[_key(c, seed)]
     wall = time.perf_counter() - t0
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        commit = None
+    commit = git_revision()
     doc: dict[str, Any] = {
         "command": "python scripts/bench_admission_lab.py " + " ".join(sys.argv[1:]),
         "commit": commit,

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import statistics
-import subprocess
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -33,6 +32,7 @@ from aiohttp.test_utils import TestServer
 from kvproxy import stack
 from kvproxy.app import create_app
 from kvproxy.config import from_mapping
+from kvproxy.demo import git_revision
 from kvproxy.fleet.engine_metrics import parse_engine_metrics
 from kvproxy.keys import AGENTS
 from kvproxy.workload.driver import run_http
@@ -221,10 +221,7 @@ def main() -> None:
     for name in args.configs.split(","):
         if name not in CONFIGS:
             ap.error(f"unknown config {name!r} (one of {', '.join(CONFIGS)})")
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
-    ).stdout.strip()
-    print(f"commit {commit}", flush=True)
+    print(f"commit {git_revision()}", flush=True)
     asyncio.run(main_async(args))
 
 

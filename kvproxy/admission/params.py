@@ -42,7 +42,7 @@ class ProgramParams:
     cut_interval_s: float = 10.0  # at most one cut per this long
     session_buffer_tokens: int = 100
     growth_alpha: float = 0.5  # EMA weight of the newest per-turn growth
-    # Growth-aware admission of new sessions (docs/admission.md#growth-reservation).
+    # Growth-aware admission of new sessions (docs/admission.md#growth-aware-admission-of-new-sessions).
     growth_reservation: bool = True
     growth_target: float = 0.92
     growth_quantile: float = 0.25

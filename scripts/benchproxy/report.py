@@ -12,7 +12,6 @@ from typing import Any
 
 from benchproxy.common import (
     PROXY_FEATURES,
-    REPO,
     TARGET_ADDED_P50_MS,
     TARGET_ADDED_P99_MS,
     TARGET_BIG_BODY_ADDED_MS,
@@ -21,6 +20,7 @@ from benchproxy.common import (
     TARGET_SATURATION_RPS,
 )
 from benchproxy.runner import Params
+from kvproxy.demo import git_revision
 
 
 def _f(value: Any, digits: int = 3) -> str:
@@ -419,18 +419,7 @@ def machine_info() -> dict[str, Any]:
             if line.startswith("model name"):
                 model = line.split(":", 1)[1].strip()
                 break
-    commit = None
-    with contextlib.suppress(Exception):
-        commit = (
-            subprocess.run(
-                ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
-                capture_output=True,
-                text=True,
-                timeout=5,
-                check=False,
-            ).stdout.strip()
-            or None
-        )
+    commit = git_revision()
     wrk_version = None
     if shutil.which("wrk"):
         with contextlib.suppress(Exception):
