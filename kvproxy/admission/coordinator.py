@@ -316,10 +316,14 @@ class _Waiter:
 _LEDGER_BYPASS: dict[str | None, str] = {DEGRADED: R_DEGRADED, OVERSIZED: R_OVERSIZED}
 
 
-class _Admission(AbstractAsyncContextManager[Decision]):
-    """The context manager returned by :meth:`AdmissionController.admit`."""
+class Admission(AbstractAsyncContextManager[Decision]):
+    """The context manager returned by :meth:`AdmissionController.admit`.
 
-    __slots__ = ("_aged", "_ctl", "_lease_id", "_req")
+    ``async with`` decides on entry. The request path splits that in two, so that the
+    common case (decided at once) costs no task, future or loop round trip:
+    :meth:`decide_now`, then :meth:`wait` only when it returned None."""
+
+    __slots__ = ("_aged", "_ctl", "_lease_id", "_pending", "_req")
 
     def __init__(self, ctl: AdmissionController, req: AdmissionRequest) -> None:
         self._ctl = ctl
@@ -327,33 +331,49 @@ class _Admission(AbstractAsyncContextManager[Decision]):
         self._lease_id: str | None = None
         # Tokens of an aged bypass of a session: noted as its residency at exit.
         self._aged: int | None = None
+        self._pending: tuple[_Waiter, bool] | None = None
 
-    async def __aenter__(self) -> Decision:
-        ctl = self._ctl
-        outcome = ctl._decide(self._req)
+    def decide_now(self) -> Decision | None:
+        """The decision when it is made without waiting (a lease, a pass or a bypass);
+        None when the request waits in a queue: then :meth:`wait` gives the decision."""
+        outcome = self._ctl._decide(self._req)
         if isinstance(outcome, Decision):
-            decision = outcome
-        else:
-            waiter, shared = outcome
-            try:
-                if waiter.future.done():
-                    decision = waiter.future.result()
-                elif shared:
-                    decision = await asyncio.shield(waiter.future)
-                else:
-                    decision = await waiter.future
-            except asyncio.CancelledError:
-                if not shared:  # a duplicate never cancels the original's ticket
-                    ctl._cancel_waiter(waiter)
-                task = asyncio.current_task()
-                if task is None or task.cancelling():
-                    raise
-                # The shared future was cancelled by its first holder, not us.
-                decision = _BYPASS_CANCELLED
+            return self._entered(outcome)
+        self._pending = outcome
+        return None
+
+    async def wait(self) -> Decision:
+        """Wait for the decision :meth:`decide_now` could not make at once. Cancelled,
+        the ticket is cancelled atomically (see :meth:`AdmissionController.admit`)."""
+        assert self._pending is not None, "wait() follows a decide_now() that returned None"
+        (waiter, shared), self._pending = self._pending, None
+        ctl = self._ctl
+        try:
+            if waiter.future.done():
+                decision = waiter.future.result()
+            elif shared:
+                decision = await asyncio.shield(waiter.future)
+            else:
+                decision = await waiter.future
+        except asyncio.CancelledError:
+            if not shared:  # a duplicate never cancels the original's ticket
+                ctl._cancel_waiter(waiter)
+            task = asyncio.current_task()
+            if task is None or task.cancelling():
+                raise
+            # The shared future was cancelled by its first holder, not us.
+            decision = _BYPASS_CANCELLED
+        return self._entered(decision)
+
+    def _entered(self, decision: Decision) -> Decision:
         self._lease_id = decision.lease_id
         if decision.reason == R_AGED and self._req.session_id is not None:
             self._aged = decision.tokens
         return decision
+
+    async def __aenter__(self) -> Decision:
+        decision = self.decide_now()
+        return decision if decision is not None else await self.wait()
 
     async def __aexit__(
         self,
@@ -588,7 +608,7 @@ class AdmissionController:
 
     # -- decisions ---------------------------------------------------------------------
 
-    def admit(self, req: AdmissionRequest) -> AbstractAsyncContextManager[Decision]:
+    def admit(self, req: AdmissionRequest) -> Admission:
         """Decide for one upstream attempt; see the module docstring for the order.
 
         The decision is made when the ``async with`` block is entered. If the task is
@@ -597,7 +617,7 @@ class AdmissionController:
         released) and CancelledError propagates. A granted lease is released exactly
         once when the block exits, on every path.
         """
-        return _Admission(self, req)
+        return Admission(self, req)
 
     def _bypass(self, reason: str, tokens: int, wait_s: float = 0.0) -> Decision:
         c = self._counters

@@ -319,12 +319,16 @@ class ProxyHandlers:
             session_id=plan.session_id,
             routing_key=plan.routing_key,
         )
-        # ``async with`` spelled out: a tracked request waits through until_forwarded
-        # (a session close cancels the wait), and the lease is released only when it
-        # was granted.
+        # ``async with`` spelled out: decided at once in the common case (no task, no
+        # future); a request that must wait waits through until_forwarded when tracked
+        # (a session close cancels the wait). The lease is released only when granted.
+        if tracked is not None and tracked.rejected:
+            raise SessionClosed(tracked.session_id)
         lease = self.admission.admit(areq)
-        enter = lease.__aenter__()
-        decision = await (tracked.until_forwarded(enter) if tracked is not None else enter)
+        decision = lease.decide_now()
+        if decision is None:
+            waiting = lease.wait()
+            decision = await (tracked.until_forwarded(waiting) if tracked is not None else waiting)
         try:
             steering = self._admission_decided(attempt, plan, areq, decision)
             response = await self._send(attempt, plan, turn, tracked, steering)

@@ -240,6 +240,30 @@ async def test_a_full_engine_holds_its_new_sessions_while_the_others_pass(
         assert owner(body["session_id"]) == url
 
 
+async def test_a_session_closed_while_its_first_turn_waits_is_refused_and_never_forwarded(
+    proxy, ch_engines, http
+) -> None:
+    """A held first turn is withdrawn by its session's close: 409 ``session_closed``,
+    its admission ticket cancelled, nothing of it reaches an engine."""
+    p = await proxy()
+    a_url = ch_engines[0].url
+    a1, a2 = keys_on(p, a_url, 2, "closed-held")
+    r = await gen(http, p, a1, 16_000)
+    assert r.status == 200 and r.headers[DECISION] == "new_admitted"
+    waiting = asyncio.create_task(gen(http, p, a2, 4_000))
+
+    async def held() -> bool:
+        return p.app[ADMISSION].health().waiting_new == 1
+
+    await wait_until(held, what="a2 waiting")
+    await close(http, p, a2)
+    r = await asyncio.wait_for(waiting, 10)
+    assert r.status == 409, r.headers
+    assert p.app[ADMISSION].health().waiting_new == 0
+    await close(http, p, a1)
+    assert not [b for _, b in await recorded_bodies(http, [a_url], a2) if "input_ids" in b]
+
+
 async def test_priority_reaches_the_engines_and_grows_with_the_context(
     proxy, ch_engines, http
 ) -> None:

@@ -990,3 +990,28 @@ async def test_only_a_sessions_first_request_teaches_the_shared_prefix(make_env:
     assert ctl._sizer.shared_prefix == learned
     async with ctl.admit(session_req("t3", "s2", 2000)) as d:
         assert d.tokens == 2000 - int(learned)
+
+
+async def test_decide_now_grants_at_once_and_wait_gives_a_queued_decision(
+    make_env: Factory,
+) -> None:
+    """The request path's split entry: a lease that is free is granted synchronously
+    (no task, no future); a request that must queue gets None, then wait()'s decision."""
+    env = await make_env()  # ceiling 100
+    ctl = env.ctl
+    first = ctl.admit(req("first", 70))
+    d1 = first.decide_now()
+    assert d1 is not None and (d1.action, d1.tokens) == ("admit", 70)
+    assert ctl.waiting == 0 and ctl.ledger.reserved == 70
+    second = ctl.admit(req("second", 50))
+    assert second.decide_now() is None  # 70 + 50 > 100: it waits in the FIFO
+    assert ctl.waiting == 1
+    waiting = asyncio.ensure_future(second.wait())
+    await settle()
+    assert not waiting.done()
+    await first.__aexit__(None, None, None)  # the release grants the waiter
+    d2 = await asyncio.wait_for(waiting, 5)
+    assert (d2.action, d2.tokens) == ("admit", 50)
+    assert ctl.ledger.reserved == 50
+    await second.__aexit__(None, None, None)
+    assert ctl.ledger.reserved == 0 and ctl.ledger.lease_count == 0 and ctl.waiting == 0
