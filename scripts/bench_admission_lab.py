@@ -97,15 +97,14 @@ ABLATION = ABLATIONS
 # Trade-off: the hold bounds (paused turns, new sessions): (paused_max_wait_s,
 # new_session_max_wait_s) points.
 CURVE_POINTS: tuple[tuple[float, float], ...] = (
-    (8.0, 600.0),
+    (8.0, 3600.0),
+    (30.0, 3600.0),
+    (45.0, 3600.0),
+    (60.0, 3600.0),
+    (120.0, 3600.0),
+    (30.0, 1800.0),
     (30.0, 600.0),
-    (60.0, 600.0),
-    (120.0, 600.0),
-    (60.0, 120.0),
-    (60.0, 1800.0),
 )
-CURVE_NEW = tuple(sorted({n for _, n in CURVE_POINTS}))
-CURVE_PAUSED = tuple(sorted({p for p, _ in CURVE_POINTS}))
 
 
 def cells(
@@ -326,6 +325,16 @@ def markdown_rows(doc: Mapping[str, Any]) -> str:
     return "\n".join(out)
 
 
+def curve_points(cells_: Mapping[str, Any]) -> list[tuple[float, float]]:
+    """The (paused, new) bounds of a curve table's cells, from their names."""
+    out: list[tuple[float, float]] = []
+    for name in cells_:
+        paused, sep, new = name.removeprefix("paused=").partition(" new=")
+        if sep and name.startswith("paused="):
+            out.append((float(paused), float(new)))
+    return out
+
+
 def plot(doc: Mapping[str, Any], path: Path) -> None:
     import matplotlib
 
@@ -347,13 +356,11 @@ def plot(doc: Mapping[str, Any], path: Path) -> None:
             )
         ):
             ax = axes[row][col]
-            for new in CURVE_NEW:
+            points = curve_points(cells_)
+            for new in sorted({n for _, n in points}):
                 xs, ys, labels = [], [], []
-                for paused in CURVE_PAUSED:
-                    name = f"paused={paused:g} new={new:g}"
-                    if name not in cells_:
-                        continue
-                    st = cells_[name]["stats"]
+                for paused in sorted(p for p, n in points if n == new):
+                    st = cells_[f"paused={paused:g} new={new:g}"]["stats"]
                     if st[xkey]["median"] is None:
                         continue
                     xs.append(st[xkey]["median"])
