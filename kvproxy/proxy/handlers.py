@@ -352,7 +352,7 @@ class ProxyHandlers:
         fields, source = final_fields(plan, steering)
         if source is not None and self.live.config.session_lifecycle.enabled:
             self.agents.note_priority(source)
-        if turn is not None:
+        if turn is not None and self.agents.involved(turn):
             served = await self._serve_turn(attempt, plan, turn, fields)
             if served is not None:
                 return served

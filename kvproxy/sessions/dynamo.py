@@ -225,6 +225,20 @@ class AgentControl:
         self.placement.update(workers, available)
         return self.placement.owner(key)
 
+    def involved(self, turn: Turn) -> bool:
+        """Whether session control has anything to do with ``turn`` before it is sent
+        (:meth:`plan` and :meth:`settle`): a streaming slot held by any session, a
+        slot's close pending, or an ``open`` with streaming sessions on. False on the
+        request path's common case (no slots at all), where both would do nothing."""
+        return (
+            len(self.slots) > 0
+            or turn.closing is not None
+            or (
+                self.config.session_lifecycle.streaming_sessions
+                and turn.nvext.control.action == "open"
+            )
+        )
+
     def plan(self, turn: Turn, body: Mapping[str, Any], routing_key: str) -> st.Plan:
         if not self.config.session_lifecycle.streaming_sessions:
             return st.Plan(st.PLAIN)

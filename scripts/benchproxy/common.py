@@ -14,11 +14,12 @@ REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "bench_proxy.py"
 HOST = "127.0.0.1"
 
-TARGETS = ("direct", "floor", "off", "lifecycle", "admission")
+TARGETS = ("direct", "floor", "off", "lifecycle", "admission", "both")
 PROXY_FEATURES: dict[str, tuple[bool, bool]] = {  # name -> (lifecycle, admission)
     "off": (False, False),
     "lifecycle": (True, False),
     "admission": (False, True),
+    "both": (True, True),
 }
 MEASUREMENTS = ("saturation", "fixed", "ladder", "streams", "bigbody", "open-streams")
 

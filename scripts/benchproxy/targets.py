@@ -416,7 +416,7 @@ def start_proxy(name: str, upstream: str, workdir: Path, launcher: str) -> Proc:
         proc = Proc(name, f"http://{HOST}:{port}", popen, log)
     try:
         wait_ready(proc, "/kvproxy/health", 30.0)
-        if name == "admission":
+        if PROXY_FEATURES[name][1]:  # admission on
             # Wait for the first /metrics poll so that measurements see a live ledger.
             doc = wait_ready(proc, "/kvproxy/health", 10.0, want_status="ok")
             if doc is not None and doc.get("status") != "ok":

@@ -163,3 +163,13 @@ async def test_an_engine_that_refused_streaming_is_not_asked_again(control: Any)
     plan = control.plan(turn, {"input_ids": [1, 2]}, "s")
     assert (plan.kind, plan.reason) == (st.FALLBACK, st.R_OPEN_FAILED)
     assert control.counters.total(dynamo.STREAM_FALLBACK + st.R_OPEN_FAILED) == 1
+
+
+async def test_session_control_is_involved_only_with_slots_or_an_open(control: Any) -> None:
+    plain, _ = control.begin("p", "/generate", _nv(), False)
+    assert not control.involved(plain)  # nothing to plan or settle: skipped
+    assert control.plan(plain, {"input_ids": [1, 2]}, "p").kind == st.PLAIN
+    opening, _ = control.begin("o", "/generate", _nv(action="open"), False)
+    assert control.involved(opening)
+    control.slots.put(st.Slot("x", W1, (1, 2)))  # any slot: settle may release it
+    assert control.involved(plain)
