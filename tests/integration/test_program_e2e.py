@@ -202,22 +202,30 @@ async def close(http: aiohttp.ClientSession, p: Proxy, sid: str) -> None:
         assert resp.status == 200, await resp.text()
 
 
-async def test_a_full_engine_holds_its_new_sessions_while_the_others_pass(
-    proxy, ch_engines, http
-) -> None:
-    p = await proxy()
-    a_url, b_url = ch_engines[0].url, ch_engines[1].url
-    a1, a2 = keys_on(p, a_url, 2, "full-a")
-    (b1,) = keys_on(p, b_url, 1, "full-b")
-    r = await gen(http, p, a1, 16_000)
+async def fill_and_hold(
+    http: aiohttp.ClientSession, p: Proxy, engine: str, prefix: str
+) -> tuple[str, str, asyncio.Task[aiohttp.ClientResponse]]:
+    """Two sessions on ``engine``: the first's turn fills it (~16k of 20k, target 0.92),
+    so the second's first turn (4k) waits in its FIFO; returns both ids and that wait."""
+    first, second = keys_on(p, engine, 2, prefix)
+    r = await gen(http, p, first, 16_000)
     assert r.status == 200 and r.headers[DECISION] == "new_admitted"
-    # a1 holds ~16k of A's 20k (target 0.92): a2's first turn (4k) waits.
-    waiting = asyncio.create_task(gen(http, p, a2, 4_000))
+    waiting = asyncio.create_task(gen(http, p, second, 4_000))
 
     async def held() -> bool:
         return p.app[ADMISSION].health().waiting_new == 1
 
-    await wait_until(held, what="a2 waiting")
+    await wait_until(held, what=f"{second} waiting")
+    return first, second, waiting
+
+
+async def test_a_full_engine_holds_its_new_sessions_while_the_others_pass(
+    proxy, ch_engines, http
+) -> None:
+    p = await proxy()
+    b_url = ch_engines[1].url
+    a1, a2, waiting = await fill_and_hold(http, p, ch_engines[0].url, "full-a")
+    (b1,) = keys_on(p, b_url, 1, "full-b")
     r = await gen(http, p, b1, 4_000)  # another engine's new session passes
     assert r.headers[DECISION] == "new_admitted" and float(r.headers[WAIT_MS]) == 0.0
     for tokens in (16_010, 16_020):  # continuing turns of the full engine: never held
@@ -247,15 +255,7 @@ async def test_a_session_closed_while_its_first_turn_waits_is_refused_and_never_
     its admission ticket cancelled, nothing of it reaches an engine."""
     p = await proxy()
     a_url = ch_engines[0].url
-    a1, a2 = keys_on(p, a_url, 2, "closed-held")
-    r = await gen(http, p, a1, 16_000)
-    assert r.status == 200 and r.headers[DECISION] == "new_admitted"
-    waiting = asyncio.create_task(gen(http, p, a2, 4_000))
-
-    async def held() -> bool:
-        return p.app[ADMISSION].health().waiting_new == 1
-
-    await wait_until(held, what="a2 waiting")
+    a1, a2, waiting = await fill_and_hold(http, p, a_url, "closed-held")
     await close(http, p, a2)
     r = await asyncio.wait_for(waiting, 10)
     assert r.status == 409, r.headers
