@@ -2,7 +2,7 @@
 """Proxy overhead benchmark: one fast upstream, reached directly and through kvproxy.
 
 Every measurement runs in one invocation, on the same machine, against the same
-upstream process, for four targets:
+upstream process, for these targets:
 
   direct      the load generator talks to the upstream itself (no proxy process)
   floor       through a minimal aiohttp forwarder (read body, pooled upstream call, relay):
@@ -11,6 +11,7 @@ upstream process, for four targets:
   lifecycle   through kvproxy, session_lifecycle on (session_id and rid spliced in)
   admission   through kvproxy, admission on (poll_interval_s 0.5; the upstream's
               /metrics always has room, so every request is admitted)
+  both        through kvproxy, both features on (as users run them)
 
 Measurements (each reported per target, with the difference to direct):
 
