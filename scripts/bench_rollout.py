@@ -15,7 +15,7 @@ Cells (live working set / fleet pool, per engine: live sessions x mean context p
                 not-kv-bound), compressed to time scale 0.05
 
     python scripts/bench_rollout.py --cells w1 --seeds 0,1          # docs/benchmarks.md
-    python scripts/bench_rollout.py                                  # every cell, seeds 0,1
+    python scripts/bench_rollout.py                                  # every cell, seeds 0,1 (over an hour)
     python scripts/bench_rollout.py --cells w1 --variants off,lifecycle,admission,both
 
 Writes ``<out>/bench.json`` (every run, with provenance: commit, command, seeds, host
