@@ -34,7 +34,7 @@ from aiohttp import web
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchproxy.common import HOST, PROXY_FEATURES, make_body, session_headers
-from benchproxy.targets import free_port, start_upstream
+from benchproxy.targets import free_port, proxy_config_doc, start_upstream
 
 from kvproxy.app import create_app
 from kvproxy.config import from_mapping
@@ -61,19 +61,12 @@ async def _drive(url: str, body: bytes, n: int, concurrency: int) -> None:
 
 
 async def _proxy(target: str, upstream: str) -> tuple[web.AppRunner, str]:
-    lifecycle, admission = PROXY_FEATURES[target]
-    doc = {
-        "server": {"log_level": "WARNING"},
-        "router": {"url": upstream, "engines": [upstream]},
-        "session_lifecycle": {"enabled": lifecycle},
-        "admission": {"enabled": admission, "poll_interval_s": 0.5},
-    }
-    app = create_app(from_mapping(doc))
+    app = create_app(from_mapping(proxy_config_doc(target, upstream)))
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     port = free_port()
     await web.TCPSite(runner, HOST, port).start()
-    if admission:  # the first poll: a live ledger, as in bench_proxy.py
+    if PROXY_FEATURES[target][1]:  # admission on: the first poll, as in bench_proxy.py
         for _ in range(100):
             if not app[ADMISSION].health().degraded:
                 break

@@ -350,27 +350,24 @@ def start_upstream(workdir: Path, floor_of: str | None = None) -> Proc:
     return proc
 
 
-def write_proxy_config(path: Path, name: str, upstream: str, port: int) -> None:
+def proxy_config_doc(name: str, upstream: str, port: int | None = None) -> dict[str, Any]:
+    """kvproxy's configuration for feature set ``name`` in front of ``upstream``: the one
+    document every proxy benchmark uses (this one and ``scripts/bench_request_cpu.py``)."""
     lifecycle, admission = PROXY_FEATURES[name]
-    path.write_text(
-        "\n".join(
-            [
-                "server:",
-                f"  port: {port}",
-                "  log_level: WARNING",
-                "  shutdown_grace_s: 1.0",
-                "router:",
-                f"  url: {upstream}",
-                f"  engines: [{upstream}]",
-                "session_lifecycle:",
-                f"  enabled: {str(lifecycle).lower()}",
-                "admission:",
-                f"  enabled: {str(admission).lower()}",
-                "  poll_interval_s: 0.5",
-                "",
-            ]
-        )
-    )
+    server: dict[str, Any] = {"log_level": "WARNING", "shutdown_grace_s": 1.0}
+    if port is not None:
+        server["port"] = port
+    return {
+        "server": server,
+        "router": {"url": upstream, "engines": [upstream]},
+        "session_lifecycle": {"enabled": lifecycle},
+        "admission": {"enabled": admission, "poll_interval_s": 0.5},
+    }
+
+
+def write_proxy_config(path: Path, name: str, upstream: str, port: int) -> None:
+    # JSON is YAML: kvproxy reads the file with its YAML loader.
+    path.write_text(json.dumps(proxy_config_doc(name, upstream, port), indent=2) + "\n")
 
 
 def start_proxy(name: str, upstream: str, workdir: Path, launcher: str) -> Proc:
