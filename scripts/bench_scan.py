@@ -7,6 +7,9 @@ For ``/generate`` bodies with ``input_ids`` and chat bodies with ``messages`` of
   full   ``parse_object(raw)`` (orjson.loads) plus the reads a decision makes
   scan   ``scan_object(raw, counted_keys_for(path))`` plus the same reads (prompt
          tokens from the count); chat bodies are parsed directly (no key to count)
+  located
+         ``scan_object(raw, keys, count=False)``, what session lifecycle reads without
+         admission: the same reads less the prompt token count (arrays only located)
 
 "The reads" are what session lifecycle and admission use: session id, rid, priority,
 sampling limits, nvext, prompt token count. Each figure is the median over ``--rounds``
@@ -115,6 +118,19 @@ def reads_scan(raw: bytes, keys: tuple[str, ...]) -> Any:
     )
 
 
+def reads_located(raw: bytes, keys: tuple[str, ...]) -> Any:
+    scan = scan_object(raw, keys, count=False)
+    assert scan is not None
+    return (
+        scan.session_id,
+        scan.rid,
+        scan.priority,
+        scan.max_new_tokens,
+        scan.max_completion_tokens,
+        scan.agent_hints,
+    )
+
+
 def timeit(fn: Callable[[bytes], Any], raw: bytes, loops: int, rounds: int) -> dict[str, float]:
     fn(raw)
     per_call: list[float] = []
@@ -146,12 +162,17 @@ def main(argv: list[str] | None = None) -> int:
         def reads_scan_path(raw: bytes, keys: tuple[str, ...] = keys) -> Any:
             return reads_scan(raw, keys)
 
+        def reads_located_path(raw: bytes, keys: tuple[str, ...] = keys) -> Any:
+            return reads_located(raw, keys)
+
         for label, size in SIZES.items():
             raw = make(size, args.seed)
             assert reads_full(raw) == reads_scan_path(raw), (kind, label)
+            assert reads_full(raw)[:-1] == reads_located_path(raw), (kind, label)
             loops = max(3, int((2_000_000 if not args.quick else 400_000) / len(raw)))
             full = timeit(reads_full, raw, loops, rounds)
             scan = timeit(reads_scan_path, raw, loops, rounds)
+            located = timeit(reads_located_path, raw, loops, rounds)
             results.append(
                 {
                     "body": kind,
@@ -161,19 +182,21 @@ def main(argv: list[str] | None = None) -> int:
                     "method": scan_object(raw, keys).method,  # type: ignore[union-attr]
                     "full": full,
                     "scan": scan,
+                    "located": located,
                     "speedup": full["median_us"] / scan["median_us"],
                 }
             )
     print(f"python {platform.python_version()}, {os.cpu_count()} CPUs, load {os.getloadavg()}")
-    print(
-        "| body | size | bytes | scan method | full µs (median / min) | scan µs (median / min) | full / scan |"
-    )
-    print("|---|---|---|---|---|---|---|")
+    print("µs per call, median / min over rounds")
+    print("| body | size | bytes | scan method | full µs | scan µs | located µs | full / scan |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in results:
+        cells = " | ".join(
+            f"{r[k]['median_us']:.1f} / {r[k]['min_us']:.1f}" for k in ("full", "scan", "located")
+        )
         print(
-            f"| {r['body']} | {r['size']} | {r['bytes']} | {r['method']} | "
-            f"{r['full']['median_us']:.1f} / {r['full']['min_us']:.1f} | "
-            f"{r['scan']['median_us']:.1f} / {r['scan']['min_us']:.1f} | {r['speedup']:.2f}x |"
+            f"| {r['body']} | {r['size']} | {r['bytes']} | {r['method']} | {cells} | "
+            f"{r['speedup']:.2f}x |"
         )
     if args.json:
         out = Path(args.json)

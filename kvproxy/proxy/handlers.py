@@ -42,12 +42,13 @@ from kvproxy.proxy.pipeline import (
     Refusal,
     final_fields,
     plan_request,
+    read_body,
     render_body,
     with_turn_headers,
 )
 from kvproxy.proxy.refusals import Refused, refusal_response
 from kvproxy.proxy.responses import error_response
-from kvproxy.proxy.scan import counted_keys_for, scan_object
+from kvproxy.proxy.scan import validated
 from kvproxy.proxy.session_relay import serve_streaming
 from kvproxy.proxy.upstream import forward_request_headers, forward_response_headers
 from kvproxy.proxy.usage import TailWindow, Usage, search_usage, usage_from_body
@@ -258,8 +259,8 @@ class ProxyHandlers:
             raise _too_large(max_body) from None
         if not (cfg.session_lifecycle.enabled or cfg.admission.enabled):
             return await self.forward(Attempt(request, path, raw, started))
-        # Read only what a decision needs: token-id arrays are counted, not built.
-        body = scan_object(raw, counted_keys_for(path))
+        # Read only what a decision needs: token-id arrays are not built.
+        body = read_body(cfg, path, raw)
         plan = plan_request(cfg, path, path_sid, request.headers, body)
         if isinstance(plan, Refusal):
             raise Refused.of(plan)
@@ -407,6 +408,8 @@ class ProxyHandlers:
             ROUTING_KEY_HEADER, turn.session_id
         )
         body = plan.body
+        if not validated(body):
+            return None  # a deferred token array is not JSON: the engine answers 400
         route = agents.plan(turn, body, key)
         if route.kind in (streaming.OPEN, streaming.EXTEND):
             headers = forward_request_headers(attempt.request, plan.headers or None)

@@ -4,9 +4,9 @@ Pure: no sockets, no clock, no shared state. The handler (:mod:`kvproxy.proxy.ha
 and the lab (:mod:`kvproxy.lab.proxy`) run the same steps:
 
 1. :func:`plan_request` turns one intercepted request (path, the ``/sessions/{id}``
-   prefix's id, headers, the body as read by :func:`kvproxy.proxy.scan.scan_object`,
-   the config) into a :class:`Plan` or a :class:`Refusal` (the error the proxy
-   answers itself: stable type and message);
+   prefix's id, headers, the body as :func:`read_body` reads it, the config) into a
+   :class:`Plan` or a :class:`Refusal` (the error the proxy answers itself: stable
+   type and message);
 2. the shell applies the stateful parts in order (the injection counters, the Dynamo
    turn, session tracking, the admission wait); :func:`with_turn_headers` folds the
    turn's routing headers into the plan and derives the admission routing key;
@@ -29,6 +29,7 @@ import orjson
 from kvproxy.config import Config, SessionLifecycleConfig
 from kvproxy.proxy.body import inject_fields
 from kvproxy.proxy.errors import STATUS, ErrorType
+from kvproxy.proxy.scan import BodyScan, counted_keys_for, scan_object, validated
 from kvproxy.sessions.agent_hints import NO_NVEXT, InvalidNvext, Nvext, parse_nvext
 from kvproxy.sessions.agent_hints import combine_priority as _combine_priority
 from kvproxy.sessions.identity import (
@@ -121,7 +122,7 @@ def _lifecycle_plan(
         return Refusal(ErrorType.INVALID_SESSION_ID, str(exc))
     inj = injection_plan(lc, identity, body, headers=headers)
     sid = identity.session_id
-    return Plan(
+    plan = Plan(
         body=body,
         fields=dict(inj.fields),
         overwrite=bool(inj.overwrites),
@@ -137,6 +138,20 @@ def _lifecycle_plan(
         admit=admit,
         strip_nvext=path in lc.strip_nvext_paths and "nvext" in body,
         priority_hint=nvext.hints.priority if lc.agent_hints else None,
+    )
+    if _reads_token_arrays(lc, plan) and not validated(body):
+        return PASS_THROUGH  # a deferred token array is not JSON: as the full parse says
+    return plan
+
+
+def _reads_token_arrays(lc: SessionLifecycleConfig, plan: Plan) -> bool:
+    """Whether a step after the plan reads a token array itself, not only its count: the
+    two re-serialising paths of :func:`render_body` and the speculative prefill (session
+    control's streaming turns check for themselves, in the handler)."""
+    return (
+        plan.strip_nvext
+        or plan.overwrite
+        or (lc.speculative_prefill and plan.nvext.hints.speculative_prefill)
     )
 
 
@@ -187,6 +202,13 @@ def _routing_key(
     if key is not None:
         return key, planned
     return sid, {**planned, ROUTING_KEY_HEADER: sid}
+
+
+def read_body(config: Config, path: str, raw: bytes) -> BodyScan | None:
+    """The intercepted body as the plan reads it (None: not a JSON object): token-id
+    arrays are never built, and counted only for admission's sizer; the lifecycle alone
+    needs neither the list nor its count (:func:`~kvproxy.proxy.scan.scan_object`)."""
+    return scan_object(raw, counted_keys_for(path), count=config.admission.enabled)
 
 
 def plan_request(
@@ -275,6 +297,7 @@ __all__ = [
     "Refusal",
     "final_fields",
     "plan_request",
+    "read_body",
     "render_body",
     "with_turn_headers",
 ]

@@ -16,7 +16,8 @@ from kvproxy import stack
 from kvproxy.config import RouterConfig
 from kvproxy.fleet.discovery import RouterFlavor
 from kvproxy.fleet.registry import Fleet
-from kvproxy.keys import ADMISSION, CONFIG, FLEET, SHUTDOWN
+from kvproxy.keys import ADMISSION, CONFIG, FLEET, SESSIONS, SHUTDOWN
+from kvproxy.sessions import lifecycle as lc
 from tests.helpers import new_marker
 
 from .conftest import MakeProxy, recorded, set_faults, sim_state, wait_until
@@ -76,6 +77,30 @@ async def test_non_json_bodies_are_forwarded_and_answered_by_the_router(
             answers.append((resp.status, await resp.read()))
     assert answers[0] == answers[1]
     assert answers[0][0] >= 400
+
+
+async def test_a_token_array_that_is_not_json_is_refused_as_without_kvproxy(
+    make_proxy: MakeProxy, router: stack.ManagedProcess, http: aiohttp.ClientSession
+) -> None:
+    """The lifecycle alone does not look inside ``input_ids`` (it only locates the
+    array): a body whose array is not JSON is tagged and forwarded, and the router
+    refuses it as it refuses the client's own bytes; nothing stays in flight."""
+    proxy = await make_proxy(session_lifecycle={"enabled": True})
+    raw = b'{"input_ids":[abc,' + b",".join([b"7"] * 300) + b'],"max_new_tokens":2}'
+    statuses = []
+    for base in (router.url, proxy.url):
+        async with http.post(
+            base + "/generate",
+            data=raw,
+            headers={"Content-Type": "application/json", "X-Session-ID": "bad-ids"},
+        ) as resp:
+            await resp.read()
+            statuses.append(resp.status)
+    assert statuses[0] >= 400 and statuses[1] == statuses[0]
+    sessions = proxy.app[SESSIONS]
+    assert sessions.state("bad-ids") == "open"  # tracked, as any request of a session
+    stats = sessions.stats()
+    assert stats[lc.INJECTED] == 1.0 and stats[lc.FORWARDED_REQUESTS] == 0.0
 
 
 async def test_streaming_chunks_arrive_incrementally(

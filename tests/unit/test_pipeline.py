@@ -21,6 +21,7 @@ from kvproxy.proxy.pipeline import (
     Refusal,
     final_fields,
     plan_request,
+    read_body,
     render_body,
     with_turn_headers,
 )
@@ -32,6 +33,11 @@ STICKY = {"session_lifecycle": {"enabled": True, "sticky_routing": True}}
 ADMISSION = {"admission": {"enabled": True, "mode": "program"}}
 BOTH = {"session_lifecycle": {"enabled": True}, "admission": {"enabled": True, "mode": "program"}}
 STRIP = {"session_lifecycle": {"enabled": True, "strip_nvext_paths": ["/v1/chat/completions"]}}
+STRIP_GENERATE = {"session_lifecycle": {"enabled": True, "strip_nvext_paths": ["/generate"]}}
+
+# A token array whose interior is not JSON: the lifecycle alone does not look inside it.
+BAD_IDS = b'"input_ids":[abc,' + b",".join([b"7"] * 200) + b"]"
+GOOD_IDS = b'"input_ids":[' + b",".join([b"7"] * 200) + b"]"
 
 ROUTING = "X-SMG-Routing-Key"
 
@@ -207,6 +213,51 @@ ROWS: list[tuple[str, dict[str, Any], str, str | None, dict[str, str], bytes, An
         {"strip_nvext": True},
     ),
     (
+        "deferred_token_array_is_not_looked_inside_by_the_lifecycle",
+        LIFECYCLE,
+        "/generate",
+        None,
+        {"X-Session-ID": "s"},
+        b"{" + BAD_IDS + b"}",  # tracked; the engine answers 400, as without kvproxy
+        {"track": True, "session_id": "s", "fields_keys": {"session_id", "rid"}},
+    ),
+    (
+        "deferred_token_array_checked_before_a_reserialising_overwrite",
+        LIFECYCLE,
+        "/generate",
+        None,
+        {"X-Session-ID": "s"},
+        b'{"rid":null,' + BAD_IDS + b"}",
+        PASS_THROUGH,
+    ),
+    (
+        "deferred_token_array_checked_before_nvext_is_stripped",
+        STRIP_GENERATE,
+        "/generate",
+        None,
+        {"X-Session-ID": "s"},
+        b'{"nvext":{},' + BAD_IDS + b"}",
+        PASS_THROUGH,
+    ),
+    (
+        "deferred_token_array_checked_before_a_speculative_prefill",
+        LIFECYCLE,
+        "/generate",
+        None,
+        {"X-Session-ID": "s"},
+        b'{"nvext":{"agent_hints":{"speculative_prefill":true}},' + BAD_IDS + b"}",
+        PASS_THROUGH,
+    ),
+    (
+        "valid_token_array_stripped_as_usual",
+        STRIP_GENERATE,
+        "/generate",
+        None,
+        {"X-Session-ID": "s"},
+        b'{"nvext":{},' + GOOD_IDS + b"}",
+        {"strip_nvext": True, "track": True},
+    ),
+    (
         "strip_nvext_not_on_other_paths",
         STRIP,
         "/generate",
@@ -220,7 +271,7 @@ ROWS: list[tuple[str, dict[str, Any], str, str | None, dict[str, str], bytes, An
 
 def _plan(cfg: dict[str, Any], path: str, sid: str | None, headers: dict[str, str], raw: bytes):
     config: Config = from_mapping(cfg)
-    body = scan_object(raw, counted_keys_for(path))
+    body = read_body(config, path, raw)  # as the handler reads it
     return config, plan_request(config, path, sid, CIMultiDict(headers), body)
 
 
@@ -314,3 +365,21 @@ def test_token_ids_counted_never_built_on_the_decision_path() -> None:
     assert exact_prompt_tokens(body) == 5000
     assert _batch_size(body) == 1
     assert body._materialised == {}  # nothing built the 5,000-int list
+
+
+@pytest.mark.parametrize(("cfg", "counted"), [(LIFECYCLE, False), (ADMISSION, True), (BOTH, True)])
+def test_token_arrays_counted_only_for_admission(cfg: dict[str, Any], counted: bool) -> None:
+    """The lifecycle alone only locates the array (four byte searches); admission's sizer
+    needs the count, so with admission on it is counted while the body is read."""
+    body = read_body(from_mapping(cfg), "/generate", b"{" + GOOD_IDS + b"}")
+    assert body is not None and body.excised == ("input_ids",)
+    assert body.deferred == (() if counted else ("input_ids",))
+    assert body.prompt_token_count == 200 and body.deferred == ()
+
+
+def test_render_overwrite_of_a_deferred_array_keeps_its_tokens() -> None:
+    raw = b'{"rid":null,' + GOOD_IDS + b"}"
+    _, plan = _plan(LIFECYCLE, "/generate", None, {"X-Session-ID": "s"}, raw)
+    assert isinstance(plan, Plan) and plan.overwrite
+    out = orjson.loads(render_body(raw, plan, plan.fields))
+    assert out["input_ids"] == [7] * 200 and out["session_id"] == "s" and out["rid"]

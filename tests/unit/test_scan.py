@@ -29,6 +29,7 @@ from kvproxy.proxy.scan import (
     locate_flat_array,
     prompt_token_count,
     scan_object,
+    validated,
 )
 from kvproxy.sessions.identity import InvalidSessionId, injection_plan, resolve_identity
 
@@ -47,10 +48,31 @@ def _identity(body: Any) -> Any:
         return ("invalid", str(exc))
 
 
+def assert_deferred_agrees(raw: bytes, full: dict[str, Any] | None) -> None:
+    """``count=False``: the arrays are only located; reading a count, or validate(),
+    gives the eager scan's answer (and the full parse's for every JSON object)."""
+    lazy = scan_object(raw, count=False)
+    eager = scan_object(raw)
+    if full is None:
+        # Not an object: refused at once, or by validate(), or the eager scan's own
+        # documented difference (a digit array's interior is not parsed).
+        assert lazy is None or not lazy.validate() or eager is not None, raw[:200]
+        return
+    assert lazy is not None and eager is not None, raw[:200]
+    assert set(lazy.deferred) == set(lazy.excised)  # (a nested one may force a full parse)
+    assert lazy.session_id == full.get("session_id") and lazy.rid == full.get("rid")
+    assert lazy._materialised == {} and lazy._counts == {}  # nothing counted or built
+    assert lazy.prompt_token_count == eager.prompt_token_count
+    assert lazy.batch_size == eager.batch_size
+    assert lazy.validate() and lazy.deferred == ()
+    assert lazy.to_dict() == full
+
+
 def assert_agrees(raw: bytes) -> BodyScan | None:
     """The scan and the full parse give the same answer to every reader of the body."""
     full = parse_object(raw)
     scan = scan_object(raw)
+    assert_deferred_agrees(raw, full)
     if full is None:
         assert scan is None, raw[:200]
         return None
@@ -246,6 +268,43 @@ def test_documented_difference_inside_a_digit_array(inner: bytes) -> None:
     assert scan.prompt_token_count == inner.count(b",") + 1 + 200
     with pytest.raises(orjson.JSONDecodeError):
         scan["input_ids"]  # materialising it meets the parser's verdict
+
+
+@pytest.mark.parametrize(
+    ("inner", "valid", "count"),
+    [
+        (b"1,2", True, 202),
+        (b"-1,2", True, 202),  # valid JSON, not digits: parsed when counted
+        (b"1.5,2", True, None),  # not token ids
+        (b"true,1", True, None),
+        (b"1 2", True, 201),  # the eager scan's documented difference, kept
+        (b"1,,2", True, 203),
+        (b"abc", False, None),  # not JSON: validate() says what the full parse says
+        (b"01,2", False, None),
+        (b"NaN,1", False, None),
+    ],
+)
+def test_deferred_arrays_are_checked_only_when_asked(
+    inner: bytes, valid: bool, count: int | None
+) -> None:
+    """``count=False`` takes any flat array on trust until its count or validate() is
+    read, and then answers as the eager scan does."""
+    raw = b'{"session_id":"s","input_ids":[' + inner + b"," + b",".join([b"7"] * 200) + b"]}"
+    eager = scan_object(raw)
+    assert (eager is not None) == valid
+    lazy = scan_object(raw, count=False)
+    assert lazy is not None and lazy.deferred == ("input_ids",) and lazy.session_id == "s"
+    assert lazy.validate() == valid
+    assert lazy.prompt_token_count == count == (eager.prompt_token_count if eager else None)
+    if valid:
+        assert lazy.deferred == ()
+
+
+def test_validated_is_true_for_a_dict_and_an_eager_scan() -> None:
+    raw = orjson.dumps({"input_ids": _ids(400)})
+    scan = scan_object(raw)
+    assert scan is not None and scan.deferred == ()
+    assert validated(scan) and validated({"input_ids": "anything"})
 
 
 def test_scan_does_not_materialise_until_asked() -> None:
@@ -492,6 +551,7 @@ def test_property_corrupted_bodies(raw: bytes, data: st.DataObject) -> None:
         bad = raw[:pos] + byte + raw[pos + 1 :]
     full = parse_object(bad)
     scan = scan_object(bad)
+    assert_deferred_agrees(bad, full)
     if full is None and scan is not None:
         # Only a digit array's interior is not validated element by element.
         assert any(start < pos < end for start, end in scan._spans.values()), bad[:300]
