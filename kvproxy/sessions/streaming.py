@@ -180,9 +180,16 @@ def _extension_mismatch(slot: Slot, input_ids: Sequence[int]) -> str | None:
 
 def turn_footprint(body: Mapping[str, Any]) -> int:
     """KV one turn of a streaming session pins once it has run: its full prompt plus its
-    output budget (``max_new_tokens``, SGLang's default when absent)."""
-    ids = body.get("input_ids")
-    n = len(ids) if isinstance(ids, list) else 0
+    output budget (``max_new_tokens``, SGLang's default when absent).
+
+    Read on every request of a fleet that holds a streaming slot: the proxy's
+    ``BodyScan`` gives the ids' count without building the list."""
+    counted = getattr(body, "input_ids_count", None)
+    if counted is not None:
+        n = int(counted)
+    else:
+        ids = body.get("input_ids")
+        n = len(ids) if isinstance(ids, list) else 0
     sp = body.get("sampling_params")
     mnt = sp.get("max_new_tokens") if isinstance(sp, Mapping) else None
     if not isinstance(mnt, int) or isinstance(mnt, bool) or mnt < 0:

@@ -8,6 +8,7 @@ from typing import Any
 import orjson
 import pytest
 
+from kvproxy.proxy.scan import scan_object
 from kvproxy.sessions import streaming as st
 from kvproxy.sessions.agent_hints import (
     DEFAULT_BIND_TIMEOUT_S,
@@ -395,6 +396,17 @@ def test_prefill_body_unreadable(path: str, body: dict[str, Any], resp: Any) -> 
 )
 def test_turn_footprint_is_prompt_plus_output_budget(body: dict[str, Any], footprint: int) -> None:
     assert st.turn_footprint(body) == footprint
+
+
+@pytest.mark.parametrize("count", [True, False])
+def test_turn_footprint_of_a_scanned_body_builds_no_list(count: bool) -> None:
+    """The proxy passes a BodyScan: the footprint comes from its count (eager or
+    deferred), the same as the dict's, and the 5,000 ids are never materialised."""
+    doc = {"input_ids": list(range(5000)), "sampling_params": {"max_new_tokens": 7}}
+    scan = scan_object(orjson.dumps(doc), count=count)
+    assert scan is not None and scan.excised == ("input_ids",)
+    assert st.turn_footprint(scan) == st.turn_footprint(doc) == 5007
+    assert scan._materialised == {}
 
 
 @pytest.mark.parametrize(
