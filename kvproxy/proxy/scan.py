@@ -108,6 +108,28 @@ def _skip_ws(raw: bytes, pos: int, end: int) -> int:
     return pos
 
 
+# Where a key is looked for: ``bytes.find`` in the body's first bytes, then quote by
+# quote. ``bytes.find`` of an absent key costs about 0.8 ns per byte here (160 µs per
+# 200 KB: a /v1/completions body has no ``input_ids``), while a token-id body has a few
+# dozen quotes around its quote-free array, which ``memchr`` crosses in microseconds.
+_KEY_HEAD = 2048
+_QUOTE_STEPS = 64  # quotes examined before handing the rest back to bytes.find
+
+
+def find_key(raw: bytes, needle: bytes) -> int:
+    """``raw.find(needle)`` for a ``needle`` that starts with a quote, faster where the
+    body's quotes are sparse (the same answer: every occurrence starts at a quote)."""
+    i = raw.find(needle, 0, _KEY_HEAD)
+    if i >= 0 or len(raw) <= _KEY_HEAD:
+        return i
+    i = raw.find(b'"', max(0, _KEY_HEAD - len(needle) + 1))  # not wholly in the head
+    for _ in range(_QUOTE_STEPS):
+        if i < 0 or raw.startswith(needle, i):
+            return i
+        i = raw.find(b'"', i + 1)
+    return raw.find(needle, i)
+
+
 def locate_array(raw: bytes, key: str) -> tuple[int, int] | None:
     """``(start, end)`` of the first ``"key": [ ... ]`` in ``raw`` whose interior holds
     no ``[``, ``{``, ``}`` or ``"`` (a *flat* array), else None.
@@ -118,7 +140,7 @@ def locate_array(raw: bytes, key: str) -> tuple[int, int] | None:
     :func:`scan_object`).
     """
     needle = _NEEDLES.get(key) or b'"' + key.encode() + b'"'
-    i = raw.find(needle)
+    i = find_key(raw, needle)
     if i < 0:
         return None
     n = len(raw)
@@ -499,6 +521,7 @@ __all__ = [
     "batch_size",
     "count_flat_ids",
     "counted_keys_for",
+    "find_key",
     "locate_array",
     "locate_flat_array",
     "prompt_token_count",

@@ -26,6 +26,7 @@ from kvproxy.proxy.scan import (
     MIN_EXCISE_BYTES,
     BodyScan,
     batch_size,
+    find_key,
     locate_flat_array,
     prompt_token_count,
     scan_object,
@@ -557,6 +558,32 @@ def test_property_corrupted_bodies(raw: bytes, data: st.DataObject) -> None:
         assert any(start < pos < end for start, end in scan._spans.values()), bad[:300]
         return
     assert_agrees(bad)
+
+
+@st.composite
+def quoted_haystack(draw: st.DrawFn) -> bytes:
+    """Bytes of quotes, key fragments and long quote-free runs, across the key head."""
+    pieces = st.one_of(
+        st.sampled_from([b'"', b'"input_ids"', b'"input_i', b'"prompt"', b'\\"', b":[", b"x"]),
+        st.integers(1, 3000).map(lambda n: b"1," * n),
+    )
+    return b"".join(draw(st.lists(pieces, max_size=120)))
+
+
+@PROPERTY
+@given(quoted_haystack(), st.sampled_from([b'"input_ids"', b'"prompt"']))
+def test_property_find_key_is_bytes_find(raw: bytes, needle: bytes) -> None:
+    assert find_key(raw, needle) == raw.find(needle)
+
+
+@pytest.mark.parametrize("at", [0, 2030, 2040, 2047, 2048, 5000, 150_000])
+@pytest.mark.parametrize("quotes_before", [0, 10, 200])
+def test_find_key_at_the_head_boundary_and_past_the_quote_walk(at: int, quotes_before: int) -> None:
+    pad = b'"a",' * quotes_before
+    raw = pad + b"7," * ((at - len(pad)) // 2 if at > len(pad) else 0)
+    raw = raw + b'"input_ids":[1]' + b"8," * 100_000
+    assert find_key(raw, b'"input_ids"') == raw.find(b'"input_ids"')
+    assert find_key(raw, b'"prompt"') == -1
 
 
 def test_min_excise_threshold_is_what_the_tables_assume() -> None:
