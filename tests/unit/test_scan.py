@@ -19,6 +19,7 @@ from kvproxy.admission.reservation import (
     prompt_chars,
 )
 from kvproxy.config import SessionLifecycleConfig
+from kvproxy.proxy import scan as scan_module
 from kvproxy.proxy.body import parse_object
 from kvproxy.proxy.scan import (
     METHOD_FULL,
@@ -560,6 +561,9 @@ def test_property_corrupted_bodies(raw: bytes, data: st.DataObject) -> None:
     assert_agrees(bad)
 
 
+HEAD = scan_module._KEY_HEAD
+
+
 @st.composite
 def quoted_haystack(draw: st.DrawFn) -> bytes:
     """Bytes of quotes, key fragments and long quote-free runs, across the key head."""
@@ -576,7 +580,7 @@ def test_property_find_key_is_bytes_find(raw: bytes, needle: bytes) -> None:
     assert find_key(raw, needle) == raw.find(needle)
 
 
-@pytest.mark.parametrize("at", [0, 2030, 2040, 2047, 2048, 5000, 150_000])
+@pytest.mark.parametrize("at", [0, HEAD - 20, HEAD - 11, HEAD - 1, HEAD, HEAD + 5000, 150_000])
 @pytest.mark.parametrize("quotes_before", [0, 10, 200])
 def test_find_key_at_the_head_boundary_and_past_the_quote_walk(at: int, quotes_before: int) -> None:
     pad = b'"a",' * quotes_before
