@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """Request-body reading cost: the byte scanner (kvproxy.proxy.scan) vs a full orjson parse.
 
-For ``/generate`` bodies with ``input_ids`` and chat bodies with ``messages`` of about
-4 KB, 200 KB and 1 MB, times per call (microseconds):
+For ``/generate`` bodies with ``input_ids``, ``/v1/completions`` bodies with a token-id
+``prompt`` (no ``input_ids`` key to find), ``/generate`` bodies with ``text`` and chat
+bodies with ``messages``, of about 4 KB, 200 KB and 1 MB, times per call (microseconds):
 
   full   ``parse_object(raw)`` (orjson.loads) plus the reads a decision makes
   scan   ``scan_object(raw, counted_keys_for(path))`` plus the same reads (prompt
@@ -63,6 +64,24 @@ def generate_body(target: int, seed: int) -> bytes:
         ids.append(tok)
     doc["input_ids"] = ids
     return orjson.dumps(doc)
+
+
+def completions_body(target: int, seed: int) -> bytes:
+    """A ``/v1/completions`` body whose prompt is token ids (and no ``input_ids``)."""
+    doc = orjson.loads(generate_body(target, seed))
+    return orjson.dumps(
+        {"model": "m", "prompt": doc["input_ids"], "max_tokens": 512, "session_id": "traj-000123"}
+    )
+
+
+def text_body(target: int, seed: int) -> bytes:
+    """A ``/generate`` body with a text prompt (no token ids to count)."""
+    rng = random.Random(seed)
+    words = ["def", "return", "self", "import", "the", "value", "(", ")", ":", "\n"]
+    text = " ".join(rng.choice(words) for _ in range(target // 5))[: target - 200]
+    return orjson.dumps(
+        {"text": text, "session_id": "traj-000123", "sampling_params": {"max_new_tokens": 512}}
+    )
 
 
 def chat_body(target: int, seed: int) -> bytes:
@@ -154,6 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     results: list[dict[str, Any]] = []
     kinds = (
         ("generate+input_ids", generate_body, "/generate"),
+        ("completions+prompt ids", completions_body, "/v1/completions"),
+        ("generate+text", text_body, "/generate"),
         ("chat+messages", chat_body, "/v1/chat/completions"),
     )
     for kind, make, path in kinds:
