@@ -40,7 +40,7 @@ import orjson
 
 from kvproxy.admission.reservation import exact_prompt_tokens
 from kvproxy.proxy.body import parse_object
-from kvproxy.proxy.scan import counted_keys_for, scan_object
+from kvproxy.proxy.scan import BodyScan, counted_keys_for, scan_object
 
 SIZES = {"4KB": 4 * 1024, "200KB": 200 * 1024, "1MB": 1024 * 1024}
 
@@ -123,9 +123,7 @@ def reads_full(raw: bytes) -> Any:
     )
 
 
-def reads_scan(raw: bytes, keys: tuple[str, ...]) -> Any:
-    scan = scan_object(raw, keys)
-    assert scan is not None
+def _small_fields(scan: BodyScan) -> tuple[Any, ...]:
     return (
         scan.session_id,
         scan.rid,
@@ -133,21 +131,19 @@ def reads_scan(raw: bytes, keys: tuple[str, ...]) -> Any:
         scan.max_new_tokens,
         scan.max_completion_tokens,
         scan.agent_hints,
-        scan.prompt_token_count,
     )
+
+
+def reads_scan(raw: bytes, keys: tuple[str, ...]) -> Any:
+    scan = scan_object(raw, keys)
+    assert scan is not None
+    return (*_small_fields(scan), scan.prompt_token_count)
 
 
 def reads_located(raw: bytes, keys: tuple[str, ...]) -> Any:
     scan = scan_object(raw, keys, count=False)
     assert scan is not None
-    return (
-        scan.session_id,
-        scan.rid,
-        scan.priority,
-        scan.max_new_tokens,
-        scan.max_completion_tokens,
-        scan.agent_hints,
-    )
+    return _small_fields(scan)
 
 
 def timeit(fn: Callable[[bytes], Any], raw: bytes, loops: int, rounds: int) -> dict[str, float]:
