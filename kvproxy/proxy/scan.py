@@ -277,18 +277,21 @@ class BodyScan(Mapping[str, Any]):
         count = self._counts.get(key)
         if count is not None:
             return count
-        span = self._spans.get(key)
-        if span is None:
+        if key not in self._spans:
             return vocab.token_list_length(self._doc.get(key))
-        count = count_flat_ids(self._raw, *span)
+        try:
+            return self._settle(key)
+        except orjson.JSONDecodeError:
+            return None  # not JSON at all: validate() says so
+
+    def _settle(self, key: str) -> int | None:
+        """Count the excised array at ``key``, or parse it when it is not digits only
+        (``orjson.JSONDecodeError`` when it is not JSON); the count is kept."""
+        count = None if key in self._materialised else count_flat_ids(self._raw, *self._spans[key])
         if count is None:
-            try:
-                count = vocab.token_list_length(self[key])
-            except orjson.JSONDecodeError:
-                return None  # not JSON at all: validate() says so
-            if count is None:
-                return None
-        self._counts[key] = count
+            count = vocab.token_list_length(self[key])
+        if count is not None:
+            self._counts[key] = count
         return count
 
     @property
@@ -305,12 +308,8 @@ class BodyScan(Mapping[str, Any]):
 
         Call it before anything reads a deferred array itself rather than its count."""
         for key in self.deferred:
-            count = count_flat_ids(self._raw, *self._spans[key])
-            if count is not None:  # digits only: valid
-                self._counts[key] = count
-                continue
             try:
-                self[key]
+                self._settle(key)
             except orjson.JSONDecodeError:
                 return False
         return True
