@@ -7,6 +7,8 @@ upstream process, for these targets:
   direct      the load generator talks to the upstream itself (no proxy process)
   floor       through a minimal aiohttp forwarder (read body, pooled upstream call, relay):
               the cost of one extra aiohttp hop, for reference; not kvproxy
+  naive       the floor, but a JSON body is parsed, given the X-Session-ID header as its
+              session_id and re-encoded (request.json(), json=): the naive splicing proxy
   off         through kvproxy, both features off (a transparent streaming proxy)
   lifecycle   through kvproxy, session_lifecycle on (session_id and rid spliced in)
   admission   through kvproxy, admission on (poll_interval_s 0.5; the upstream's

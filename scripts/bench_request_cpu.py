@@ -13,7 +13,8 @@ processes, so it separates changes of a few microseconds per request.
     python scripts/bench_request_cpu.py --body-kb 200 --requests 1000
     python scripts/bench_request_cpu.py --profile out.prof   # cProfile of the feature runs
 
-Targets alternate within each round (direct, off, lifecycle, admission, both); the table
+Targets alternate within each round (direct, floor, naive, off, lifecycle, admission, both:
+floor and naive are ``bench_proxy.py``'s reference forwarders, in this process too); the table
 gives the median and the min-max over rounds.
 """
 
@@ -34,13 +35,13 @@ from aiohttp import web
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchproxy.common import HOST, PROXY_FEATURES, make_body, session_headers
-from benchproxy.targets import free_port, proxy_config_doc, start_upstream
+from benchproxy.targets import floor_app, free_port, naive_app, proxy_config_doc, start_upstream
 
 from kvproxy.app import create_app
 from kvproxy.config import from_mapping
 from kvproxy.keys import ADMISSION
 
-TARGETS = ("direct", *PROXY_FEATURES)
+TARGETS = ("direct", "floor", "naive", *PROXY_FEATURES)
 
 
 async def _drive(url: str, body: bytes, n: int, concurrency: int) -> None:
@@ -60,14 +61,22 @@ async def _drive(url: str, body: bytes, n: int, concurrency: int) -> None:
         await asyncio.gather(*(worker() for _ in range(concurrency)))
 
 
-async def _proxy(target: str, upstream: str) -> tuple[web.AppRunner, str]:
-    app = create_app(from_mapping(proxy_config_doc(target, upstream)))
+async def _proxy(target: str, upstream: str, poll_s: float) -> tuple[web.AppRunner, str]:
+    if target == "floor":  # the reference forwarders of bench_proxy.py
+        app = floor_app(upstream)
+    elif target == "naive":
+        app = naive_app(upstream)
+    else:
+        doc = proxy_config_doc(target, upstream, poll_interval_s=poll_s)
+        app = create_app(from_mapping(doc))
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     port = free_port()
     await web.TCPSite(runner, HOST, port).start()
-    if PROXY_FEATURES[target][1]:  # admission on: the first poll, as in bench_proxy.py
-        for _ in range(100):
+    if PROXY_FEATURES.get(target, (False, False))[
+        1
+    ]:  # admission: its first poll, as in bench_proxy
+        for _ in range(1200):  # 60 s at most (valgrind runs this slowly)
             if not app[ADMISSION].health().degraded:
                 break
             await asyncio.sleep(0.05)
@@ -81,12 +90,13 @@ async def _measure(
     n: int,
     concurrency: int,
     profiler: cProfile.Profile | None,
+    poll_s: float,
 ) -> float:
     """CPU seconds of this process per request for ``target``."""
     runner: web.AppRunner | None = None
     url = f"{upstream}/generate"
     if target != "direct":
-        runner, base = await _proxy(target, upstream)
+        runner, base = await _proxy(target, upstream, poll_s)
         url = f"{base}/generate"
     try:
         await _drive(url, body, min(200, n), concurrency)  # warm-up
@@ -124,7 +134,13 @@ async def _main(a: argparse.Namespace) -> int:
             for rnd in range(a.rounds):
                 for target in a.targets:
                     per = await _measure(
-                        target, upstream.url, body, a.requests, a.concurrency, profiler
+                        target,
+                        upstream.url,
+                        body,
+                        a.requests,
+                        a.concurrency,
+                        profiler,
+                        a.poll_interval,
                     )
                     results[target].append(per)
                     print(f"  round {rnd + 1} {target}: {per * 1e6:.0f} us/request", flush=True)
@@ -158,10 +174,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         help=f"comma list of {','.join(TARGETS)}",
     )
     p.add_argument("--profile", default=None, help="write a cProfile of the kvproxy targets")
+    p.add_argument(
+        "--poll-interval",
+        type=float,
+        default=0.5,
+        help="admission.poll_interval_s (as bench_proxy.py; the first poll is awaited)",
+    )
     a = p.parse_args(argv)
     bad = [t for t in a.targets if t not in TARGETS]
-    if bad or a.requests < 1 or a.rounds < 1 or a.concurrency < 1:
-        p.error(f"targets from {','.join(TARGETS)}; requests, rounds, concurrency >= 1")
+    if bad or a.requests < 1 or a.rounds < 1 or a.concurrency < 1 or a.poll_interval <= 0:
+        p.error(
+            f"targets from {','.join(TARGETS)}; requests, rounds, concurrency >= 1; "
+            "poll interval > 0"
+        )
     try:
         import uvloop
 

@@ -20,7 +20,7 @@ from benchproxy.report import format_report, machine_info, target_checks
 from benchproxy.runner import Bench, Params
 from benchproxy.targets import (
     raise_nofile,
-    serve_floor,
+    serve_reference,
     serve_upstream,
     start_proxy,
     start_upstream,
@@ -102,6 +102,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--client", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--serve-floor", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--serve-naive", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--upstream", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.targets = [t.strip() for t in args.targets.split(",") if t.strip()]
@@ -120,8 +121,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return serve_upstream(args.host, args.port)
     if args.client is not None:
         return run_client(args.client)
-    if args.serve_floor:
-        return serve_floor(args.host, args.port, args.upstream)
+    if args.serve_floor or args.serve_naive:
+        kind = "naive" if args.serve_naive else "floor"
+        return serve_reference(args.host, args.port, args.upstream, kind)
 
     params = Params.quick() if args.quick else Params()
     if args.rounds is not None:

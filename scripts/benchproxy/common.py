@@ -14,7 +14,9 @@ REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "bench_proxy.py"
 HOST = "127.0.0.1"
 
-TARGETS = ("direct", "floor", "off", "lifecycle", "admission", "both")
+TARGETS = ("direct", "floor", "naive", "off", "lifecycle", "admission", "both")
+# Reference forwarders, not kvproxy (scripts/benchproxy/targets.py: floor_app, naive_app).
+REFERENCES = ("floor", "naive")
 PROXY_FEATURES: dict[str, tuple[bool, bool]] = {  # name -> (lifecycle, admission)
     "off": (False, False),
     "lifecycle": (True, False),

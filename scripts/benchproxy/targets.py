@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchproxy.common import HOST, PROXY_FEATURES, REPO, SCRIPT
+from benchproxy.common import HOST, PROXY_FEATURES, REFERENCES, REPO, SCRIPT
 
 
 def serve_upstream(host: str, port: int) -> int:
@@ -146,17 +146,17 @@ def serve_upstream(host: str, port: int) -> int:
     return 0
 
 
-def serve_floor(host: str, port: int, upstream: str) -> int:
+def floor_app(upstream: str) -> Any:
     """The reference forwarder: the least an aiohttp proxy does per request.
 
     Reads the body, sends it upstream on a pooled keep-alive session, relays the answer
     (chunk by chunk for SSE). No header hygiene, metrics, parsing or features: what
     kvproxy with its features off costs beyond this is kvproxy's own overhead."""
     import aiohttp
-    import uvloop
     from aiohttp import web
 
     skip = {"host", "content-length", "connection", "keep-alive", "transfer-encoding"}
+    http_key = web.AppKey("http", aiohttp.ClientSession)
 
     async def client_ctx(app: web.Application) -> Any:
         app[http_key] = aiohttp.ClientSession(
@@ -183,12 +183,75 @@ def serve_floor(host: str, port: int, upstream: str) -> int:
             data = await r.read()
             return web.Response(status=r.status, body=data, headers={"Content-Type": content_type})
 
-    http_key = web.AppKey("http", aiohttp.ClientSession)
     app = web.Application(client_max_size=64 * 1024 * 1024)
     app.cleanup_ctx.append(client_ctx)
     app.router.add_route("*", "/{tail:.*}", forward)
+    return app
+
+
+def naive_app(upstream: str) -> Any:
+    """The naive splicing proxy: what one writes first to tag requests with a session.
+
+    :func:`floor_app`, except that a JSON-object body is parsed (``request.json()``),
+    given the ``X-Session-ID`` header's value as its top-level ``session_id`` and
+    forwarded re-encoded (``json=``), aiohttp's defaults throughout: the comparison the
+    hot path's saturation target names; the floor (no parsing at all) is the stricter one."""
+    import aiohttp
+    from aiohttp import web
+
+    skip = {"host", "content-length", "connection", "keep-alive", "transfer-encoding"}
+    http_key = web.AppKey("http", aiohttp.ClientSession)
+
+    async def client_ctx(app: web.Application) -> Any:
+        app[http_key] = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0), auto_decompress=False
+        )
+        yield
+        await app[http_key].close()
+
+    async def forward(request: web.Request) -> web.StreamResponse:
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in skip}
+        sid = request.headers.get("X-Session-ID")
+        doc: Any = None
+        if request.method == "POST" and sid is not None:
+            try:
+                doc = await request.json()
+            except ValueError:
+                doc = None
+        if isinstance(doc, dict):
+            doc["session_id"] = sid
+            sent: dict[str, Any] = {"json": doc}
+            headers.pop("Content-Type", None)
+        else:
+            sent = {"data": await request.read() or None}
+        http = request.app[http_key]
+        async with http.request(
+            request.method, upstream + request.path_qs, headers=headers, **sent
+        ) as r:
+            content_type = r.headers.get("Content-Type", "application/octet-stream")
+            if content_type.startswith("text/event-stream"):
+                resp = web.StreamResponse(status=r.status, headers={"Content-Type": content_type})
+                await resp.prepare(request)
+                async for chunk in r.content.iter_any():
+                    await resp.write(chunk)
+                await resp.write_eof()
+                return resp
+            data = await r.read()
+            return web.Response(status=r.status, body=data, headers={"Content-Type": content_type})
+
+    app = web.Application(client_max_size=64 * 1024 * 1024)
+    app.cleanup_ctx.append(client_ctx)
+    app.router.add_route("*", "/{tail:.*}", forward)
+    return app
+
+
+def serve_reference(host: str, port: int, upstream: str, kind: str) -> int:
+    """Serve :func:`floor_app` (``kind`` floor) or :func:`naive_app` (naive) until stopped."""
+    import uvloop
+    from aiohttp import web
+
     web.run_app(
-        app,
+        (naive_app if kind == "naive" else floor_app)(upstream),
         host=host,
         port=port,
         access_log=None,
@@ -327,12 +390,13 @@ def wait_ready(
     )
 
 
-def start_upstream(workdir: Path, floor_of: str | None = None) -> Proc:
-    """The fast upstream, or (``floor_of`` = the upstream's URL) the reference forwarder."""
+def start_upstream(workdir: Path, floor_of: str | None = None, kind: str = "floor") -> Proc:
+    """The fast upstream, or (``floor_of`` = the upstream's URL) a reference forwarder
+    (``kind``: floor or naive)."""
     port = free_port()
-    name = "floor" if floor_of else "upstream"
+    name = kind if floor_of else "upstream"
     log = workdir / f"{name}.log"
-    mode = ["--serve-floor", "--upstream", floor_of] if floor_of else ["--serve-upstream"]
+    mode = [f"--serve-{kind}", "--upstream", floor_of] if floor_of else ["--serve-upstream"]
     with open(log, "wb") as out:
         popen = subprocess.Popen(
             [sys.executable, str(SCRIPT), *mode, "--host", HOST, "--port", str(port)],
@@ -350,7 +414,9 @@ def start_upstream(workdir: Path, floor_of: str | None = None) -> Proc:
     return proc
 
 
-def proxy_config_doc(name: str, upstream: str, port: int | None = None) -> dict[str, Any]:
+def proxy_config_doc(
+    name: str, upstream: str, port: int | None = None, poll_interval_s: float = 0.5
+) -> dict[str, Any]:
     """kvproxy's configuration for feature set ``name`` in front of ``upstream``: the one
     document every proxy benchmark uses (this one and ``scripts/bench_request_cpu.py``)."""
     lifecycle, admission = PROXY_FEATURES[name]
@@ -361,7 +427,7 @@ def proxy_config_doc(name: str, upstream: str, port: int | None = None) -> dict[
         "server": server,
         "router": {"url": upstream, "engines": [upstream]},
         "session_lifecycle": {"enabled": lifecycle},
-        "admission": {"enabled": admission, "poll_interval_s": 0.5},
+        "admission": {"enabled": admission, "poll_interval_s": poll_interval_s},
     }
 
 
@@ -372,8 +438,8 @@ def write_proxy_config(path: Path, name: str, upstream: str, port: int) -> None:
 
 def start_proxy(name: str, upstream: str, workdir: Path, launcher: str) -> Proc:
     """Start kvproxy with feature set ``name``; through kvproxy.stack when available."""
-    if name == "floor":
-        return start_upstream(workdir, floor_of=upstream)
+    if name in REFERENCES:
+        return start_upstream(workdir, floor_of=upstream, kind=name)
     port = free_port()
     cfg = workdir / f"kvproxy-{name}.yaml"
     write_proxy_config(cfg, name, upstream, port)
