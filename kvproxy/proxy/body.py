@@ -41,7 +41,8 @@ def inject_fields(raw: bytes, fields: Mapping[str, Any]) -> bytes:
         start += 1
     if start >= n or raw[start] != 0x7B:  # "{"
         raise ValueError("body is not a JSON object")
-    members = b",".join(orjson.dumps(k) + b":" + orjson.dumps(v) for k, v in fields.items())
+    # One encoding of the fields as an object, its braces dropped: ``"k":v,...``.
+    members = orjson.dumps(fields if type(fields) is dict else dict(fields))[1:-1]
     nxt = start + 1
     while nxt < n and raw[nxt] in _WHITESPACE:
         nxt += 1

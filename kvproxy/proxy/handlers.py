@@ -302,6 +302,8 @@ class ProxyHandlers:
         try:
             async with tracking as tracked:
                 attempt.on_disconnect = tracked.disconnected
+                if not plan.admit:
+                    return await self._send(attempt, plan, turn, tracked, None)
                 return await self._admitted(attempt, plan, turn, tracked)
         except SessionClosed as exc:
             raise Refused(ErrorType.SESSION_CLOSED, str(exc)) from None
@@ -363,8 +365,8 @@ class ProxyHandlers:
         if turn is not None and turn.wants_body:
             attempt.observe_body = turn.keep_body
         response = await self.forward(attempt)
-        if turn is not None and response.status == 200:
-            self._after_turn(attempt, plan, turn)
+        if turn is not None and turn.wants_body and response.status == 200:
+            self._after_turn(attempt, plan, turn)  # the speculative prefill
         return response
 
     def _admission_decided(

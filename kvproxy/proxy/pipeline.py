@@ -124,9 +124,9 @@ def _lifecycle_plan(
     sid = identity.session_id
     plan = Plan(
         body=body,
-        fields=dict(inj.fields),
+        fields=inj.fields,  # built for this request and never changed: not copied
         overwrite=bool(inj.overwrites),
-        headers=dict(inj.headers),
+        headers=inj.headers,
         session_id=sid,
         close_after=identity.close_after,
         abort_rids=inj.abort_rids,

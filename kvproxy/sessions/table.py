@@ -176,7 +176,8 @@ class SessionTable:
 
     def begin(self, session_id: str, now: float) -> Begin:
         """Register a request of ``session_id`` as queued in the proxy."""
-        self.prune(now)
+        if self._closed:
+            self.prune(now)
         entry = self._live.get(session_id)
         created = reopened = False
         evicted: tuple[str, ...] = ()
