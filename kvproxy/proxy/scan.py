@@ -9,13 +9,15 @@ How it works
        ``/v1/completions``) find ``"key"`` followed by ``:`` and ``[`` with byte searches
        (``bytes.find`` is memchr-fast), then the array's closing ``]``. The array is
        *flat* when no ``[``, ``{``, ``}`` or ``"`` occurs inside it.
-    2. *Count*: a flat array made only of digits, commas and JSON whitespace (one
-       ``bytes.translate`` pass) has ``commas + 1`` elements, and its first element is an
-       integer when it has at most 19 digits (orjson parses longer ones as floats).
-       Anything else (negative or fractional numbers, ``true``, strings, nested lists as
-       in a batch) is not excised and is parsed normally. With ``count=False`` this step
-       is deferred to the first read of the count (or :meth:`BodyScan.validate`): every
-       flat array is excised, and one that turns out not to be digits is parsed then.
+    2. *Count*: a flat array whose first element is an integer for orjson (1 to 19
+       digits, no leading zero) and that has no trailing comma has ``commas + 1``
+       elements: one ``bytes.count`` over it, in place. Any other (a sign, a fraction,
+       a literal first; nested lists as in a batch are not flat) is not excised and is
+       parsed normally. The other elements are not looked at here:
+       :meth:`BodyScan.validate` checks them (the character set, one
+       ``bytes.translate`` pass; an array that is not digits only is parsed) for the
+       callers that read an array itself. With ``count=False`` the count too is
+       deferred to its first read: every flat array is excised.
     3. *Parse the rest*: the array's bytes are replaced by a sentinel string carrying a
        per-process random nonce and the remaining (small) document is parsed by orjson,
        so every other value, the top-level structure, escapes, unicode, numbers and
@@ -26,16 +28,16 @@ How it works
        is parsed in full: correct, just not faster.
 
 Agreement with the full parse (property-tested in tests/unit/test_scan.py): for every
-body, ``scan_object(raw)`` is None exactly when ``parse_object(raw)`` is None, and
-otherwise ``dict(scan) == parse_object(raw)``, with one documented exception: the
-interior of an excised digit array is checked for its character set, not element by
-element, so ``[1,,2]``, ``[1 2]`` and ``[1,02]`` (which no JSON encoder produces) are
-counted where orjson would reject the body. Such a body reaches the engine, which
-answers 400 as it would have without kvproxy. With ``count=False`` the difference is
-wider until the arrays are checked: any flat array is taken on trust (``[1 2]``,
-``[abc]``), and :meth:`BodyScan.validate` gives the full parse's verdict (False: not a
-JSON object) for the callers that go on to read an array itself
-(:func:`kvproxy.proxy.pipeline.plan_request` calls it before such steps).
+body, ``scan_object(raw)`` is None, or its :meth:`~BodyScan.validate` False, exactly
+when ``parse_object(raw)`` is None, and otherwise ``dict(scan) == parse_object(raw)``
+and every count is the full parse's; with one documented exception: ``validate()``
+checks a digit array's character set, not element by element, so ``[1,,2]``, ``[1 2]``
+and ``[1,02]`` (which no JSON encoder produces) pass where orjson would reject the body.
+Before ``validate()`` an excised array is taken on trust past its first element
+(``[1,abc]`` is counted as two): the request path reads only counts unless it goes on to
+read an array (:func:`kvproxy.proxy.pipeline.plan_request` and the handler call
+``validate()`` before such steps); a body forwarded without that check goes as received,
+or with fields spliced in, and the engine answers 400 as it would without kvproxy.
 
 The result, :class:`BodyScan`, is a read-only ``Mapping`` of the top-level members, so
 the existing pure readers (``resolve_identity``, ``injection_plan``,
@@ -55,6 +57,7 @@ Wiring (for the request handler): ``parse_object(raw)`` becomes
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -81,6 +84,8 @@ _MAX_INT_DIGITS = 19
 
 _WS = b" \t\r\n"
 _DIGITS_AND_WS = b"0123456789 \t\r\n"
+# An integer for orjson (1 to 19 digits, no leading zero) as an array's first element.
+_FIRST_INT = re.compile(rb"[ \t\r\n]*(?:0|[1-9][0-9]{0,18})[ \t\r\n,\]]")
 _NONCE = os.urandom(16).hex()
 
 METHOD_SCAN = "scan"  # token arrays counted, the rest parsed
@@ -183,6 +188,28 @@ def count_flat_ids(raw: bytes, start: int, end: int) -> int | None:
     return len(commas) + 1
 
 
+def count_elements(raw: bytes, start: int, end: int) -> int | None:
+    """Elements of the flat array ``raw[start:end]`` counted by its commas, when its first
+    element is an integer for orjson (1 to 19 digits, no leading zero) and it has no
+    trailing comma; else None.
+
+    One ``bytes.count`` over the array in place (no copy, no character-set pass): for
+    every *valid* array whose first element is an integer this is the full parse's length
+    (``vocab.token_list_length``). The other elements are not looked at;
+    :func:`count_flat_ids` checks them (:meth:`BodyScan.validate`).
+    """
+    last = end - 1  # the "]"
+    if _FIRST_INT.match(raw, start + 1, end) is None:
+        # Empty, or a sign, a fraction, a literal, a float for orjson first: parse it.
+        return 0 if _skip_ws(raw, start + 1, last) == last else None
+    back = last - 1
+    while raw[back] in _WS:
+        back -= 1
+    if raw[back] == 0x2C:  # a trailing comma
+        return None
+    return raw.count(b",", start + 1, last) + 1
+
+
 def locate_flat_array(raw: bytes, key: str) -> tuple[int, int, int] | None:
     """``(start, end, count)`` of the first ``"key": [digits, ...]`` in ``raw``, else None:
     :func:`locate_array`, then :func:`count_flat_ids`."""
@@ -203,6 +230,7 @@ def _as_int(value: Any) -> int | None:
 
 
 _NONE: dict[Any, Any] = {}  # shared, never written: BodyScan only reads it
+_NO_KEYS: frozenset[str] = frozenset()
 
 
 class BodyScan(Mapping[str, Any]):
@@ -213,7 +241,7 @@ class BodyScan(Mapping[str, Any]):
     properties below are what the session and admission decisions read.
     """
 
-    __slots__ = ("_counts", "_doc", "_materialised", "_raw", "_spans", "method")
+    __slots__ = ("_checked", "_counts", "_doc", "_materialised", "_raw", "_spans", "method")
 
     def __init__(
         self,
@@ -229,6 +257,8 @@ class BodyScan(Mapping[str, Any]):
         self._spans: dict[str, tuple[int, int]] = spans if spans is not None else _NONE
         self._counts: dict[str, int] = counts if counts is not None else _NONE
         self._materialised: dict[str, Any] = {}
+        # Excised arrays whose interior validate() has checked (a parsed one is too).
+        self._checked: set[str] | None = None
         self.method = method
 
     # -- Mapping ---------------------------------------------------------------------
@@ -272,44 +302,49 @@ class BodyScan(Mapping[str, Any]):
     def token_count(self, key: str) -> int | None:
         """Length of the token-id list at ``key`` (a batch: summed lengths), else None.
 
-        A deferred array (``scan_object(..., count=False)``) is counted on this first
-        read; one that is not digits only is parsed, as the full parse would have."""
+        An excised array is counted by its commas (:func:`count_elements`), on the scan
+        with ``count=True``, else on this first read; one whose first element is not an
+        integer is parsed, as the full parse would have been. Its other elements are
+        taken on trust until :meth:`validate`."""
         count = self._counts.get(key)
         if count is not None:
             return count
         if key not in self._spans:
             return vocab.token_list_length(self._doc.get(key))
         try:
-            return self._settle(key)
+            count = (
+                None if key in self._materialised else count_elements(self._raw, *self._spans[key])
+            )
+            if count is None:
+                count = vocab.token_list_length(self[key])
         except orjson.JSONDecodeError:
             return None  # not JSON at all: validate() says so
-
-    def _settle(self, key: str) -> int | None:
-        """Count the excised array at ``key``, or parse it when it is not digits only
-        (``orjson.JSONDecodeError`` when it is not JSON); the count is kept."""
-        count = None if key in self._materialised else count_flat_ids(self._raw, *self._spans[key])
-        if count is None:
-            count = vocab.token_list_length(self[key])
         if count is not None:
             self._counts[key] = count
         return count
 
     @property
     def deferred(self) -> tuple[str, ...]:
-        """The keys whose arrays were excised and neither counted nor parsed yet (only
-        with ``count=False``): the body is a JSON object only if they are valid JSON."""
-        return tuple(
-            k for k in self._spans if k not in self._counts and k not in self._materialised
-        )
+        """The keys whose arrays were excised and are neither checked by :meth:`validate`
+        nor parsed yet: the body is a JSON object only if they are valid JSON."""
+        checked, built = self._checked or _NO_KEYS, self._materialised
+        return tuple(k for k in self._spans if k not in checked and k not in built)
 
     def validate(self) -> bool:
-        """Check the deferred arrays as the full parse would have: False when one is not
-        valid JSON (then the body is not a JSON object at all). True for an eager scan.
+        """Check the excised arrays as the full parse would have: False when one is not
+        valid JSON (then the body is not a JSON object at all). The interior of a digit
+        array is checked for its character set (one ``bytes.translate`` pass); any other
+        is parsed.
 
-        Call it before anything reads a deferred array itself rather than its count."""
+        Call it before anything reads an excised array itself rather than its count."""
         for key in self.deferred:
+            if count_flat_ids(self._raw, *self._spans[key]) is not None:
+                if self._checked is None:
+                    self._checked = set()
+                self._checked.add(key)
+                continue
             try:
-                self._settle(key)
+                self[key]  # parsed (and kept): what the full parse would have said
             except orjson.JSONDecodeError:
                 return False
         return True
@@ -459,7 +494,7 @@ def _arrays_to_excise(
         span = locate_array(raw, key)
         if span is None or span[1] - span[0] < MIN_EXCISE_BYTES:
             continue
-        n = count_flat_ids(raw, *span) if count else -1
+        n = count_elements(raw, *span) if count else -1
         if n is not None:
             found.append((span[0], span[1], key, n))
     found.sort()
@@ -519,6 +554,7 @@ __all__ = [
     "METHOD_SCAN",
     "BodyScan",
     "batch_size",
+    "count_elements",
     "count_flat_ids",
     "counted_keys_for",
     "find_key",

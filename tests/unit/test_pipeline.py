@@ -370,11 +370,13 @@ def test_token_ids_counted_never_built_on_the_decision_path() -> None:
 @pytest.mark.parametrize(("cfg", "counted"), [(LIFECYCLE, False), (ADMISSION, True), (BOTH, True)])
 def test_token_arrays_counted_only_for_admission(cfg: dict[str, Any], counted: bool) -> None:
     """The lifecycle alone only locates the array (four byte searches); admission's sizer
-    needs the count, so with admission on it is counted while the body is read."""
+    needs the count, so with admission on it is counted (one comma count) while the body
+    is read. Either way its interior is checked only when validated."""
     body = read_body(from_mapping(cfg), "/generate", b"{" + GOOD_IDS + b"}")
     assert body is not None and body.excised == ("input_ids",)
-    assert body.deferred == (() if counted else ("input_ids",))
-    assert body.prompt_token_count == 200 and body.deferred == ()
+    assert bool(body._counts) == counted and body.deferred == ("input_ids",)
+    assert body.prompt_token_count == 200 and body.deferred == ("input_ids",)
+    assert body.validate() and body.deferred == ()
 
 
 def test_render_overwrite_of_a_deferred_array_keeps_its_tokens() -> None:
