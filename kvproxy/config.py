@@ -65,6 +65,12 @@ class ServerConfig:
     # head's end (else the connection is closed). 0 disables a bound.
     header_read_timeout_s: float = 15.0
     body_read_timeout_s: float = 60.0
+    # The garbage collector's young-generation threshold once serving (the first value
+    # of gc.set_threshold; 0 keeps Python's 700). Python's default is below what a few
+    # dozen requests in flight hold: each young collection then promotes objects that die
+    # soon after, and collections cost 80-110 µs per request at 64 concurrent requests
+    # (docs/benchmarks.md, "Garbage collection").
+    gc_threshold: int = 10_000
 
 
 ROUTER_POLICIES_MIRRORED = ("consistent_hashing",)
@@ -465,6 +471,11 @@ def validate(cfg: Config) -> None:
     for key in ("header_read_timeout_s", "body_read_timeout_s"):
         value = getattr(s, key)
         _check(value >= 0, f"server.{key}: must be >= 0 (0 = no bound) (got {value})")
+    _check(
+        s.gc_threshold == 0 or 100 <= s.gc_threshold <= 10_000_000,
+        f"server.gc_threshold: must be 0 (Python's default) or in [100, 10000000] "
+        f"(got {s.gc_threshold})",
+    )
     _check(bool(_URL_RE.match(r.url)), f"router.url: must be an http(s) URL (got {r.url!r})")
     _check(
         r.metrics_url is None or bool(_URL_RE.match(r.metrics_url)),

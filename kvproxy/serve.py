@@ -163,6 +163,7 @@ def run(args: argparse.Namespace) -> int:
         # of the collector's way, a full collection scans only what requests leave.
         gc.collect()
         gc.freeze()
+        apply_gc_threshold(cfg.server.gc_threshold)
         log.info(
             "kvproxy %s listening on http://%s:%d -> router %s (session_lifecycle=%s, "
             "admission=%s)",
@@ -190,6 +191,14 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvproxy: {bind_error(cfg.server.host, cfg.server.port, exc)}", file=sys.stderr)
         return 2
     return 0
+
+
+def apply_gc_threshold(threshold: int) -> None:
+    """Set the collector's young-generation threshold (``server.gc_threshold``; 0 leaves
+    Python's own), keeping the older generations' thresholds."""
+    if threshold:
+        _, older, oldest = gc.get_threshold()
+        gc.set_threshold(threshold, older, oldest)
 
 
 def bind_error(host: str, port: int, exc: OSError) -> str:

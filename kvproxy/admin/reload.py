@@ -27,6 +27,7 @@ RESTART_ONLY = (
     "router.max_connections",
     "server.time_scale",
     "server.token_scale",
+    "server.gc_threshold",
 )
 
 

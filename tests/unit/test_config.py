@@ -55,6 +55,8 @@ def test_shipped_yaml_matches_the_defaults() -> None:
             {"session_lifecycle": {"enabled": True, "id_sources": ["cookie"]}},
             "session_lifecycle.id_sources",
         ),
+        ({"server": {"gc_threshold": 50}}, "server.gc_threshold: must be 0"),
+        ({"server": {"gc_threshold": "many"}}, "server.gc_threshold"),
     ],
 )
 def test_invalid_values_name_the_key(doc: dict, needle: str) -> None:
@@ -147,3 +149,20 @@ def test_program_keys_are_validated(section: str, key: str, value: object, messa
     doc.setdefault(section, {})[key] = value
     with pytest.raises(ConfigError, match=message):
         from_mapping(doc)
+
+
+def test_gc_threshold_is_set_once_serving_and_zero_keeps_pythons() -> None:
+    import gc
+
+    from kvproxy.serve import apply_gc_threshold
+
+    assert from_mapping({}).server.gc_threshold == 10_000
+    assert from_mapping({"server": {"gc_threshold": 0}}).server.gc_threshold == 0
+    before = gc.get_threshold()
+    try:
+        apply_gc_threshold(25_000)
+        assert gc.get_threshold() == (25_000, before[1], before[2])
+        apply_gc_threshold(0)  # Python's own: left as it is
+        assert gc.get_threshold() == (25_000, before[1], before[2])
+    finally:
+        gc.set_threshold(*before)
