@@ -146,12 +146,11 @@ def serve_upstream(host: str, port: int) -> int:
     return 0
 
 
-def floor_app(upstream: str) -> Any:
-    """The reference forwarder: the least an aiohttp proxy does per request.
-
-    Reads the body, sends it upstream on a pooled keep-alive session, relays the answer
-    (chunk by chunk for SSE). No header hygiene, metrics, parsing or features: what
-    kvproxy with its features off costs beyond this is kvproxy's own overhead."""
+def _reference_app(upstream: str, *, splice: bool) -> Any:
+    """A reference forwarder on aiohttp (not kvproxy): read the body, send it upstream on
+    a pooled keep-alive session, relay the answer (chunk by chunk for SSE). ``splice``:
+    a JSON-object body is parsed (``request.json()``), given the ``X-Session-ID``
+    header's value as its top-level ``session_id`` and sent re-encoded (``json=``)."""
     import aiohttp
     from aiohttp import web
 
@@ -165,65 +164,22 @@ def floor_app(upstream: str) -> Any:
         yield
         await app[http_key].close()
 
-    async def forward(request: web.Request) -> web.StreamResponse:
-        body = await request.read()
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in skip}
-        http = request.app[http_key]
-        async with http.request(
-            request.method, upstream + request.path_qs, data=body or None, headers=headers
-        ) as r:
-            content_type = r.headers.get("Content-Type", "application/octet-stream")
-            if content_type.startswith("text/event-stream"):
-                resp = web.StreamResponse(status=r.status, headers={"Content-Type": content_type})
-                await resp.prepare(request)
-                async for chunk in r.content.iter_any():
-                    await resp.write(chunk)
-                await resp.write_eof()
-                return resp
-            data = await r.read()
-            return web.Response(status=r.status, body=data, headers={"Content-Type": content_type})
-
-    app = web.Application(client_max_size=64 * 1024 * 1024)
-    app.cleanup_ctx.append(client_ctx)
-    app.router.add_route("*", "/{tail:.*}", forward)
-    return app
-
-
-def naive_app(upstream: str) -> Any:
-    """The naive splicing proxy: what one writes first to tag requests with a session.
-
-    :func:`floor_app`, except that a JSON-object body is parsed (``request.json()``),
-    given the ``X-Session-ID`` header's value as its top-level ``session_id`` and
-    forwarded re-encoded (``json=``), aiohttp's defaults throughout: the comparison the
-    hot path's saturation target names; the floor (no parsing at all) is the stricter one."""
-    import aiohttp
-    from aiohttp import web
-
-    skip = {"host", "content-length", "connection", "keep-alive", "transfer-encoding"}
-    http_key = web.AppKey("http", aiohttp.ClientSession)
-
-    async def client_ctx(app: web.Application) -> Any:
-        app[http_key] = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0), auto_decompress=False
-        )
-        yield
-        await app[http_key].close()
-
-    async def forward(request: web.Request) -> web.StreamResponse:
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in skip}
+    async def outgoing(request: web.Request, headers: dict[str, str]) -> dict[str, Any]:
         sid = request.headers.get("X-Session-ID")
-        doc: Any = None
-        if request.method == "POST" and sid is not None:
+        if splice and request.method == "POST" and sid is not None:
             try:
                 doc = await request.json()
             except ValueError:
                 doc = None
-        if isinstance(doc, dict):
-            doc["session_id"] = sid
-            sent: dict[str, Any] = {"json": doc}
-            headers.pop("Content-Type", None)
-        else:
-            sent = {"data": await request.read() or None}
+            if isinstance(doc, dict):
+                doc["session_id"] = sid
+                headers.pop("Content-Type", None)  # json= sets its own
+                return {"json": doc}
+        return {"data": await request.read() or None}
+
+    async def forward(request: web.Request) -> web.StreamResponse:
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in skip}
+        sent = await outgoing(request, headers)
         http = request.app[http_key]
         async with http.request(
             request.method, upstream + request.path_qs, headers=headers, **sent
@@ -243,6 +199,21 @@ def naive_app(upstream: str) -> Any:
     app.cleanup_ctx.append(client_ctx)
     app.router.add_route("*", "/{tail:.*}", forward)
     return app
+
+
+def floor_app(upstream: str) -> Any:
+    """The reference forwarder: the least an aiohttp proxy does per request. No header
+    hygiene, metrics, parsing or features: what kvproxy with its features off costs
+    beyond this is kvproxy's own overhead."""
+    return _reference_app(upstream, splice=False)
+
+
+def naive_app(upstream: str) -> Any:
+    """The naive splicing proxy: what one writes first to tag requests with a session
+    (the floor, plus a parse and a re-encode of every JSON body; aiohttp's defaults
+    throughout): the comparison the hot path's saturation target names. The floor is
+    the stricter one."""
+    return _reference_app(upstream, splice=True)
 
 
 def serve_reference(host: str, port: int, upstream: str, kind: str) -> int:
