@@ -7,8 +7,11 @@ import pytest
 
 from kvproxy.proxy.usage import (
     MAX_EVENT_BYTES,
+    PARSE_BYTES,
     TailWindow,
     Usage,
+    _from_object,
+    search_body,
     search_usage,
     usage_from_body,
     usage_from_stream_tail,
@@ -212,3 +215,49 @@ def test_tail_window_usage_of_a_relayed_stream() -> None:
     small = TailWindow(limit=1 << 20)
     small.feed(_sse(_chunk(0, final=True)))
     assert small.complete and small.usage() == Usage(40, 1, 32)
+
+
+def _with_logprobs(tokens: int) -> bytes:
+    """A /generate answer with return_logprob: the counts come before the long lists."""
+    logprobs = [[-0.25, 1000 + i, None] for i in range(tokens)]
+    meta = _meta(9000, tokens, 8000, output_token_logprobs=logprobs)
+    return orjson.dumps(
+        {"text": "tok " * tokens, "output_ids": list(range(tokens)), "meta_info": meta}
+    )
+
+
+@pytest.mark.parametrize("tokens", [2000, 4000, 16000])
+def test_big_bodies_are_searched_from_the_end_and_read_the_counts(tokens: int) -> None:
+    """Past PARSE_BYTES the body is not parsed; counts far from its end (before 16,000
+    logprob triples: about 450 KB, past MAX_EVENT_BYTES) are still found."""
+    data = _with_logprobs(tokens)
+    assert len(data) > PARSE_BYTES
+    assert usage_from_body(data) == Usage(9000, tokens, 8000, source="search")
+
+
+def test_search_body_reads_what_the_parse_reads() -> None:
+    """Between PARSE_BYTES and MAX_EVENT_BYTES the search gives the parse's numbers."""
+    long_chat = {
+        **CHAT,
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": "y" * 40_000}}],
+    }
+    for doc in (long_chat, orjson.loads(_with_logprobs(3000)), {**GENERATE, "text": "z" * 50_000}):
+        data = orjson.dumps(doc)
+        assert PARSE_BYTES < len(data) <= MAX_EVENT_BYTES
+        parsed = _from_object(doc)
+        searched = search_body(data)
+        assert parsed is not None and searched is not None
+        assert (searched.prompt_tokens, searched.completion_tokens, searched.cached_tokens) == (
+            parsed.prompt_tokens,
+            parsed.completion_tokens,
+            parsed.cached_tokens,
+        )
+
+
+def test_search_body_skips_keys_without_a_number_and_keys_inside_strings() -> None:
+    text = 'he said "prompt_tokens": 99 ' * 1000  # escaped inside the JSON string
+    doc = {"text": text, "meta_info": {**_meta(4, 6, 3), "extra": {"prompt_tokens": None}}}
+    data = orjson.dumps(doc)
+    assert len(data) > PARSE_BYTES
+    assert usage_from_body(data) == Usage(4, 6, 3, source="search")
+    assert search_body(b'{"x": "' + b"a" * 20_000 + b'"}') is None
