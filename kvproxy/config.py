@@ -68,7 +68,7 @@ class ServerConfig:
     # The garbage collector's young-generation threshold once serving (the first value
     # of gc.set_threshold; 0 keeps Python's 700). Python's default is below what a few
     # dozen requests in flight hold: each young collection then promotes objects that die
-    # soon after, and collections cost 80-110 µs per request at 64 concurrent requests
+    # soon after, and collections cost 46-91 µs per request at 64 concurrent requests
     # (docs/benchmarks.md, "Garbage collection").
     gc_threshold: int = 10_000
 
