@@ -119,19 +119,6 @@ def _combine(parts: list[Usage]) -> Usage:
     )
 
 
-def search_usage(data: bytes) -> Usage | None:
-    """The last ``"prompt_tokens"`` / ``"completion_tokens"`` / ``"cached_tokens"``
-    numbers in the last :data:`SEARCH_BYTES` of ``data`` (no parse)."""
-    window = data[-SEARCH_BYTES:]
-    values: list[int | None] = []
-    for key in _KEYS:
-        matches = _KEY_RES[key].findall(window)
-        values.append(int(matches[-1]) if matches else None)
-    if values[0] is None and values[1] is None:
-        return None
-    return Usage(values[0], values[1], values[2], source="search")
-
-
 def _last_number(data: bytes, key: str) -> int | None:
     needle, regex, end = _NEEDLES[key], _KEY_RES[key], len(data)
     for _ in range(_RSEARCH_TRIES):
@@ -153,6 +140,12 @@ def search_body(data: bytes) -> Usage | None:
     if prompt is None and completion is None:
         return None
     return Usage(prompt, completion, _last_number(data, "cached_tokens"), source="search")
+
+
+def search_usage(data: bytes) -> Usage | None:
+    """:func:`search_body` over the last :data:`SEARCH_BYTES` of ``data`` (a stream's
+    tail, or an event cut by its window)."""
+    return search_body(data[-SEARCH_BYTES:])
 
 
 def usage_from_body(data: bytes) -> Usage | None:
