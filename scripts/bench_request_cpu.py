@@ -15,7 +15,8 @@ processes, so it separates changes of a few microseconds per request.
 
 Targets alternate within each round (direct, floor, naive, off, lifecycle, admission, both:
 floor and naive are ``bench_proxy.py``'s reference forwarders, in this process too); the table
-gives the median and the min-max over rounds.
+gives the median and the min-max over rounds. The collector runs as ``kvproxy serve`` sets
+it (start-up frozen, ``server.gc_threshold``; ``--gc-threshold 0`` for Python's own).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import cProfile
+import gc
 import statistics
 import sys
 import tempfile
@@ -38,8 +40,9 @@ from benchproxy.common import HOST, PROXY_FEATURES, make_body, session_headers
 from benchproxy.targets import floor_app, free_port, naive_app, proxy_config_doc, start_upstream
 
 from kvproxy.app import create_app
-from kvproxy.config import from_mapping
+from kvproxy.config import ServerConfig, from_mapping
 from kvproxy.keys import ADMISSION
+from kvproxy.serve import apply_gc_threshold
 
 TARGETS = ("direct", "floor", "naive", *PROXY_FEATURES)
 
@@ -127,6 +130,11 @@ def _row(name: str, values: Sequence[float], base: Sequence[float] | None) -> st
 async def _main(a: argparse.Namespace) -> int:
     body = make_body(a.body_kb * 1024)
     profiler = cProfile.Profile() if a.profile else None
+    # As kvproxy serve once it listens: what start-up built is frozen out of the
+    # collector's way, and the young generation collects every server.gc_threshold.
+    gc.collect()
+    gc.freeze()
+    apply_gc_threshold(a.gc_threshold)
     with tempfile.TemporaryDirectory() as tmp:
         upstream = start_upstream(Path(tmp))
         try:
@@ -149,7 +157,8 @@ async def _main(a: argparse.Namespace) -> int:
     base = results.get("direct")
     print(
         f"\n{a.requests} requests x {a.rounds} rounds, {len(body):,}-byte bodies, "
-        f"{a.concurrency} concurrent; CPU of this process (client + kvproxy) per request\n"
+        f"{a.concurrency} concurrent, collector threshold {gc.get_threshold()[0]}; CPU of this "
+        "process (client + kvproxy) per request\n"
     )
     print("| target | CPU µs/request | over direct (kvproxy's own) |")
     print("|---|---|---|")
@@ -180,12 +189,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=0.5,
         help="admission.poll_interval_s (as bench_proxy.py; the first poll is awaited)",
     )
+    p.add_argument(
+        "--gc-threshold",
+        type=int,
+        default=ServerConfig().gc_threshold,
+        help="server.gc_threshold, as kvproxy serve applies it (0: Python's own, 700)",
+    )
     a = p.parse_args(argv)
     bad = [t for t in a.targets if t not in TARGETS]
-    if bad or a.requests < 1 or a.rounds < 1 or a.concurrency < 1 or a.poll_interval <= 0:
+    if (
+        bad
+        or a.requests < 1
+        or a.rounds < 1
+        or a.concurrency < 1
+        or a.poll_interval <= 0
+        or a.gc_threshold < 0
+    ):
         p.error(
             f"targets from {','.join(TARGETS)}; requests, rounds, concurrency >= 1; "
-            "poll interval > 0"
+            "poll interval > 0; gc threshold >= 0"
         )
     try:
         import uvloop
