@@ -61,7 +61,7 @@ from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Se
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any
+from typing import Any, NamedTuple
 
 import aiohttp
 from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily, Metric
@@ -249,8 +249,7 @@ _MAX_TOMBSTONES = 100_000
 _LOG_INTERVAL_S = 30.0
 
 
-@dataclass(frozen=True, slots=True)
-class AdmissionRequest:
+class AdmissionRequest(NamedTuple):
     ticket_id: str  # unique per forwarded attempt (the rid)
     path: str  # "/generate", "/v1/chat/completions", "/v1/completions"
     headers: Mapping[str, str]  # case-insensitive mapping (aiohttp CIMultiDictProxy)
@@ -260,8 +259,7 @@ class AdmissionRequest:
     routing_key: str | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class Decision:
+class Decision(NamedTuple):
     action: str  # "admit" | "bypass" | "pass"
     # capacity_available | protected | degraded | aged | oversized | queue_full |
     # cancelled | disabled | out_of_scope

@@ -69,6 +69,7 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import NamedTuple
 
 CAPACITY_AVAILABLE = "capacity_available"
 CAPACITY_EXHAUSTED = "capacity_exhausted"
@@ -98,8 +99,7 @@ class EngineView:
     age_s: float | None
 
 
-@dataclass(frozen=True, slots=True)
-class Lease:
+class Lease(NamedTuple):
     lease_id: str
     ticket_id: str
     tokens: int  # charged to ``reserved`` (for a resident session: the growth only)
@@ -111,8 +111,7 @@ class Lease:
     full_tokens: int = 0
 
 
-@dataclass(frozen=True, slots=True)
-class Grant:
+class Grant(NamedTuple):
     granted: bool
     reason: str
     lease_id: str | None

@@ -37,8 +37,7 @@ import contextlib
 import math
 from collections import OrderedDict
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import orjson
 
@@ -58,8 +57,7 @@ SOURCE_DEFAULT = "default"
 SOURCE_NONE = "none"
 
 
-@dataclass(frozen=True, slots=True)
-class Reservation:
+class Reservation(NamedTuple):
     prompt_tokens: int
     completion_tokens: int
     # input_ids | session | global | default | none

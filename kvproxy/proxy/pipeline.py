@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any, NamedTuple
 
 import orjson
 
@@ -54,20 +55,27 @@ class Refusal:
         return STATUS[self.kind]
 
 
-@dataclass(frozen=True, slots=True)
-class Plan:
+# No top-level fields, no headers: the shared defaults (never written).
+_NONE: Mapping[str, Any] = MappingProxyType({})
+
+
+class Plan(NamedTuple):
     """What the shell does with one intercepted request.
 
     ``body`` None: forward the bytes as received, nothing else (features off, or the
     body is not a JSON object).
+
+    A named tuple, not a frozen dataclass: as immutable, and built (and, with a turn's
+    headers, replaced) on every intercepted request at a quarter of the cost (a frozen
+    dataclass sets each of its 16 fields through ``object.__setattr__``).
     """
 
     body: Mapping[str, Any] | None
     # Top-level fields to add (``overwrite``: one replaces a member the body has).
-    fields: Mapping[str, Any] = field(default_factory=dict)
+    fields: Mapping[str, Any] = _NONE
     overwrite: bool = False
     # Request headers to set on the forwarded request.
-    headers: Mapping[str, str] = field(default_factory=dict)
+    headers: Mapping[str, str] = _NONE
     # The session the request belongs to (lifecycle tracking, admission residency).
     session_id: str | None = None
     close_after: bool = False
@@ -247,11 +255,11 @@ def with_turn_headers(
     if not plan.admit:
         if merged is plan.headers:
             return plan
-        return dataclasses.replace(plan, headers=merged)
+        return plan._replace(headers=merged)
     routing_key, merged = _routing_key(config, plan.session_id, headers, merged)
     if merged is plan.headers and routing_key == plan.routing_key:
         return plan
-    return dataclasses.replace(plan, headers=merged, routing_key=routing_key)
+    return plan._replace(headers=merged, routing_key=routing_key)
 
 
 def final_fields(plan: Plan, steering: int | None) -> tuple[dict[str, Any], str | None]:

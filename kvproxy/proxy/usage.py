@@ -25,9 +25,8 @@ always a key: a quote inside a string is escaped), taking the last occurrence.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 from itertools import islice
-from typing import Any
+from typing import Any, NamedTuple
 
 import orjson
 
@@ -51,8 +50,7 @@ PARSE_BYTES = 4 * 1024
 _RSEARCH_TRIES = 8
 
 
-@dataclass(frozen=True, slots=True)
-class Usage:
+class Usage(NamedTuple):
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     cached_tokens: int | None = None

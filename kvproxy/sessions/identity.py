@@ -14,8 +14,8 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import Any
+from types import MappingProxyType
+from typing import Any, NamedTuple
 from urllib.parse import unquote
 
 from kvproxy import vocab
@@ -102,8 +102,7 @@ def split_session_path(path: str) -> tuple[str | None, str]:
     return segment, (slash + rest) if slash else "/"
 
 
-@dataclass(frozen=True, slots=True)
-class SessionIdentity:
+class SessionIdentity(NamedTuple):
     session_id: str | None
     source: str | None
     # The request is the session's last turn: close the session once it completes.
@@ -180,14 +179,17 @@ def new_rid() -> str:
     return os.urandom(16).hex()
 
 
-@dataclass(frozen=True, slots=True)
-class InjectionPlan:
+# No fields, no headers: the shared defaults (never written).
+_NONE: Mapping[str, Any] = MappingProxyType({})
+
+
+class InjectionPlan(NamedTuple):
     # Top-level JSON fields to set. A key listed in ``overwrites`` is already in the
     # body (with another value) and must be replaced; every other key is new.
-    fields: Mapping[str, Any] = field(default_factory=dict)
+    fields: Mapping[str, Any] = _NONE
     overwrites: tuple[str, ...] = ()
     # Request headers to set on the forwarded request.
-    headers: Mapping[str, str] = field(default_factory=dict)
+    headers: Mapping[str, str] = _NONE
     # The rid the engine will see (generated or the client's), None when unknown
     # (no JSON object body, or a non-string rid such as a batch list).
     rid: str | None = None

@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import NamedTuple
 
 # Most live entries one insert looks at when making room under the cap.
 _SCAN_LIMIT = 256
@@ -55,8 +56,7 @@ class SessionEntry:
         return self.state is SessionState.OPEN and not self.queued and not self.forwarded
 
 
-@dataclass(frozen=True, slots=True)
-class Begin:
+class Begin(NamedTuple):
     """Result of :meth:`SessionTable.begin`."""
 
     # The request's token; None when the session is closing (reject the request).
