@@ -51,7 +51,13 @@ from kvproxy.proxy.responses import error_response
 from kvproxy.proxy.scan import validated
 from kvproxy.proxy.session_relay import serve_streaming
 from kvproxy.proxy.upstream import forward_request_headers, forward_response_headers
-from kvproxy.proxy.usage import TailWindow, Usage, search_usage, usage_from_body
+from kvproxy.proxy.usage import (
+    StreamedBodyUsage,
+    TailWindow,
+    Usage,
+    search_usage,
+    usage_from_body,
+)
 from kvproxy.sessions import streaming
 from kvproxy.sessions.dynamo import AgentControl, Turn
 from kvproxy.sessions.identity import (
@@ -145,13 +151,6 @@ def _admission_headers(action: str, reason: str, wait_s: float) -> dict[str, str
         "X-KVProxy-Admission-Wait-Ms": f"{wait_s * 1000:.1f}",
         "X-KVProxy-Admission-Decision": reason,
     }
-
-
-def _stream_usage(window: TailWindow, event_stream: bool) -> Usage | None:
-    if event_stream:
-        return window.usage()
-    data = window.value()
-    return usage_from_body(data) if window.complete else search_usage(data)
 
 
 @dataclass
@@ -531,7 +530,11 @@ class ProxyHandlers:
         response: web.StreamResponse,
         event_stream: bool,
     ) -> web.StreamResponse:
-        window = TailWindow() if attempt.observe_usage is not None else None
+        # What the response tells the ledger: an event stream's tail, or a JSON body's
+        # counts searched as it passes (wherever they are in it).
+        window: TailWindow | StreamedBodyUsage | None = None
+        if attempt.observe_usage is not None:
+            window = TailWindow() if event_stream else StreamedBodyUsage()
         # A chunked JSON body (not SSE) kept whole, bounded, for observe_body.
         whole = _Kept() if attempt.observe_body is not None and not event_stream else None
         end = b""  # the stream's last bytes, to recognise its final [DONE] event
@@ -561,7 +564,7 @@ class ProxyHandlers:
             await response.write_eof()
         if upstream.status == 200:
             if window is not None and attempt.observe_usage is not None:
-                attempt.observe_usage(_stream_usage(window, event_stream))
+                attempt.observe_usage(window.usage())
             if whole is not None and whole.data is not None and attempt.observe_body is not None:
                 attempt.observe_body(whole.data)
         return response

@@ -39,8 +39,15 @@ DEFAULT_TAIL_BYTES = 8 * 1024
 
 _DONE = b"[DONE]"
 _KEYS = ("prompt_tokens", "completion_tokens", "cached_tokens")
-_KEY_RES = {key: re.compile(rb'"' + key.encode() + rb'"\s*:\s*(\d+)') for key in _KEYS}
+# The number must be followed by something: one cut off at the data's end is not taken
+# (a complete JSON number is always followed by ``,``, ``}`` or whitespace).
+_KEY_RES = {key: re.compile(rb'"' + key.encode() + rb'"\s*:\s*(\d+)(?=\D)') for key in _KEYS}
 _NEEDLES = {key: b'"' + key.encode() + b'"' for key in _KEYS}
+# What the streamed-body search looks for: the keys' common suffix, then which key.
+_KEY_SUFFIX = b'_tokens"'
+_KEY_NAMES = tuple((key, b'"' + key.removesuffix("_tokens").encode()) for key in _KEYS)
+# Bytes of a chunk searched again with the next one: a key, its colon and its number.
+_CARRY_BYTES = 128
 # A buffered JSON object larger than this is read by a key search from its end, not
 # parsed: a response with logprobs is mostly number lists (105 KB for 4,000 output
 # tokens of /generate with return_logprob: a parse costs about 0.9 ms here, the search
@@ -243,6 +250,62 @@ def usage_from_stream_tail(
     return _combine([per_index[k] for k in sorted(per_index)])
 
 
+class StreamedBodyUsage:
+    """Usage of a JSON body relayed in chunks (chunked, or over the buffered-response
+    limit), read as it passes, never kept whole.
+
+    While the body is at most :data:`DEFAULT_TAIL_BYTES` it is kept and read as a
+    buffered one (:func:`usage_from_body`). Past that, each chunk is searched for the
+    count keys (one ``bytes.find`` of their common ``_tokens"`` suffix, about 1 ms per
+    MB here) and the last number of each key is kept: the same answer as
+    :func:`search_body` over the whole body, wherever in it the counts are (SGLang puts
+    them at the start of ``meta_info``, before any logprob lists). The last
+    :data:`_CARRY_BYTES` of each chunk are searched again with the next, so a key split
+    between two chunks is found; a number cut by the chunk's end is not taken until
+    the next chunk completes it.
+    """
+
+    __slots__ = ("_carry", "_found", "_head", "_size")
+
+    def __init__(self) -> None:
+        self._head: list[bytes] | None = []  # the body while it is small, then None
+        self._size = 0
+        self._carry = b""
+        self._found: dict[str, int] = {}
+
+    def feed(self, chunk: bytes) -> None:
+        if not chunk:
+            return
+        self._size += len(chunk)
+        if self._head is not None:
+            self._head.append(chunk)
+            if self._size <= DEFAULT_TAIL_BYTES:
+                return
+            chunk, self._head = b"".join(self._head), None
+        data = self._carry + chunk if self._carry else chunk
+        found = self._found
+        pos = data.find(_KEY_SUFFIX)
+        while pos >= 0:
+            for key, name in _KEY_NAMES:
+                start = pos - len(name)
+                if start >= 0 and data.startswith(name, start):
+                    number = _KEY_RES[key].match(data, start)
+                    if number is not None:
+                        found[key] = int(number.group(1))
+                    break
+            pos = data.find(_KEY_SUFFIX, pos + 1)
+        self._carry = data[-_CARRY_BYTES:]
+
+    def usage(self) -> Usage | None:
+        if self._head is not None:
+            return usage_from_body(b"".join(self._head))
+        found = self._found
+        prompt, completion = found.get("prompt_tokens"), found.get("completion_tokens")
+        if prompt is None and completion is None:
+            return None
+        return Usage(prompt, completion, found.get("cached_tokens"), source="search")
+
+
 class TailWindow:
     """The last ``limit`` bytes of a stream, kept without copying on every chunk.
 
@@ -285,6 +348,7 @@ class TailWindow:
 
 
 __all__ = [
+    "StreamedBodyUsage",
     "TailWindow",
     "Usage",
     "search_body",

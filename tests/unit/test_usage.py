@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import random
+
 import orjson
 import pytest
 
 from kvproxy.proxy.usage import (
     MAX_EVENT_BYTES,
     PARSE_BYTES,
+    StreamedBodyUsage,
     TailWindow,
     Usage,
     _from_object,
@@ -72,8 +75,10 @@ CHAT = {
         (b"", None),
         # an error body
         (orjson.dumps({"error": {"message": "bad", "code": 400}}), None),
-        # not JSON (cut off): the key search reads what is there
-        (orjson.dumps(GENERATE)[:-2], Usage(4, 6, 3, source="search")),
+        # not JSON (cut off): the key search reads what is there, except a number the
+        # cut may have shortened (the last one, cached_tokens 3, ends the data)
+        (orjson.dumps(GENERATE)[:-2], Usage(4, 6, None, source="search")),
+        (orjson.dumps(GENERATE)[:-1], Usage(4, 6, 3, source="search")),
         # negative or non-integral numbers are not token counts
         (
             orjson.dumps({"meta_info": {"prompt_tokens": -1, "completion_tokens": 2.5}}),
@@ -261,3 +266,58 @@ def test_search_body_skips_keys_without_a_number_and_keys_inside_strings() -> No
     assert len(data) > PARSE_BYTES
     assert usage_from_body(data) == Usage(4, 6, 3, source="search")
     assert search_body(b'{"x": "' + b"a" * 20_000 + b'"}') is None
+
+
+def _streamed(data: bytes, sizes: list[int]) -> Usage | None:
+    """``data`` fed to a StreamedBodyUsage in chunks of ``sizes`` (cycled)."""
+    body = StreamedBodyUsage()
+    pos, i = 0, 0
+    while pos < len(data):
+        size = sizes[i % len(sizes)]
+        body.feed(data[pos : pos + size])
+        pos, i = pos + size, i + 1
+    return body.usage()
+
+
+@pytest.mark.parametrize("sizes", [[1], [7, 13], [4096], [65536], [1 << 22]])
+def test_a_streamed_body_is_read_like_the_whole_body(sizes: list[int]) -> None:
+    """Chunked the way a relay sees it (one byte at a time included: every key and number
+    split across chunks), a streamed JSON body reports what the whole body reports: the
+    counts before 16,000 logprob triples (about 450 KB), a small body parsed."""
+    big = _with_logprobs(16000)
+    if sizes != [1]:  # a byte at a time over 450 KB: the small bodies cover that split
+        assert (
+            _streamed(big, sizes) == search_body(big) == Usage(9000, 16000, 8000, source="search")
+        )
+    small = orjson.dumps([GENERATE, {**GENERATE, "meta_info": _meta(4, 9, 3)}])
+    assert _streamed(small, sizes) == usage_from_body(small) == Usage(4, 15, 3, sequences=2)
+    mid = orjson.dumps({**GENERATE, "text": "z" * 20_000})
+    assert _streamed(mid, sizes) == search_body(mid) == Usage(4, 6, 3, source="search")
+
+
+def test_a_streamed_body_takes_the_last_counts_and_real_keys_only() -> None:
+    """As search_body: the last number of each key, none inside a string (its quotes are
+    escaped), none without a number; a body without counts reports none."""
+    rng = random.Random(3)
+    text = 'he said "prompt_tokens": 99 ' * 1000
+    doc = {
+        "text": text,
+        "meta_info": {**_meta(4, 6, 3), "extra": {"prompt_tokens": None}},
+        "later": {"completion_tokens": 12},
+    }
+    data = orjson.dumps(doc)
+    for _ in range(20):
+        sizes = [rng.randrange(1, 300) for _ in range(5)]
+        assert _streamed(data, sizes) == Usage(4, 12, 3, source="search") == search_body(data)
+    assert _streamed(b'{"x": "' + b"a" * 20_000 + b'"}', [999]) is None
+    assert StreamedBodyUsage().usage() is None
+
+
+def test_a_number_cut_at_the_end_of_the_data_is_not_taken() -> None:
+    """A count whose digits continue in the next chunk is read whole, not as its prefix."""
+    head = b'{"text": "' + b"x" * 10_000 + b'", "meta_info": {"prompt_tokens": 12'
+    body = StreamedBodyUsage()
+    body.feed(head)
+    assert body.usage() is None
+    body.feed(b'345, "completion_tokens": 6}}')
+    assert body.usage() == Usage(12345, 6, None, source="search")
