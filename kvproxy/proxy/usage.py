@@ -1,6 +1,6 @@
 """What an engine's response tells the ledger: prompt, cached and completion tokens.
 
-Pure: no I/O. Read from the *end* of a response only, never chunk by chunk:
+Pure: no I/O. Nothing is parsed chunk by chunk:
 
 * a buffered body (:func:`usage_from_body`; one over :data:`PARSE_BYTES` is read by a
   reverse key search over the whole body instead): SGLang ``/generate`` puts them in
@@ -15,6 +15,10 @@ Pure: no I/O. Read from the *end* of a response only, never chunk by chunk:
   ``meta_info``, so the last chunk of each sequence (``index``) has its totals; an
   OpenAI stream has ``usage`` in its final chunk when the client asked for it
   (``stream_options.include_usage``), ``usage: null`` or none before.
+* a JSON body relayed in chunks (chunked, or over the proxy's buffered-response limit;
+  :class:`StreamedBodyUsage`): kept and read as a buffered one while small, else each
+  chunk searched for the keys as it passes (the last number of each wins), since the
+  counts may be anywhere in it (SGLang's come before the logprob lists).
 
 Only the events that can carry the answer are parsed (at most ``max_events`` from the
 end, each at most :data:`MAX_EVENT_BYTES`); a final chunk too big or cut by the window
