@@ -292,18 +292,19 @@ class ProxyHandlers:
 
     async def _tracked(self, attempt: Attempt, plan: Plan, turn: Turn | None) -> web.StreamResponse:
         assert plan.session_id is not None
-        tracking = self.sessions.track(
-            plan.session_id,
-            plan.ticket,
-            close_after=plan.close_after,
-            abort_rids=plan.abort_rids or None,
-        )
+        # SessionManager.track spelled out (entered on every request of a session).
+        sessions = self.sessions
         try:
-            async with tracking as tracked:
+            tracked = sessions.enter(
+                plan.session_id, plan.ticket, plan.abort_rids or (plan.ticket,), plan.close_after
+            )
+            try:
                 attempt.on_disconnect = tracked.disconnected
                 if not plan.admit:
                     return await self._send(attempt, plan, turn, tracked, None)
                 return await self._admitted(attempt, plan, turn, tracked)
+            finally:
+                sessions.leave(tracked)
         except SessionClosed as exc:
             raise Refused(ErrorType.SESSION_CLOSED, str(exc)) from None
 

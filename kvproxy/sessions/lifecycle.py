@@ -493,6 +493,18 @@ class SessionManager:
         rids = tuple(abort_rids) if abort_rids else (rid,)
         return _Tracking(self, session_id, rid, rids, close_after)
 
+    def enter(
+        self, session_id: str, rid: str, rids: tuple[str, ...], close_after: bool
+    ) -> TrackedRequest:
+        """:meth:`track` without the context manager, for the request path (no
+        coroutine per step): the caller calls :meth:`leave` on every path after it.
+        ``rids``: the rids an abort must name (at least ``rid``)."""
+        return self._enter(session_id, rid, rids, close_after)
+
+    def leave(self, req: TrackedRequest) -> None:
+        """The request :meth:`enter` returned has left the proxy (any outcome)."""
+        self._leave(req)
+
     def _enter(
         self, session_id: str, rid: str, rids: tuple[str, ...], close_after: bool
     ) -> TrackedRequest:
