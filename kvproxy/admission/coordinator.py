@@ -319,7 +319,8 @@ class Admission(AbstractAsyncContextManager[Decision]):
 
     ``async with`` decides on entry. The request path splits that in two, so that the
     common case (decided at once) costs no task, future or loop round trip:
-    :meth:`decide_now`, then :meth:`wait` only when it returned None."""
+    :meth:`decide_now`, then :meth:`wait` only when it returned None, and
+    :meth:`leave` once the attempt ends."""
 
     __slots__ = ("_aged", "_ctl", "_lease_id", "_pending", "_req")
 
@@ -373,18 +374,23 @@ class Admission(AbstractAsyncContextManager[Decision]):
         decision = self.decide_now()
         return decision if decision is not None else await self.wait()
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def leave(self) -> None:
+        """The attempt ended (any outcome): release its lease (idempotent). What
+        ``async with`` does on exit; the request path calls it directly."""
         lease_id, self._lease_id = self._lease_id, None
         if lease_id is not None:
             self._ctl._release(lease_id)
         elif self._aged is not None:
             tokens, self._aged = self._aged, None
             self._ctl._aged_turn_ended(self._req, tokens)
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.leave()
 
 
 @dataclass(frozen=True, slots=True)

@@ -334,12 +334,9 @@ class ProxyHandlers:
             decision = await (tracked.until_forwarded(waiting) if tracked is not None else waiting)
         try:
             steering = self._admission_decided(attempt, plan, areq, decision)
-            response = await self._send(attempt, plan, turn, tracked, steering)
-        except BaseException as exc:
-            await lease.__aexit__(type(exc), exc, exc.__traceback__)
-            raise
-        await lease.__aexit__(None, None, None)
-        return response
+            return await self._send(attempt, plan, turn, tracked, steering)
+        finally:
+            lease.leave()
 
     async def _send(
         self,
