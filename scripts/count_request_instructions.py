@@ -16,7 +16,9 @@ valgrind runs Python about 50 times slower: a target takes one to two minutes pe
 Work that runs by the clock runs about 50 times more often per request under valgrind
 than at full speed: admission's metric poll is set to once every ``--poll-interval``
 seconds (600: the first poll, awaited before the requests, is the only one), so that it
-is not counted as the requests' cost; the dashboard's one-second sampler still runs.
+is not counted as the requests' cost; the dashboard's one-second sampler still runs. The
+collector runs as ``kvproxy serve`` sets it (``--gc-threshold``, default
+``server.gc_threshold``; 0 for Python's own).
 """
 
 from __future__ import annotations
@@ -32,12 +34,16 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from kvproxy.config import ServerConfig
+
 HERE = Path(__file__).resolve().parent
 TARGETS = ("direct", "floor", "naive", "off", "lifecycle", "admission", "both")
 _TOTAL = re.compile(rb"^totals:\s+(\d+)", re.MULTILINE)
 
 
-def _count(target: str, requests: int, body_kb: int, poll_s: float, workdir: Path) -> int:
+def _count(
+    target: str, requests: int, body_kb: int, poll_s: float, gc_threshold: int, workdir: Path
+) -> int:
     """Instructions of one ``bench_request_cpu.py`` run of ``requests`` to ``target``."""
     out = workdir / f"{target}-{requests}.callgrind"
     cmd = [
@@ -51,6 +57,7 @@ def _count(target: str, requests: int, body_kb: int, poll_s: float, workdir: Pat
         "--rounds=1",
         f"--body-kb={body_kb}",
         f"--poll-interval={poll_s}",
+        f"--gc-threshold={gc_threshold}",
     ]
     env = {**os.environ, "PYTHONHASHSEED": "0"}
     done = subprocess.run(cmd, env=env, capture_output=True, check=False)
@@ -77,22 +84,37 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="admission.poll_interval_s: long, so that the clock-driven poll (50x more "
         "often per request under valgrind) is not counted as the requests' cost",
     )
+    p.add_argument(
+        "--gc-threshold",
+        type=int,
+        default=ServerConfig().gc_threshold,
+        help="server.gc_threshold, as kvproxy serve applies it (0: Python's own, 700)",
+    )
     a = p.parse_args(argv)
     targets = [t for t in a.targets.split(",") if t]
-    if not targets or any(t not in TARGETS for t in targets) or a.large <= a.small:
-        p.error(f"targets from {','.join(TARGETS)}; --large must exceed --small")
+    if (
+        not targets
+        or any(t not in TARGETS for t in targets)
+        or a.large <= a.small
+        or a.gc_threshold < 0
+    ):
+        p.error(
+            f"targets from {','.join(TARGETS)}; --large must exceed --small; --gc-threshold >= 0"
+        )
     if shutil.which("valgrind") is None:
         p.error("valgrind is not installed (Debian: apt-get install valgrind)")
     runs = [(t, n) for t in targets for n in (a.small, a.large)]
     with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor(a.jobs) as pool:
         counted = pool.map(
-            lambda r: _count(r[0], r[1], a.body_kb, a.poll_interval, Path(tmp)), runs
+            lambda r: _count(r[0], r[1], a.body_kb, a.poll_interval, a.gc_threshold, Path(tmp)),
+            runs,
         )
         totals = dict(zip(runs, counted, strict=True))
     per = {t: (totals[t, a.large] - totals[t, a.small]) / (a.large - a.small) for t in targets}
     print(
         f"\ninstructions per request ({a.body_kb} KB bodies; "
-        f"({a.large} - {a.small} requests) difference of callgrind totals)\n"
+        f"({a.large} - {a.small} requests) difference of callgrind totals; "
+        f"collector threshold {a.gc_threshold or 'Python default'})\n"
     )
     print("| target | instructions / request | over direct (kvproxy's own) |")
     print("|---|---|---|")
