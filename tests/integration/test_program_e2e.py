@@ -30,6 +30,8 @@ ENGINE_ARGS = ("--time-scale", "0.02", "--record-requests", "4096", "--enable-pr
 DECISION = "X-KVProxy-Admission-Decision"
 WAIT_MS = "X-KVProxy-Admission-Wait-Ms"
 _ids = itertools.count()
+# The prompt token of each session of this module (gen): a few hundred at most.
+_SESSION_TOKENS: dict[str, int] = {}
 
 
 @pytest.fixture(scope="module")
@@ -189,8 +191,11 @@ def keys_on(p: Proxy, engine: str, n: int, prefix: str) -> list[str]:
 async def gen(
     http: aiohttp.ClientSession, p: Proxy, sid: str, tokens: int, *, new_tokens: int = 4
 ) -> aiohttp.ClientResponse:
-    # One token value per session: sessions share no prefix (no shared-prefix credit).
-    token = 10 + sum(sid.encode()) % 5000
+    # One token value per session, never another's: sessions share no prefix. (The sum of
+    # the id's bytes used before collided between ids of one shape; a session whose first
+    # prompt matched an earlier test's cached KV gave its engine a shared-prefix credit,
+    # and the pause test's pool never filled: its flake.)
+    token = _SESSION_TOKENS.setdefault(sid, 10 + len(_SESSION_TOKENS))
     body = {"input_ids": [token] * tokens, "sampling_params": {"max_new_tokens": new_tokens}}
     async with http.post(f"{p.url}/generate", json=body, headers={"X-Session-ID": sid}) as resp:
         await resp.read()
