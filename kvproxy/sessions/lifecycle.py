@@ -328,7 +328,7 @@ class _Tracking(AbstractAsyncContextManager[TrackedRequest]):
         self._req: TrackedRequest | None = None
 
     async def __aenter__(self) -> TrackedRequest:
-        self._req = self._manager._enter(*self._args)
+        self._req = self._manager.enter(*self._args)
         return self._req
 
     async def __aexit__(
@@ -339,7 +339,7 @@ class _Tracking(AbstractAsyncContextManager[TrackedRequest]):
     ) -> None:
         req, self._req = self._req, None
         if req is not None:
-            self._manager._leave(req)
+            self._manager.leave(req)
 
 
 class SessionManager:
@@ -499,15 +499,6 @@ class SessionManager:
         """:meth:`track` without the context manager, for the request path (no
         coroutine per step): the caller calls :meth:`leave` on every path after it.
         ``rids``: the rids an abort must name (at least ``rid``)."""
-        return self._enter(session_id, rid, rids, close_after)
-
-    def leave(self, req: TrackedRequest) -> None:
-        """The request :meth:`enter` returned has left the proxy (any outcome)."""
-        self._leave(req)
-
-    def _enter(
-        self, session_id: str, rid: str, rids: tuple[str, ...], close_after: bool
-    ) -> TrackedRequest:
         begin = self._table.begin(session_id, self._clock())
         if begin.token is None:
             self._counters.inc(REJECTED_CLOSING)
@@ -522,7 +513,8 @@ class SessionManager:
         self._requests[begin.token] = req
         return req
 
-    def _leave(self, req: TrackedRequest) -> None:
+    def leave(self, req: TrackedRequest) -> None:
+        """The request :meth:`enter` returned has left the proxy (any outcome)."""
         session_id = req.session_id
         self._requests.pop(req.token, None)
         self._table.end(session_id, req.token, self._clock())

@@ -30,6 +30,7 @@ from aiohttp.test_utils import TestServer
 from kvproxy import stack
 from kvproxy.app import create_app
 from kvproxy.config import from_mapping
+from kvproxy.keys import ADMISSION
 from tests.helpers import wait_until
 
 __all__ = [
@@ -160,3 +161,14 @@ async def sim_state(http: aiohttp.ClientSession, url: str) -> dict[str, Any]:
     async with http.get(f"{url}/sim/state") as resp:
         assert resp.status == 200
         return orjson.loads(await resp.read())
+
+
+def program_ready(p: Proxy) -> Callable[[], Awaitable[bool]]:
+    """For :func:`wait_until`: program admission is active and its ring mirror knows
+    the router's workers (the proxy's router uses consistent hashing)."""
+
+    async def ready() -> bool:
+        h = p.app[ADMISSION].health().to_json()
+        return bool(h["program_active"] and h["placement"]["available"])
+
+    return ready

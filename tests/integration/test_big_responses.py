@@ -23,7 +23,7 @@ import pytest
 from kvproxy import stack
 from kvproxy.keys import ADMISSION
 
-from .conftest import Proxy, StartProxy, wait_until
+from .conftest import Proxy, StartProxy, program_ready, wait_until
 
 POOL = 100_000
 OUTPUT_TOKENS = 31_000
@@ -72,12 +72,7 @@ async def _program_proxy(router: stack.ManagedProcess, start_proxy: StartProxy) 
             "admission": {"enabled": True, "poll_interval_s": 0.2, "headroom": 1.0},
         }
     )
-
-    async def ready() -> bool:
-        h = p.app[ADMISSION].health().to_json()
-        return bool(h["program_active"] and h["placement"]["available"])
-
-    await wait_until(ready, timeout_s=10, what="placement known")
+    await wait_until(program_ready(p), timeout_s=10, what="placement known")
     return p
 
 

@@ -23,7 +23,15 @@ from kvproxy import stack
 from kvproxy.fleet.ring import HashRing
 from kvproxy.keys import ADMISSION
 
-from .conftest import Proxy, StartProxy, recorded, reset_faults, set_faults, wait_until
+from .conftest import (
+    Proxy,
+    StartProxy,
+    program_ready,
+    recorded,
+    reset_faults,
+    set_faults,
+    wait_until,
+)
 
 POOL = 20_000
 ENGINE_ARGS = ("--time-scale", "0.02", "--record-requests", "4096", "--enable-priority-scheduling")
@@ -160,21 +168,13 @@ async def proxy(ch_router: stack.ManagedProcess, start_proxy: StartProxy) -> Any
         }
         p = await start_proxy(doc)
         await wait_until(
-            _program_ready(p) if policy == "consistent_hashing" else _noop,
+            program_ready(p) if policy == "consistent_hashing" else _noop,
             timeout_s=10,
             what="placement known",
         )
         return p
 
     return factory
-
-
-def _program_ready(p: Proxy):
-    async def ready() -> bool:
-        h = p.app[ADMISSION].health().to_json()
-        return bool(h["program_active"] and h["placement"]["available"])
-
-    return ready
 
 
 async def _noop() -> bool:
