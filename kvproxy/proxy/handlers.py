@@ -24,15 +24,21 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import aiohttp
 import orjson
 from aiohttp import web
 from multidict import CIMultiDict
 
-from kvproxy.admission.coordinator import AdmissionController, AdmissionRequest, Decision
+from kvproxy.admission.coordinator import (
+    Admission,
+    AdmissionController,
+    AdmissionRequest,
+    Decision,
+)
 from kvproxy.config import LiveConfig
 from kvproxy.proxy.body import parse_object
 from kvproxy.proxy.errors import ErrorType
@@ -84,6 +90,7 @@ ObserveBody = Callable[[bytes], None]
 _SSE_DONE = b"data: [DONE]\n\n"
 _DONE_LEN = len(_SSE_DONE)
 _SSE = "text/event-stream"
+_NO_HEADERS: Mapping[str, str] = {}  # shared, never written
 
 
 class Attempt:
@@ -211,18 +218,20 @@ class ProxyHandlers:
             # The feature is off: nothing reads the id, so the path goes as it came.
             return None, request.path
 
-    async def _route(
+    def _route(
         self, request: web.Request, path: str, path_sid: str | None, started: float
-    ) -> web.StreamResponse:
+    ) -> Awaitable[web.StreamResponse]:
+        """The handler's coroutine for ``path`` (returned, not awaited: one coroutine
+        fewer on every request)."""
         if request.method == "POST":
             if path in INTERCEPTED_PATHS:
-                return await self.intercepted(request, path, path_sid, started)
+                return self.intercepted(request, path, path_sid, started)
             if path == "/close_session":
                 if self.live.config.session_lifecycle.enabled:
-                    return await self.close_session_api(request, path_sid)
+                    return self.close_session_api(request, path_sid)
                 if self.live.config.admission.enabled:
-                    return await self.close_session_passthrough(request, path_sid, started)
-        return await self.passthrough(request, path, started)
+                    return self.close_session_passthrough(request, path_sid, started)
+        return self.passthrough(request, path, started)
 
     # --------------------------------------------------------------- passthrough
     async def passthrough(
@@ -269,100 +278,104 @@ class ProxyHandlers:
         return await self._carry_out(attempt, plan)
 
     async def _carry_out(self, attempt: Attempt, plan: Plan) -> web.StreamResponse:
-        """The plan's stateful steps: injection counters, the Dynamo turn, tracking."""
+        """The plan's stateful steps, in order, in one coroutine (a coroutine per step
+        would be created and resumed on every request): the injection counters, the
+        Dynamo turn, tracking, the admission wait, the forward. What was entered is left
+        on every path: the lease, then the session's tracking, then the turn."""
         if plan.injection is not None:
             self.sessions.note_injection(plan.injection)
+        sid = plan.session_id
         turn: Turn | None = None
-        if plan.turn and plan.session_id is not None:
-            turn, turn_headers = self.agents.begin(
-                plan.session_id, attempt.path, plan.nvext, plan.close_after
-            )
-            plan = with_turn_headers(plan, self.live.config, attempt.request.headers, turn_headers)
+        if plan.turn and sid is not None:
+            turn, plan = self._begin_turn(attempt, plan, sid)
+        tracked: TrackedRequest | None = None
+        lease: Admission | None = None
         try:
-            if plan.track and plan.session_id is not None:
-                return await self._tracked(attempt, plan, turn)
-            if plan.abort_rids:
+            if plan.track and sid is not None:
+                tracked = self.sessions.enter(
+                    sid, plan.ticket, plan.abort_rids or (plan.ticket,), plan.close_after
+                )
+                attempt.on_disconnect = tracked.disconnected
+            elif plan.abort_rids:
                 attempt.on_disconnect = functools.partial(
                     self.sessions.abort_in_background, plan.abort_rids
                 )
-            return await self._admitted(attempt, plan, turn, None)
+            steering: int | None = None
+            if plan.admit:
+                # ``async with`` spelled out: decided at once in the common case (no
+                # task, no future); a tracked request waits through until_forwarded (a
+                # session close cancels the wait). Released only once granted.
+                if tracked is not None and tracked.rejected:
+                    raise SessionClosed(tracked.session_id)
+                areq = _admission_request(attempt, plan)
+                admission = self.admission.admit(areq)
+                decision = admission.decide_now()
+                if decision is None:
+                    waiting = admission.wait()
+                    decision = await (
+                        tracked.until_forwarded(waiting) if tracked is not None else waiting
+                    )
+                lease = admission
+                steering = self._admission_decided(attempt, plan, areq, decision)
+            return await self._send(attempt, plan, turn, tracked, steering)
+        except SessionClosed as exc:
+            raise Refused(ErrorType.SESSION_CLOSED, str(exc)) from None
         finally:
+            if lease is not None:
+                lease.leave()
+            if tracked is not None:
+                self.sessions.leave(tracked)
             if turn is not None:
                 self.agents.end(turn)
 
-    async def _tracked(self, attempt: Attempt, plan: Plan, turn: Turn | None) -> web.StreamResponse:
-        assert plan.session_id is not None
-        # SessionManager.track spelled out (entered on every request of a session).
-        sessions = self.sessions
-        try:
-            tracked = sessions.enter(
-                plan.session_id, plan.ticket, plan.abort_rids or (plan.ticket,), plan.close_after
-            )
-            try:
-                attempt.on_disconnect = tracked.disconnected
-                if not plan.admit:
-                    return await self._send(attempt, plan, turn, tracked, None)
-                return await self._admitted(attempt, plan, turn, tracked)
-            finally:
-                sessions.leave(tracked)
-        except SessionClosed as exc:
-            raise Refused(ErrorType.SESSION_CLOSED, str(exc)) from None
+    def _begin_turn(self, attempt: Attempt, plan: Plan, sid: str) -> tuple[Turn | None, Plan]:
+        """The session's Dynamo turn (None when it would do nothing), and the plan with
+        the turn's routing headers and program admission's routing key folded in."""
+        turn: Turn | None = None
+        turn_headers: Mapping[str, str] = _NO_HEADERS
+        if not self.agents.quiet(sid, plan.nvext):
+            turn, turn_headers = self.agents.begin(sid, attempt.path, plan.nvext, plan.close_after)
+        headers = attempt.request.headers
+        return turn, with_turn_headers(plan, self.live.config, headers, turn_headers)
 
-    async def _admitted(
-        self, attempt: Attempt, plan: Plan, turn: Turn | None, tracked: TrackedRequest | None
-    ) -> web.StreamResponse:
-        """Wait for admission, then forward; the lease is held until the attempt ends."""
-        if not plan.admit:
-            return await self._send(attempt, plan, turn, tracked, None)
-        areq = AdmissionRequest(
-            ticket_id=plan.ticket,
-            path=attempt.path,
-            headers=attempt.request.headers,
-            body=plan.body if plan.body is not None else {},
-            session_id=plan.session_id,
-            routing_key=plan.routing_key,
-        )
-        # ``async with`` spelled out: decided at once in the common case (no task, no
-        # future); a request that must wait waits through until_forwarded when tracked
-        # (a session close cancels the wait). The lease is released only when granted.
-        if tracked is not None and tracked.rejected:
-            raise SessionClosed(tracked.session_id)
-        lease = self.admission.admit(areq)
-        decision = lease.decide_now()
-        if decision is None:
-            waiting = lease.wait()
-            decision = await (tracked.until_forwarded(waiting) if tracked is not None else waiting)
-        try:
-            steering = self._admission_decided(attempt, plan, areq, decision)
-            return await self._send(attempt, plan, turn, tracked, steering)
-        finally:
-            lease.leave()
-
-    async def _send(
+    def _send(
         self,
         attempt: Attempt,
         plan: Plan,
         turn: Turn | None,
         tracked: TrackedRequest | None,
         steering: int | None,
-    ) -> web.StreamResponse:
-        """Forward the planned request (or serve it as a Dynamo turn)."""
+    ) -> Awaitable[web.StreamResponse]:
+        """Forward the planned request (or serve it as a Dynamo turn). A plain function
+        returning the forward's coroutine on the common path: one coroutine fewer."""
         if tracked is not None:
             tracked.forwarded()
         fields, source = final_fields(plan, steering)
         if source is not None and self.live.config.session_lifecycle.enabled:
             self.agents.note_priority(source)
-        if turn is not None and self.agents.involved(turn):
+        if turn is not None and (self.agents.involved(turn) or turn.wants_body):
+            return self._send_turn(attempt, plan, turn, fields)
+        assert isinstance(attempt.body, bytes)
+        attempt.body = render_body(attempt.body, plan, fields)
+        attempt.extra_headers = plan.headers or None
+        return self.forward(attempt)
+
+    async def _send_turn(
+        self, attempt: Attempt, plan: Plan, turn: Turn, fields: dict[str, Any]
+    ) -> web.StreamResponse:
+        """:meth:`_send` for a turn session control is involved in or that keeps its
+        answer (the speculative prefill)."""
+        if self.agents.involved(turn):
             served = await self._serve_turn(attempt, plan, turn, fields)
             if served is not None:
                 return served
         assert isinstance(attempt.body, bytes)
         attempt.body = render_body(attempt.body, plan, fields)
         attempt.extra_headers = plan.headers or None
-        if turn is not None and turn.wants_body:
+        if turn.wants_body:
             attempt.observe_body = turn.keep_body
         response = await self.forward(attempt)
-        if turn is not None and turn.wants_body and response.status == 200:
+        if turn.wants_body and response.status == 200:
             self._after_turn(attempt, plan, turn)  # the speculative prefill
         return response
 
@@ -477,9 +490,11 @@ class ProxyHandlers:
         finally:
             await upstream_cm.__aexit__(None, None, None)
 
-    async def _relay(
+    def _relay(
         self, attempt: Attempt, upstream: aiohttp.ClientResponse, sent_at: float
-    ) -> web.StreamResponse:
+    ) -> Awaitable[web.StreamResponse]:
+        """The response's relay: buffered (a known length up to the limit, not an event
+        stream) or streamed chunk by chunk. Returns the relay's coroutine."""
         headers = forward_response_headers(upstream.headers)
         if attempt.response_headers:
             headers.update(attempt.response_headers)
@@ -487,54 +502,26 @@ class ProxyHandlers:
         event_stream = _SSE in upstream.headers.get("Content-Type", "")
         overhead = sent_at - attempt.started - attempt.waited
         if length is not None and length <= _RESPONSE_BUFFER_LIMIT and not event_stream:
-            return await self._relay_buffered(attempt, upstream, headers, overhead)
+            return self._relay_buffered(attempt, upstream, headers, overhead)
+        return self._relay_streamed(attempt, upstream, headers, overhead, event_stream)
+
+    async def _relay_streamed(
+        self,
+        attempt: Attempt,
+        upstream: aiohttp.ClientResponse,
+        headers: CIMultiDict[str],
+        overhead: float,
+        event_stream: bool,
+    ) -> web.StreamResponse:
+        """Relay chunk by chunk, the usage read as the chunks pass."""
+        length = upstream.content_length
         headers_at = time.perf_counter()
         response = web.StreamResponse(status=upstream.status, headers=headers)
         if length is not None:
             response.content_length = length
         await response.prepare(attempt.request)
         self.metrics.added_latency.observe(overhead + (time.perf_counter() - headers_at))
-        return await self._relay_stream(attempt, upstream, response, event_stream)
-
-    async def _relay_buffered(
-        self,
-        attempt: Attempt,
-        upstream: aiohttp.ClientResponse,
-        headers: Mapping[str, str],
-        overhead: float,
-    ) -> web.StreamResponse:
-        try:
-            data = await upstream.read()
-        except (TimeoutError, aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError) as exc:
-            self.metrics.upstream_error("midstream")
-            raise Refused(
-                ErrorType.ROUTER_UNREACHABLE,
-                f"the router's response broke off: {type(exc).__name__}",
-            ) from None
-        read_at = time.perf_counter()
-        response = web.Response(status=upstream.status, headers=headers, body=data)
-        self.metrics.added_latency.observe(overhead + (time.perf_counter() - read_at))
-        if upstream.status == 200:
-            if attempt.observe_usage is not None:
-                attempt.observe_usage(usage_from_body(data))
-            if attempt.observe_body is not None:
-                attempt.observe_body(data)
-        return response
-
-    async def _relay_stream(
-        self,
-        attempt: Attempt,
-        upstream: aiohttp.ClientResponse,
-        response: web.StreamResponse,
-        event_stream: bool,
-    ) -> web.StreamResponse:
-        # What the response tells the ledger: an event stream's tail, or a JSON body's
-        # counts searched as it passes (wherever they are in it).
-        window: TailWindow | StreamedBodyUsage | None = None
-        if attempt.observe_usage is not None:
-            window = TailWindow() if event_stream else StreamedBodyUsage()
-        # A chunked JSON body (not SSE) kept whole, bounded, for observe_body.
-        whole = _Kept() if attempt.observe_body is not None and not event_stream else None
+        window, whole = _usage_readers(attempt, event_stream)
         end = b""  # the stream's last bytes, to recognise its final [DONE] event
         try:
             async for chunk in upstream.content.iter_any():
@@ -565,6 +552,31 @@ class ProxyHandlers:
                 attempt.observe_usage(window.usage())
             if whole is not None and whole.data is not None and attempt.observe_body is not None:
                 attempt.observe_body(whole.data)
+        return response
+
+    async def _relay_buffered(
+        self,
+        attempt: Attempt,
+        upstream: aiohttp.ClientResponse,
+        headers: Mapping[str, str],
+        overhead: float,
+    ) -> web.StreamResponse:
+        try:
+            data = await upstream.read()
+        except (TimeoutError, aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError) as exc:
+            self.metrics.upstream_error("midstream")
+            raise Refused(
+                ErrorType.ROUTER_UNREACHABLE,
+                f"the router's response broke off: {type(exc).__name__}",
+            ) from None
+        read_at = time.perf_counter()
+        response = web.Response(status=upstream.status, headers=headers, body=data)
+        self.metrics.added_latency.observe(overhead + (time.perf_counter() - read_at))
+        if upstream.status == 200:
+            if attempt.observe_usage is not None:
+                attempt.observe_usage(usage_from_body(data))
+            if attempt.observe_body is not None:
+                attempt.observe_body(data)
         return response
 
     # ------------------------------------------------------------- session close
@@ -638,6 +650,30 @@ class _Kept:
     @property
     def data(self) -> bytes | None:
         return None if self._chunks is None else b"".join(self._chunks)
+
+
+def _admission_request(attempt: Attempt, plan: Plan) -> AdmissionRequest:
+    return AdmissionRequest(
+        ticket_id=plan.ticket,
+        path=attempt.path,
+        headers=attempt.request.headers,
+        body=plan.body if plan.body is not None else {},
+        session_id=plan.session_id,
+        routing_key=plan.routing_key,
+    )
+
+
+def _usage_readers(
+    attempt: Attempt, event_stream: bool
+) -> tuple[TailWindow | StreamedBodyUsage | None, _Kept | None]:
+    """What a streamed response tells the ledger (an event stream's tail, or a JSON
+    body's counts searched as it passes, wherever they are in it), and the chunked JSON
+    body kept whole, bounded, for ``observe_body``."""
+    window: TailWindow | StreamedBodyUsage | None = None
+    if attempt.observe_usage is not None:
+        window = TailWindow() if event_stream else StreamedBodyUsage()
+    whole = _Kept() if attempt.observe_body is not None and not event_stream else None
+    return window, whole
 
 
 def _tail_observer(observe: ObserveUsage | None) -> Callable[[bytes], None] | None:

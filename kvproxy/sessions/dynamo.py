@@ -182,6 +182,14 @@ class AgentControl:
         self.slots.pop(sid)
 
     # -- a turn ----------------------------------------------------------------
+    def quiet(self, session_id: str, nvext: Nvext) -> bool:
+        """Whether a turn of ``session_id`` would do nothing: no ``nvext``, no streaming
+        slot held by any session and no bind timer for this one. :meth:`begin` would then
+        add no header and start no timer, :meth:`involved` and ``wants_body`` would be
+        false and :meth:`end` a no-op, so the request path opens no turn (the common
+        case: a dozen calls fewer per request)."""
+        return not nvext.present and not self.slots and self.timers.timeout_of(session_id) is None
+
     def begin(
         self, session_id: str, path: str, nvext: Nvext, close_after: bool
     ) -> tuple[Turn, dict[str, str]]:
