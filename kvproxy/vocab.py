@@ -48,15 +48,22 @@ def header_flag(headers: Mapping[str, str], name: str) -> bool:
     return is_truthy(header(headers, name))
 
 
-def nvext_section(body: Any, name: str) -> Mapping[str, Any] | None:
-    """``body["nvext"][name]`` when the body, ``nvext`` and the section are JSON objects."""
-    if not isinstance(body, Mapping):
+# A JSON object read here is a dict (orjson's) or a request body's scan: a dict is
+# recognised by its type first, since ``isinstance`` against the ``Mapping`` ABC runs
+# a Python-level ``__instancecheck__`` (these helpers run on every request).
+
+
+def nvext_section(body: Mapping[str, Any] | None, name: str) -> Mapping[str, Any] | None:
+    """``body["nvext"][name]`` when ``nvext`` and the section are JSON objects."""
+    if body is None:
         return None
     nvext = body.get("nvext")
-    if not isinstance(nvext, Mapping):
+    if nvext is None or not (type(nvext) is dict or isinstance(nvext, Mapping)):
         return None
     section = nvext.get(name)
-    return section if isinstance(section, Mapping) else None
+    if section is None or not (type(section) is dict or isinstance(section, Mapping)):
+        return None
+    return section
 
 
 def exact_int(value: Any) -> int | None:
@@ -75,7 +82,7 @@ def sample_count(body: Mapping[str, Any]) -> int:
     """
     n: Any = None
     sp = body.get("sampling_params")
-    if isinstance(sp, Mapping):
+    if sp is not None and (type(sp) is dict or isinstance(sp, Mapping)):
         n = sp.get("n")
     if n is None:
         n = body.get("n")

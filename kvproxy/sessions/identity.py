@@ -146,7 +146,7 @@ def resolve_identity(
     for src in cfg.id_sources:
         value: Any = None
         if src == "body":
-            value = body.get("session_id") if isinstance(body, Mapping) else None
+            value = body.get("session_id") if body is not None else None
         elif src == "header":
             value = _header(headers, cfg.id_header)
         elif src == "nvext":
@@ -258,7 +258,7 @@ def injection_plan(
     """
     if not cfg.enabled:
         return EMPTY_PLAN
-    if not isinstance(body, Mapping):
+    if body is None:  # not a JSON object
         return InjectionPlan(skip_reason=SKIP_NOT_JSON_OBJECT)
     fields: dict[str, Any] = {}
     overwrites: list[str] = []

@@ -308,9 +308,9 @@ def test_sticky_routing_header() -> None:
     assert injection_plan(sticky, NO_IDENTITY, {"rid": "r"}).headers == {}
 
 
-@pytest.mark.parametrize("body", [None, [1, 2], "text"])
-def test_non_object_bodies_get_nothing(body: Any) -> None:
-    plan = injection_plan(ON, SID, body)
+def test_non_object_bodies_get_nothing() -> None:
+    # The pipeline passes None for a body that is not a JSON object.
+    plan = injection_plan(ON, SID, None)
     assert plan.empty and plan.skip_reason == SKIP_NOT_JSON_OBJECT
 
 

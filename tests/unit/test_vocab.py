@@ -53,8 +53,8 @@ def test_header_lookup_is_case_insensitive_for_dicts_and_multidicts() -> None:
         ({"nvext": {"agent_hints": {"osl": 3}}}, {"osl": 3}),
         ({"nvext": {"agent_hints": "x"}}, None),
         ({"nvext": []}, None),
+        ({"nvext": {"agent_hints": None}}, None),
         ({}, None),
-        ([], None),
         (None, None),
     ],
 )
