@@ -30,7 +30,7 @@ import orjson
 from kvproxy.config import Config, SessionLifecycleConfig
 from kvproxy.proxy.body import inject_fields
 from kvproxy.proxy.errors import STATUS, ErrorType
-from kvproxy.proxy.scan import BodyScan, counted_keys_for, scan_object, validated
+from kvproxy.proxy.scan import BodyScan, counted_keys_for, members, scan_object, validated
 from kvproxy.sessions.agent_hints import NO_NVEXT, InvalidNvext, Nvext, parse_nvext
 from kvproxy.sessions.agent_hints import combine_priority as _combine_priority
 from kvproxy.sessions.identity import (
@@ -120,15 +120,16 @@ def _lifecycle_plan(
     admit: bool,
 ) -> Plan | Refusal:
     lc = config.session_lifecycle
+    top = members(body)  # the small fields, read without a Python call each
     try:
-        nvext = parse_nvext(body)  # Dynamo's nvext (docs/dynamo.md)
+        nvext = parse_nvext(top)  # Dynamo's nvext (docs/dynamo.md)
     except InvalidNvext as exc:
         return Refusal(ErrorType.INVALID_REQUEST, str(exc))
     try:
-        identity = resolve_identity(lc, path_session_id=path_session_id, headers=headers, body=body)
+        identity = resolve_identity(lc, path_session_id=path_session_id, headers=headers, body=top)
     except InvalidSessionId as exc:
         return Refusal(ErrorType.INVALID_SESSION_ID, str(exc))
-    inj = injection_plan(lc, identity, body, headers=headers)
+    inj = injection_plan(lc, identity, top, headers=headers)
     sid = identity.session_id
     plan = Plan(
         body=body,
@@ -138,13 +139,13 @@ def _lifecycle_plan(
         session_id=sid,
         close_after=identity.close_after,
         abort_rids=inj.abort_rids,
-        ticket=inj.rid or _body_rid(body) or new_rid(),
+        ticket=inj.rid or _body_rid(top) or new_rid(),
         injection=inj,
         nvext=nvext,
         track=sid is not None,
         turn=sid is not None,
         admit=admit,
-        strip_nvext=path in lc.strip_nvext_paths and "nvext" in body,
+        strip_nvext=path in lc.strip_nvext_paths and "nvext" in top,
         priority_hint=nvext.hints.priority if lc.agent_hints else None,
     )
     if _reads_token_arrays(lc, plan) and not validated(body):
@@ -182,17 +183,18 @@ def _admission_only_plan(
     # Admission alone still needs the session (its KV stays resident between turns),
     # read from the same sources; nothing is injected or refused.
     identity_only = _identity_only(config.session_lifecycle)
+    top = members(body)
     try:
         sid = resolve_identity(
-            identity_only, path_session_id=path_session_id, headers=headers, body=body
+            identity_only, path_session_id=path_session_id, headers=headers, body=top
         ).session_id
     except InvalidSessionId:
         sid = None
-    routing_key, extra = _routing_key(config, sid, headers, {})
+    routing_key, extra = _routing_key(config, sid, headers, _NONE)
     return Plan(
         body=body,
         session_id=sid,
-        ticket=_body_rid(body) or new_rid(),
+        ticket=_body_rid(top) or new_rid(),
         admit=True,
         headers=extra,
         routing_key=routing_key,

@@ -241,7 +241,16 @@ class BodyScan(Mapping[str, Any]):
     properties below are what the session and admission decisions read.
     """
 
-    __slots__ = ("_checked", "_counts", "_doc", "_materialised", "_raw", "_spans", "method")
+    __slots__ = (
+        "_checked",
+        "_counts",
+        "_doc",
+        "_materialised",
+        "_raw",
+        "_spans",
+        "members",
+        "method",
+    )
 
     def __init__(
         self,
@@ -253,6 +262,10 @@ class BodyScan(Mapping[str, Any]):
         method: str = METHOD_FULL,
     ) -> None:
         self._doc = doc
+        # The top-level members as a plain dict, for readers of the small fields (a
+        # dict's ``get`` costs no Python call): an excised array's member is a
+        # placeholder string there, so read token arrays through the mapping.
+        self.members: Mapping[str, Any] = doc
         self._raw = raw
         self._spans: dict[str, tuple[int, int]] = spans if spans is not None else _NONE
         self._counts: dict[str, int] = counts if counts is not None else _NONE
@@ -454,7 +467,7 @@ class BodyScan(Mapping[str, Any]):
 def prompt_token_count(body: Mapping[str, Any]) -> int | None:
     """``reservation.exact_prompt_tokens`` for a dict or a :class:`BodyScan` (no list
     built for the latter): the drop-in for the sizer's reads."""
-    if isinstance(body, BodyScan):
+    if type(body) is BodyScan:  # (the ABC's isinstance is a Python-level call)
         return body.prompt_token_count
     n = vocab.token_list_length(body.get("input_ids"))
     return n if n is not None else vocab.token_list_length(body.get("prompt"))
@@ -462,7 +475,7 @@ def prompt_token_count(body: Mapping[str, Any]) -> int | None:
 
 def batch_size(body: Mapping[str, Any]) -> int:
     """``reservation._batch_size`` for a dict or a :class:`BodyScan`."""
-    if isinstance(body, BodyScan):
+    if type(body) is BodyScan:
         return body.batch_size
     ids = body.get("input_ids")
     if type(ids) is list and ids and type(ids[0]) is list:
@@ -471,9 +484,16 @@ def batch_size(body: Mapping[str, Any]) -> int:
     return max(1, len(text)) if type(text) is list else 1
 
 
+def members(body: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The body's top-level members as a plain mapping: a scan's :attr:`BodyScan.members`
+    (token arrays are placeholders there), a dict as it is. For the planners that read
+    only the small fields (session id, rid, ``nvext``, sampling parameters)."""
+    return body.members if type(body) is BodyScan else body
+
+
 def validated(body: Mapping[str, Any]) -> bool:
     """:meth:`BodyScan.validate` for a scan; True for a dict (a full parse's result)."""
-    return body.validate() if isinstance(body, BodyScan) else True
+    return body.validate() if type(body) is BodyScan else True
 
 
 def _full(raw: bytes) -> BodyScan | None:
@@ -560,6 +580,7 @@ __all__ = [
     "find_key",
     "locate_array",
     "locate_flat_array",
+    "members",
     "prompt_token_count",
     "scan_object",
     "validated",
