@@ -87,6 +87,21 @@ async def test_plain_sessions_get_no_header_and_no_timer(control: Any) -> None:
     assert headers == {} and turn.bind_timeout_s is None and len(control.timers) == 0
 
 
+async def test_a_turn_is_quiet_only_when_it_would_do_nothing(control: Any) -> None:
+    # Quiet: no nvext, no slot held by any session, no timer for this one. The request
+    # path then opens no turn, so a quiet turn must be one begin() would leave bare.
+    assert control.quiet("p", parse_nvext({}))
+    turn, headers = control.begin("p", "/generate", parse_nvext({}), False)
+    assert headers == {} and turn.bind_timeout_s is None and not control.involved(turn)
+    assert not control.quiet("p", _nv())  # an nvext, even an empty one
+    bound, _ = control.begin("b", "/generate", _nv(action="bind", timeout=5), False)
+    control.end(bound)
+    assert not control.quiet("b", parse_nvext({}))  # its timer keeps it sticky
+    assert control.quiet("other", parse_nvext({}))
+    control.slots.put(st.Slot("elsewhere", W1))
+    assert not control.quiet("other", parse_nvext({}))  # any slot involves session control
+
+
 async def test_bind_default_timeout_is_300_scaled(control: Any) -> None:
     turn, _ = control.begin("s", "/generate", _nv(action="bind"), False)
     assert turn.bind_timeout_s == 300.0
