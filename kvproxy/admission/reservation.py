@@ -246,7 +246,7 @@ def _batch_size(body: Mapping[str, Any]) -> int:
 
 def _native_limit(sp: Any) -> tuple[int | None, int]:
     """(``sampling_params.max_new_tokens``, ``sampling_params.n``)."""
-    if not isinstance(sp, Mapping):
+    if sp is None or not (type(sp) is dict or isinstance(sp, Mapping)):  # dict: no ABC call
         return None, 1
     return _non_negative_int(sp.get("max_new_tokens")), _count(sp.get("n"))
 
@@ -349,7 +349,13 @@ class ReservationSizer:
 
     def size(self, path: str, body: Mapping[str, Any], session_id: str | None) -> Reservation:
         prompt, source, chars = self.prompt(body, session_id)
-        completion = completion_tokens(path, body, default=self._default_completion, cap=self._cap)
+        # The completion fields are small: a BodyScan's plain members (its token arrays
+        # are placeholders there, which a batch check also takes as not a batch, as the
+        # scan itself does: an excised array is flat) read without a Python call each.
+        fields = getattr(body, "members", body)
+        completion = completion_tokens(
+            path, fields, default=self._default_completion, cap=self._cap
+        )
         shared = min(prompt, int(self.shared_prefix))
         return Reservation(prompt - shared, completion, source, chars, shared)
 

@@ -35,6 +35,7 @@ from kvproxy.proxy.scan import (
     scan_object,
     validated,
 )
+from kvproxy.sessions.agent_hints import InvalidNvext, parse_nvext
 from kvproxy.sessions.identity import InvalidSessionId, injection_plan, resolve_identity
 
 LIFECYCLE = SessionLifecycleConfig(enabled=True)
@@ -49,6 +50,13 @@ def _identity(body: Any) -> Any:
     try:
         return resolve_identity(LIFECYCLE, path_session_id=None, headers={}, body=body)
     except InvalidSessionId as exc:
+        return ("invalid", str(exc))
+
+
+def parse_nvext_or_error(body: Any) -> Any:
+    try:
+        return parse_nvext(body)
+    except InvalidNvext as exc:
         return ("invalid", str(exc))
 
 
@@ -114,10 +122,13 @@ def assert_agrees(raw: bytes) -> BodyScan | None:
                 completion_tokens(path, scan, default=4096, cap=4096)
         else:
             assert completion_tokens(path, scan, default=4096, cap=4096) == expected
-    assert _identity(scan) == _identity(full)
+            # The sizer and the planners read the small fields from the plain members.
+            assert completion_tokens(path, scan.members, default=4096, cap=4096) == expected
+    assert _identity(scan) == _identity(full) == _identity(scan.members)
+    assert parse_nvext_or_error(scan.members) == parse_nvext_or_error(full)
     ident = _identity(full)
     if not isinstance(ident, tuple):
-        a = injection_plan(LIFECYCLE, ident, scan)
+        a = injection_plan(LIFECYCLE, ident, scan.members)
         b = injection_plan(LIFECYCLE, ident, full)
         assert (a.skip_reason, a.overwrites, a.rid_generated) == (
             b.skip_reason,
