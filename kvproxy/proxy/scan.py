@@ -150,10 +150,14 @@ def locate_array(raw: bytes, key: str) -> tuple[int, int] | None:
     if i < 0:
         return None
     n = len(raw)
-    p = _skip_ws(raw, i + len(needle), n)
+    p = i + len(needle)
+    if p < n and raw[p] != 0x3A:  # whitespace before the ":" (the compact form has none)
+        p = _skip_ws(raw, p, n)
     if p >= n or raw[p] != 0x3A:  # ":"
         return None
-    p = _skip_ws(raw, p + 1, n)
+    p += 1
+    if p < n and raw[p] != 0x5B:  # whitespace before the "["
+        p = _skip_ws(raw, p, n)
     if p >= n or raw[p] != 0x5B:  # "["
         return None
     start = p
