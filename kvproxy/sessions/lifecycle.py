@@ -164,6 +164,7 @@ class TrackedRequest:
         "_abort_sent",
         "_finished",
         "_forwarded",
+        "_left",
         "_manager",
         "_rejected",
         "_rejection",
@@ -193,7 +194,9 @@ class TrackedRequest:
         self._rejected = False
         self._abort_sent = False
         self._rejection: asyncio.Future[None] | None = None
-        self._finished: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._left = False  # it has left the proxy (SessionManager.leave)
+        # Made only when a close waits for the request to leave: not on every request.
+        self._finished: asyncio.Future[None] | None = None
 
     @property
     def is_forwarded(self) -> bool:
@@ -249,10 +252,18 @@ class TrackedRequest:
 
         Fire-and-forget (bounded by close_timeout_s); idempotent.
         """
-        if not self._forwarded or self._abort_sent or self._finished.done():
+        if not self._forwarded or self._abort_sent or self._left:
             return
         self._abort_sent = True
         self._manager._abort_on_disconnect(self)
+
+    def _until_left(self) -> asyncio.Future[None]:
+        """A future done once the request has left the proxy."""
+        if self._finished is None:
+            self._finished = asyncio.get_running_loop().create_future()
+            if self._left:
+                self._finished.set_result(None)
+        return self._finished
 
     def _reject(self) -> None:
         self._rejected = True
@@ -518,8 +529,10 @@ class SessionManager:
         session_id = req.session_id
         self._requests.pop(req.token, None)
         self._table.end(session_id, req.token, self._clock())
-        if not req._finished.done():
-            req._finished.set_result(None)
+        req._left = True
+        finished = req._finished
+        if finished is not None and not finished.done():
+            finished.set_result(None)
         if (
             req.close_after
             and self._cfg.enabled
@@ -691,8 +704,8 @@ class SessionManager:
         waiting: dict[asyncio.Future[None], int] = {}
         for token in tokens:
             req = self._requests.get(token)
-            if req is not None and not req._finished.done():
-                waiting[req._finished] = token
+            if req is not None and not req._left:
+                waiting[req._until_left()] = token
         if waiting and timeout_s > 0:
             await asyncio.wait(waiting, timeout=timeout_s)
         still_running = {tok for fut, tok in waiting.items() if not fut.done()}
