@@ -353,11 +353,11 @@ class ProxyHandlers:
         fields, source = final_fields(plan, steering)
         if source is not None and self.live.config.session_lifecycle.enabled:
             self.agents.note_priority(source)
-        if turn is not None and (self.agents.involved(turn) or turn.wants_body):
-            return self._send_turn(attempt, plan, turn, fields)
         assert isinstance(attempt.body, bytes)
         attempt.body = render_body(attempt.body, plan, fields)
         attempt.extra_headers = plan.headers or None
+        if turn is not None and (self.agents.involved(turn) or turn.wants_body):
+            return self._send_turn(attempt, plan, turn, fields)
         return self.forward(attempt)
 
     async def _send_turn(
@@ -366,12 +366,11 @@ class ProxyHandlers:
         """:meth:`_send` for a turn session control is involved in or that keeps its
         answer (the speculative prefill)."""
         if self.agents.involved(turn):
+            # Session control relays it from the plan's body and fields (the bytes
+            # rendered for the ordinary request are not sent then).
             served = await self._serve_turn(attempt, plan, turn, fields)
             if served is not None:
                 return served
-        assert isinstance(attempt.body, bytes)
-        attempt.body = render_body(attempt.body, plan, fields)
-        attempt.extra_headers = plan.headers or None
         if turn.wants_body:
             attempt.observe_body = turn.keep_body
         response = await self.forward(attempt)
