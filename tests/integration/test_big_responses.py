@@ -12,7 +12,7 @@ real router with consistent hashing (program admission mirrors its ring), own fi
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -51,12 +51,6 @@ def big_router(
         log_dir=Path(tmp_path_factory.mktemp("big-router")),
     ) as proc:
         yield proc
-
-
-@pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
-        yield session
 
 
 async def _program_proxy(router: stack.ManagedProcess, start_proxy: StartProxy) -> Proxy:
