@@ -36,6 +36,7 @@ from kvproxy.keys import (
     SESSIONS,
     SHUTDOWN,
 )
+from kvproxy.proxy import bytecount
 from kvproxy.proxy.handlers import INTERCEPTED_PATHS, ProxyHandlers, Shutdown
 from kvproxy.proxy.metrics import ProxyMetrics
 from kvproxy.proxy.slow_clients import SlowClientGuard
@@ -154,6 +155,8 @@ async def _admission_ctx(app: web.Application) -> AsyncIterator[None]:
         token_scale=config.server.token_scale,
         router_metrics_url=config.router.metrics_url,
     )
+    if config.admission.enabled:
+        bytecount.load()  # the vectorised id count's import, not on the first big body
     await admission.start()
     app[REGISTRY].register(_FeatureCollector(app[SESSIONS], admission, app[AGENTS]))
     yield

@@ -11,9 +11,10 @@ How it works
        *flat* when no ``[``, ``{``, ``}`` or ``"`` occurs inside it.
     2. *Count*: a flat array whose first element is an integer for orjson (1 to 19
        digits, no leading zero) and that has no trailing comma has ``commas + 1``
-       elements: one ``bytes.count`` over it, in place. Any other (a sign, a fraction,
-       a literal first; nested lists as in a batch are not flat) is not excised and is
-       parsed normally. The other elements are not looked at here:
+       elements: one count of its commas, in place (:mod:`kvproxy.proxy.bytecount`:
+       numpy's vectorised compare where it is installed, else ``bytes.count``). Any
+       other (a sign, a fraction, a literal first; nested lists as in a batch are not
+       flat) is not excised and is parsed normally. The other elements are not looked at here:
        :meth:`BodyScan.validate` checks them (the character set, one
        ``bytes.translate`` pass; an array that is not digits only is parsed) for the
        callers that read an array itself. With ``count=False`` the count too is
@@ -64,6 +65,7 @@ from typing import Any
 import orjson
 
 from kvproxy import vocab
+from kvproxy.proxy.bytecount import count_byte
 
 # Top-level keys whose flat token-id arrays are counted instead of parsed.
 COUNTED_KEYS: tuple[str, ...] = ("input_ids", "prompt")
@@ -197,9 +199,9 @@ def count_elements(raw: bytes, start: int, end: int) -> int | None:
     element is an integer for orjson (1 to 19 digits, no leading zero) and it has no
     trailing comma; else None.
 
-    One ``bytes.count`` over the array in place (no copy, no character-set pass): for
-    every *valid* array whose first element is an integer this is the full parse's length
-    (``vocab.token_list_length``). The other elements are not looked at;
+    One count of the commas over the array in place (no copy, no character-set pass;
+    :func:`~kvproxy.proxy.bytecount.count_byte`): for every *valid* array whose first
+    element is an integer this is the full parse's length (``vocab.token_list_length``). The other elements are not looked at;
     :func:`count_flat_ids` checks them (:meth:`BodyScan.validate`).
     """
     last = end - 1  # the "]"
@@ -211,7 +213,7 @@ def count_elements(raw: bytes, start: int, end: int) -> int | None:
         back -= 1
     if raw[back] == 0x2C:  # a trailing comma
         return None
-    return raw.count(b",", start + 1, last) + 1
+    return count_byte(raw, 0x2C, start + 1, last) + 1  # vectorised where numpy is
 
 
 def locate_flat_array(raw: bytes, key: str) -> tuple[int, int, int] | None:
