@@ -86,6 +86,8 @@ def sample_count(body: Mapping[str, Any]) -> int:
         n = sp.get("n")
     if n is None:
         n = body.get("n")
+        if n is None:
+            return 1
     count = exact_int(n)
     return count if count is not None and count >= 1 else 1
 

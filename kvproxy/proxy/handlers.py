@@ -291,15 +291,7 @@ class ProxyHandlers:
         tracked: TrackedRequest | None = None
         lease: Admission | None = None
         try:
-            if plan.track and sid is not None:
-                tracked = self.sessions.enter(
-                    sid, plan.ticket, plan.abort_rids or (plan.ticket,), plan.close_after
-                )
-                attempt.on_disconnect = tracked.disconnected
-            elif plan.abort_rids:
-                attempt.on_disconnect = functools.partial(
-                    self.sessions.abort_in_background, plan.abort_rids
-                )
+            tracked = self._enter(attempt, plan)
             steering: int | None = None
             if plan.admit:
                 # ``async with`` spelled out: decided at once in the common case (no
@@ -317,7 +309,9 @@ class ProxyHandlers:
                     )
                 lease = admission
                 steering = self._admission_decided(attempt, plan, areq, decision)
-            return await self._send(attempt, plan, turn, tracked, steering)
+                if tracked is not None:
+                    tracked.forwarded()  # raises when the session began closing meanwhile
+            return await self._send(attempt, plan, turn, steering)
         except SessionClosed as exc:
             raise Refused(ErrorType.SESSION_CLOSED, str(exc)) from None
         finally:
@@ -328,6 +322,25 @@ class ProxyHandlers:
             if turn is not None:
                 self.agents.end(turn)
 
+    def _enter(self, attempt: Attempt, plan: Plan) -> TrackedRequest | None:
+        """Track the request in its session (None: no session, or not tracked), and say
+        what a client disconnect aborts."""
+        sid = plan.session_id
+        if plan.track and sid is not None:
+            # Nothing is awaited before the forward unless admission waits: otherwise the
+            # request is entered as forwarded (not queued, then moved).
+            rids = plan.abort_rids or (plan.ticket,)
+            tracked = self.sessions.enter(
+                sid, plan.ticket, rids, plan.close_after, forwarded=not plan.admit
+            )
+            attempt.on_disconnect = tracked.disconnected
+            return tracked
+        if plan.abort_rids:
+            attempt.on_disconnect = functools.partial(
+                self.sessions.abort_in_background, plan.abort_rids
+            )
+        return None
+
     def _begin_turn(self, attempt: Attempt, plan: Plan, sid: str) -> tuple[Turn | None, Plan]:
         """The session's Dynamo turn (None when it would do nothing), and the plan with
         the turn's routing headers and program admission's routing key folded in."""
@@ -335,6 +348,8 @@ class ProxyHandlers:
         turn_headers: Mapping[str, str] = _NO_HEADERS
         if not self.agents.quiet(sid, plan.nvext):
             turn, turn_headers = self.agents.begin(sid, attempt.path, plan.nvext, plan.close_after)
+        elif not plan.admit:
+            return None, plan  # no headers to fold in, no routing key to derive
         headers = attempt.request.headers
         return turn, with_turn_headers(plan, self.live.config, headers, turn_headers)
 
@@ -343,13 +358,10 @@ class ProxyHandlers:
         attempt: Attempt,
         plan: Plan,
         turn: Turn | None,
-        tracked: TrackedRequest | None,
         steering: int | None,
     ) -> Awaitable[web.StreamResponse]:
         """Forward the planned request (or serve it as a Dynamo turn). A plain function
         returning the forward's coroutine on the common path: one coroutine fewer."""
-        if tracked is not None:
-            tracked.forwarded()
         fields, source = final_fields(plan, steering)
         if source is not None and self.live.config.session_lifecycle.enabled:
             self.agents.note_priority(source)
@@ -361,7 +373,7 @@ class ProxyHandlers:
         return self.forward(attempt)
 
     async def _send_turn(
-        self, attempt: Attempt, plan: Plan, turn: Turn, fields: dict[str, Any]
+        self, attempt: Attempt, plan: Plan, turn: Turn, fields: Mapping[str, Any]
     ) -> web.StreamResponse:
         """:meth:`_send` for a turn session control is involved in or that keeps its
         answer (the speculative prefill)."""

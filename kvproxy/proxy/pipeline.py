@@ -148,7 +148,7 @@ def _lifecycle_plan(
         strip_nvext=path in lc.strip_nvext_paths and "nvext" in top,
         priority_hint=nvext.hints.priority if lc.agent_hints else None,
     )
-    if _reads_token_arrays(lc, plan) and not validated(body):
+    if (plan.overwrite or nvext.present) and _reads_token_arrays(lc, plan) and not validated(body):
         return PASS_THROUGH  # a deferred token array is not JSON: as the full parse says
     return plan
 
@@ -264,10 +264,12 @@ def with_turn_headers(
     return plan._replace(headers=merged, routing_key=routing_key)
 
 
-def final_fields(plan: Plan, steering: int | None) -> tuple[dict[str, Any], str | None]:
+def final_fields(plan: Plan, steering: int | None) -> tuple[Mapping[str, Any], str | None]:
     """The fields to add once admission has answered, and the priority's source when a
     ``priority`` is added (the combination rule: sessions/agent_hints.py)."""
     assert plan.body is not None
+    if steering is None and plan.priority_hint is None:
+        return plan.fields, None  # no priority to add (the common case): nothing to copy
     fields = dict(plan.fields)
     prio, source = _combine_priority(
         top_level=plan.body.get("priority"), hint=plan.priority_hint, steering=steering

@@ -45,7 +45,7 @@ from kvproxy.fleet.discovery import base_url
 from kvproxy.fleet.engine_info import EngineSessionMode, mode_warnings, probe
 from kvproxy.fleet.fanout import post_to_all
 from kvproxy.observability import WindowedCounters, counter_families, gauge_families
-from kvproxy.sessions.identity import InjectionPlan
+from kvproxy.sessions.identity import SKIP_SESSION_PARAMS, InjectionPlan
 from kvproxy.sessions.table import CloseStatus, SessionTable
 
 log = logging.getLogger(__name__)
@@ -480,9 +480,9 @@ class SessionManager:
 
     def note_injection(self, plan: InjectionPlan) -> None:
         """Count what :func:`~kvproxy.sessions.identity.injection_plan` decided."""
-        if plan.counts_as_skipped:
+        if plan.skip_reason == SKIP_SESSION_PARAMS:  # plan.counts_as_skipped, inlined
             self._counters.inc(INJECTION_SKIPPED)
-        elif plan.injects_session_id:
+        elif "session_id" in plan.fields:  # plan.injects_session_id
             self._counters.inc(INJECTED)
 
     def track(
@@ -505,12 +505,20 @@ class SessionManager:
         return _Tracking(self, session_id, rid, rids, close_after)
 
     def enter(
-        self, session_id: str, rid: str, rids: tuple[str, ...], close_after: bool
+        self,
+        session_id: str,
+        rid: str,
+        rids: tuple[str, ...],
+        close_after: bool,
+        *,
+        forwarded: bool = False,
     ) -> TrackedRequest:
         """:meth:`track` without the context manager, for the request path (no
         coroutine per step): the caller calls :meth:`leave` on every path after it.
-        ``rids``: the rids an abort must name (at least ``rid``)."""
-        begin = self._table.begin(session_id, self._clock())
+        ``rids``: the rids an abort must name (at least ``rid``). ``forwarded``: the
+        request goes upstream with nothing awaited before (no admission wait), so it
+        is entered as forwarded (as if :meth:`TrackedRequest.forwarded` followed)."""
+        begin = self._table.begin(session_id, self._clock(), rids if forwarded else None)
         if begin.token is None:
             self._counters.inc(REJECTED_CLOSING)
             raise SessionClosed(session_id)
@@ -521,6 +529,7 @@ class SessionManager:
         if begin.evicted:
             self._counters.inc(EVICTED, len(begin.evicted))
         req = TrackedRequest(self, session_id, begin.token, rid, rids, close_after)
+        req._forwarded = forwarded
         self._requests[begin.token] = req
         return req
 

@@ -174,8 +174,9 @@ class SessionTable:
 
     # -- requests --------------------------------------------------------------
 
-    def begin(self, session_id: str, now: float) -> Begin:
-        """Register a request of ``session_id`` as queued in the proxy."""
+    def begin(self, session_id: str, now: float, forwarded: tuple[str, ...] | None = None) -> Begin:
+        """Register a request of ``session_id`` as queued in the proxy, or with
+        ``forwarded`` (its abort rids) as forwarded at once (:meth:`forwarded` then)."""
         if self._closed:
             self.prune(now)
         entry = self._live.get(session_id)
@@ -193,10 +194,14 @@ class SessionTable:
             self._live.move_to_end(session_id)
         self._next_token += 1
         token = self._next_token
-        entry.queued.add(token)
+        if forwarded is None:
+            entry.queued.add(token)
+            self._n_queued += 1
+        else:
+            entry.forwarded[token] = forwarded
+            self._n_forwarded += 1
         entry.requests += 1
         entry.last_active = now
-        self._n_queued += 1
         return Begin(token=token, created=created, reopened=reopened, evicted=evicted)
 
     def forwarded(self, session_id: str, token: int, rids: tuple[str, ...], now: float) -> bool:

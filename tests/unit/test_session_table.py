@@ -74,6 +74,18 @@ def test_close_snapshot_lists_queued_and_forwarded() -> None:
     assert t.open_count == 0 and t.closing_count == 1
 
 
+def test_a_request_entered_as_forwarded_is_aborted_by_a_close_and_ends_once() -> None:
+    t = table()
+    tok = t.begin("s", 0.0, ("r2",)).token
+    assert tok is not None
+    assert (t.queued_count, t.forwarded_count) == (0, 1)
+    assert not t.forwarded("s", tok, ("r2",), 0.5)  # not queued: nothing to move
+    start = t.start_close("s", 1.0)
+    assert start.queued == () and start.forwarded == ((tok, ("r2",)),)
+    assert t.end("s", tok, 2.0) and not t.end("s", tok, 2.0)
+    assert t.forwarded_count == 0
+
+
 def test_finish_close_tombstones_and_forgets_in_flight() -> None:
     t = table()
     tok = t.begin("s", 0.0).token
