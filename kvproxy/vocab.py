@@ -45,7 +45,8 @@ def is_truthy(value: str | None) -> bool:
 
 def header_flag(headers: Mapping[str, str], name: str) -> bool:
     """Header ``name`` is present with a value in :data:`TRUTHY`."""
-    return is_truthy(header(headers, name))
+    value = header(headers, name)  # is_truthy, inlined (read on every request)
+    return value is not None and value.strip().lower() in TRUTHY
 
 
 # A JSON object read here is a dict (orjson's) or a request body's scan: a dict is

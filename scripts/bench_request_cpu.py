@@ -83,6 +83,10 @@ async def _proxy(target: str, upstream: str, poll_s: float) -> tuple[web.AppRunn
             if not app[ADMISSION].health().degraded:
                 break
             await asyncio.sleep(0.05)
+    # As kvproxy serve does once it listens: what the app's start-up built (numpy, for
+    # admission's vectorised count) is frozen out of the collector's way.
+    gc.collect()
+    gc.freeze()
     return runner, f"http://{HOST}:{port}"
 
 
