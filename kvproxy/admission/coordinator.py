@@ -864,7 +864,7 @@ class AdmissionController:
         first_turn = self._first_turns.pop(req.ticket_id, False)
         if not self._cfg.enabled:
             return
-        if prompt_tokens is not None:
+        if prompt_tokens is not None and self.program.running(req.ticket_id):
             try:
                 self.program.observe_response(
                     req.ticket_id,

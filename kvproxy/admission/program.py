@@ -198,6 +198,10 @@ class ProgramCore:
             self.ledger.pause(s, now)
             self.events[Event.PAUSED] += 1
 
+    def running(self, ticket: str) -> bool:
+        """Whether ``ticket`` is a turn this program admission let run (and still runs)."""
+        return ticket in self._inflight
+
     def observe_response(
         self,
         ticket: str,
