@@ -5,7 +5,8 @@ Admission counts a body's token ids by the commas of its flat array
 each byte in turn, about 1 ns per byte here: at 1 MB that one count was most of what
 admission cost a request. numpy's compare-and-count runs over the same bytes in place
 (no copy) at 0.09-0.17 ns per byte, for a fixed cost of about 4 µs, which a count wins
-back from about 4 KB up (docs/benchmarks.md, "The token-id count, vectorised").
+back from about 4 KB up, so spans from 8 KB are counted by numpy (docs/benchmarks.md,
+"The token-id count vectorised").
 
 numpy is optional: every SGLang host has it (the engine depends on it), and
 ``pip install 'kvproxy[fast]'`` adds it elsewhere; without it the count is

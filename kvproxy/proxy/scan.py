@@ -14,8 +14,8 @@ How it works
        elements: one count of its commas, in place (:mod:`kvproxy.proxy.bytecount`:
        numpy's vectorised compare where it is installed, else ``bytes.count``). Any
        other (a sign, a fraction, a literal first; nested lists as in a batch are not
-       flat) is not excised and is parsed normally. The other elements are not looked at here:
-       :meth:`BodyScan.validate` checks them (the character set, one
+       flat) is not excised and is parsed normally. The other elements are not looked
+       at here: :meth:`BodyScan.validate` checks them (the character set, one
        ``bytes.translate`` pass; an array that is not digits only is parsed) for the
        callers that read an array itself. With ``count=False`` the count too is
        deferred to its first read: every flat array is excised.
@@ -201,8 +201,9 @@ def count_elements(raw: bytes, start: int, end: int) -> int | None:
 
     One count of the commas over the array in place (no copy, no character-set pass;
     :func:`~kvproxy.proxy.bytecount.count_byte`): for every *valid* array whose first
-    element is an integer this is the full parse's length (``vocab.token_list_length``). The other elements are not looked at;
-    :func:`count_flat_ids` checks them (:meth:`BodyScan.validate`).
+    element is an integer this is the full parse's length (``vocab.token_list_length``).
+    The other elements are not looked at; :func:`count_flat_ids` checks them
+    (:meth:`BodyScan.validate`).
     """
     last = end - 1  # the "]"
     if _FIRST_INT.match(raw, start + 1, end) is None:

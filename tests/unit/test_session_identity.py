@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Any
 
 import pytest
@@ -231,25 +230,6 @@ def test_new_rid_is_fixed_length_hex_and_unique() -> None:
     rids = {new_rid() for _ in range(200)}
     assert len(rids) == 200
     assert all(len(r) == RID_LENGTH and int(r, 16) >= 0 for r in rids)
-
-
-def test_a_forked_child_draws_its_own_rids() -> None:
-    # The counter is per process: a child that kept its parent's random half would
-    # repeat the parent's next rids.
-    read_end, write_end = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: its next rid, then out without running the parent's code
-        os.write(write_end, new_rid().encode())
-        os._exit(0)
-    os.close(write_end)
-    try:
-        child = os.read(read_end, 64).decode()
-    finally:
-        os.close(read_end)
-        os.waitpid(pid, 0)
-    parent = new_rid()
-    assert len(child) == len(parent) == RID_LENGTH
-    assert child[:16] != parent[:16]
 
 
 @pytest.mark.parametrize(
