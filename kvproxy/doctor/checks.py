@@ -138,6 +138,23 @@ def config_lines(
     return lines
 
 
+def speedup_lines(numpy_installed: bool, intent: Intent) -> list[Line]:
+    """The optional numpy of this host: admission's count of big token-id arrays."""
+    if numpy_installed:
+        return [Line(Status.OK, "numpy", "installed: big token-id arrays are counted vectorised")]
+    if not intent.admission:
+        return [Line(Status.OK, "numpy", "not installed (only admission uses it)")]
+    return [
+        Line(
+            Status.WARN,
+            "numpy",
+            "not installed: admission counts big token-id arrays with bytes.count "
+            "(about 1 ms per MB of input_ids instead of 0.1)",
+            "pip install 'kvproxy[fast]' (or numpy) where kvproxy runs",
+        )
+    ]
+
+
 # ------------------------------------------------------------------------ router
 def _smg_version(version: str | None) -> tuple[int, ...] | None:
     if not version:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import sys
 from typing import Any
 
@@ -15,6 +16,7 @@ from kvproxy.doctor.checks import (
     fleet_lines,
     probe_lines,
     router_lines,
+    speedup_lines,
     summary,
 )
 
@@ -108,6 +110,8 @@ async def diagnose(
         if probe and router.error is None:
             probed = await gather.probe(http, url, engine_urls, timeout_s)
             lines += probe_lines(probed)
+    # This host's own: where the doctor runs is where kvproxy runs, as a rule.
+    lines += speedup_lines(importlib.util.find_spec("numpy") is not None, intent)
     return lines
 
 

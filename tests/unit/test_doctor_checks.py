@@ -19,6 +19,7 @@ from kvproxy.doctor.checks import (
     fleet_lines,
     probe_lines,
     router_lines,
+    speedup_lines,
     summary,
 )
 from kvproxy.fleet.discovery import EngineList, RouterFlavor
@@ -314,6 +315,16 @@ def test_config_lines() -> None:
         "k.yaml", None, {}, config_router_url="http://r:1", router_url="http://other:2"
     )
     assert differ[1].status is Status.WARN and "--router-url is http://other:2" in differ[1].message
+
+
+def test_speedup_lines_warn_only_when_admission_would_use_numpy() -> None:
+    (have,) = speedup_lines(True, Intent())
+    assert have.status is Status.OK and "vectorised" in have.message
+    (unused,) = speedup_lines(False, Intent(admission=False))
+    assert unused.status is Status.OK and "only admission" in unused.message
+    (missing,) = speedup_lines(False, Intent())
+    assert missing.status is Status.WARN and missing.fix is not None
+    assert "kvproxy[fast]" in missing.fix
 
 
 def test_fleet_lines_flag_mixed_session_modes() -> None:
