@@ -35,6 +35,17 @@ def inject_fields(raw: bytes, fields: Mapping[str, Any]) -> bytes:
     """
     if not fields:
         return raw
+    return b"".join(splice_parts(raw, fields))
+
+
+# A body as consecutive parts (sent in order, they are its bytes).
+BodyParts = tuple[memoryview, bytes, memoryview]
+
+
+def splice_parts(raw: bytes, fields: Mapping[str, Any]) -> BodyParts:
+    """:func:`inject_fields`' result as its three parts, not joined: a view of ``raw`` up
+    to its opening brace, the fields' members, a view of the rest (``fields`` not
+    empty). A big body can be sent as these without ever being copied whole."""
     start = 0
     n = len(raw)
     while start < n and raw[start] in _WHITESPACE:
@@ -48,6 +59,6 @@ def inject_fields(raw: bytes, fields: Mapping[str, Any]) -> bytes:
         nxt += 1
     if nxt < n and raw[nxt] != 0x7D:  # not "}": the object has members of its own
         members += b","
-    # Views, not slices: the join is then the only copy of a big body.
+    # Views, not slices: joined, the join is then the only copy of a big body.
     view = memoryview(raw)
-    return b"".join((view[: start + 1], members, view[start + 1 :]))
+    return view[: start + 1], members, view[start + 1 :]

@@ -56,7 +56,11 @@ from kvproxy.proxy.refusals import Refused, refusal_response
 from kvproxy.proxy.responses import error_response
 from kvproxy.proxy.scan import validated
 from kvproxy.proxy.session_relay import serve_streaming
-from kvproxy.proxy.upstream import forward_request_headers, forward_response_headers
+from kvproxy.proxy.upstream import (
+    PartsPayload,
+    forward_request_headers,
+    forward_response_headers,
+)
 from kvproxy.proxy.usage import (
     StreamedBodyUsage,
     TailWindow,
@@ -91,6 +95,9 @@ _SSE_DONE = b"data: [DONE]\n\n"
 _DONE_LEN = len(_SSE_DONE)
 _SSE = "text/event-stream"
 _NO_HEADERS: Mapping[str, str] = {}  # shared, never written
+# The content type of a body sent as parts (only JSON objects are spliced; the client's
+# own Content-Type header, forwarded, wins over it).
+_JSON = "application/json"
 
 
 class Attempt:
@@ -115,7 +122,7 @@ class Attempt:
         self,
         request: web.Request,
         path: str,
-        body: bytes | aiohttp.StreamReader | None,
+        body: bytes | PartsPayload | aiohttp.StreamReader | None,
         started: float,
         extra_headers: Mapping[str, str] | None = None,
     ) -> None:
@@ -366,7 +373,8 @@ class ProxyHandlers:
         if source is not None and self.live.config.session_lifecycle.enabled:
             self.agents.note_priority(source)
         assert isinstance(attempt.body, bytes)
-        attempt.body = render_body(attempt.body, plan, fields)
+        body = render_body(attempt.body, plan, fields)
+        attempt.body = body if isinstance(body, bytes) else PartsPayload(body, _JSON)
         attempt.extra_headers = plan.headers or None
         if turn is not None and (self.agents.involved(turn) or turn.wants_body):
             return self._send_turn(attempt, plan, turn, fields)

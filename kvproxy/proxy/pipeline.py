@@ -28,7 +28,7 @@ from typing import Any, NamedTuple
 import orjson
 
 from kvproxy.config import Config, SessionLifecycleConfig
-from kvproxy.proxy.body import inject_fields
+from kvproxy.proxy.body import BodyParts, inject_fields, splice_parts
 from kvproxy.proxy.errors import STATUS, ErrorType
 from kvproxy.proxy.scan import BodyScan, counted_keys_for, members, scan_object, validated
 from kvproxy.sessions.agent_hints import NO_NVEXT, InvalidNvext, Nvext, parse_nvext
@@ -285,8 +285,15 @@ def _materialise(body: Mapping[str, Any]) -> dict[str, Any]:
     return to_dict() if callable(to_dict) else dict(body)
 
 
-def render_body(raw: bytes, plan: Plan, fields: Mapping[str, Any]) -> bytes:
-    """The bytes to forward: ``raw`` with ``fields`` spliced in after the opening brace.
+# A body from this size is forwarded as its spliced parts, never joined into one copy.
+PARTS_MIN_BYTES = 65536
+
+
+def render_body(raw: bytes, plan: Plan, fields: Mapping[str, Any]) -> bytes | BodyParts:
+    """The body to forward: ``raw`` with ``fields`` spliced in after the opening brace,
+    as bytes, or from :data:`PARTS_MIN_BYTES` as its parts (views of ``raw`` around
+    the fields' bytes: sent in order, they are the same bytes, and ``raw`` is not
+    copied).
 
     Re-serialised only when ``nvext`` must be stripped or a configured source
     outranks the body's own ``session_id`` (both rare and configured).
@@ -300,6 +307,8 @@ def render_body(raw: bytes, plan: Plan, fields: Mapping[str, Any]) -> bytes:
         return raw
     if plan.overwrite:
         return orjson.dumps({**_materialise(plan.body), **fields})
+    if len(raw) >= PARTS_MIN_BYTES:
+        return splice_parts(raw, fields)
     return inject_fields(raw, fields)
 
 

@@ -30,6 +30,36 @@ HOP_BY_HOP = frozenset(
 _RECOMPUTED = frozenset({"host", "content-length"})
 
 
+class PartsPayload(aiohttp.payload.Payload):
+    """A request body sent as its parts, in order, never joined into one copy (a big
+    body with fields spliced at its head: :func:`kvproxy.proxy.body.splice_parts`).
+    Each part is handed to the connection's writer as it is."""
+
+    _value: tuple[bytes | memoryview, ...]
+
+    def __init__(self, parts: tuple[bytes | memoryview, ...], content_type: str) -> None:
+        super().__init__(parts, content_type=content_type)
+        self._length = sum(len(p) for p in parts)
+        self._size = self._length
+
+    def decode(self, encoding: str = "utf-8", errors: str = "strict") -> str:
+        return b"".join(self._value).decode(encoding, errors)
+
+    async def write(self, writer: aiohttp.abc.AbstractStreamWriter) -> None:
+        for part in self._value:
+            await writer.write(part)
+
+    async def write_with_length(
+        self, writer: aiohttp.abc.AbstractStreamWriter, content_length: int | None
+    ) -> None:
+        left = self._length if content_length is None else content_length
+        for part in self._value:
+            if left <= 0:
+                return
+            await writer.write(part[:left] if len(part) > left else part)
+            left -= len(part)
+
+
 def client_timeout(cfg: RouterConfig) -> aiohttp.ClientTimeout:
     return aiohttp.ClientTimeout(
         total=cfg.request_timeout_s or None,

@@ -17,6 +17,7 @@ from kvproxy.config import RouterConfig
 from kvproxy.fleet.discovery import RouterFlavor
 from kvproxy.fleet.registry import Fleet
 from kvproxy.keys import ADMISSION, CONFIG, FLEET, SESSIONS, SHUTDOWN
+from kvproxy.proxy.pipeline import PARTS_MIN_BYTES
 from kvproxy.sessions import lifecycle as lc
 from tests.helpers import new_marker
 
@@ -514,3 +515,30 @@ async def test_an_upstream_stream_that_breaks_is_cut_for_the_client_too(
     text = await (await http.get(proxy.url + "/metrics")).text()
     assert 'kvproxy_upstream_errors_total{type="midstream"} 1.0' in text
     assert not [r for r in caplog.records if r.levelname == "ERROR"]
+
+
+@pytest.mark.parametrize("ids", [100, 30_000])  # a body sent joined, and one sent in parts
+async def test_a_spliced_body_reaches_the_engine_as_the_clients_bytes_with_the_fields_ahead(
+    make_proxy: MakeProxy, http: aiohttp.ClientSession, engine_urls: list[str], ids: int
+) -> None:
+    proxy = await make_proxy(session_lifecycle={"enabled": True})
+    marker = new_marker()
+    body = {
+        "input_ids": [1000 + i % 30_000 for i in range(ids)],
+        "sampling_params": {"max_new_tokens": 2},
+        "tag": marker,
+    }
+    raw = orjson.dumps(body)
+    headers = {"Content-Type": "application/json", "X-Session-ID": f"s-{marker}"}
+    async with http.post(proxy.url + "/generate", data=raw, headers=headers) as resp:
+        assert resp.status == 200, await resp.text()
+        answer = orjson.loads(await resp.read())
+    assert answer["meta_info"]["prompt_tokens"] == ids
+    (got,) = [r for r in await recorded(http, engine_urls, path="/generate") if marker in r["body"]]
+    # The router re-encodes what it forwards (adding its defaults): what arrives holds
+    # the client's members as sent, and the two fields kvproxy spliced in.
+    arrived = orjson.loads(got["body"])
+    assert {k: arrived[k] for k in body} == body
+    assert arrived["session_id"] == f"s-{marker}"
+    assert isinstance(arrived["rid"], str) and len(arrived["rid"]) == 32
+    assert (len(raw) >= PARTS_MIN_BYTES) == (ids > 1000)
