@@ -148,7 +148,7 @@ def _lifecycle_plan(
         strip_nvext=path in lc.strip_nvext_paths and "nvext" in top,
         priority_hint=nvext.hints.priority if lc.agent_hints else None,
     )
-    if (plan.overwrite or nvext.present) and _reads_token_arrays(lc, plan) and not validated(body):
+    if _reads_token_arrays(lc, plan) and not validated(body):
         return PASS_THROUGH  # a deferred token array is not JSON: as the full parse says
     return plan
 

@@ -39,8 +39,7 @@ class PartsPayload(aiohttp.payload.Payload):
 
     def __init__(self, parts: tuple[bytes | memoryview, ...], content_type: str) -> None:
         super().__init__(parts, content_type=content_type)
-        self._length = sum(len(p) for p in parts)
-        self._size = self._length
+        self._size = sum(len(p) for p in parts)
 
     def decode(self, encoding: str = "utf-8", errors: str = "strict") -> str:
         return b"".join(self._value).decode(encoding, errors)
@@ -52,7 +51,9 @@ class PartsPayload(aiohttp.payload.Payload):
     async def write_with_length(
         self, writer: aiohttp.abc.AbstractStreamWriter, content_length: int | None
     ) -> None:
-        left = self._length if content_length is None else content_length
+        if content_length is None:
+            return await self.write(writer)
+        left = content_length
         for part in self._value:
             if left <= 0:
                 return

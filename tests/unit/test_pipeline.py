@@ -240,6 +240,16 @@ ROWS: list[tuple[str, dict[str, Any], str, str | None, dict[str, str], bytes, An
         PASS_THROUGH,
     ),
     (
+        # A null nvext is no nvext for the hints, but the member is still stripped.
+        "deferred_token_array_checked_before_a_null_nvext_is_stripped",
+        STRIP_GENERATE,
+        "/generate",
+        None,
+        {"X-Session-ID": "s"},
+        b'{"nvext":null,' + BAD_IDS + b"}",
+        PASS_THROUGH,
+    ),
+    (
         "deferred_token_array_checked_before_a_speculative_prefill",
         LIFECYCLE,
         "/generate",
