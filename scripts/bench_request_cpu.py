@@ -36,12 +36,10 @@ import aiohttp
 from aiohttp import web
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchproxy.common import HOST, PROXY_FEATURES, make_body, session_headers
-from benchproxy.targets import floor_app, free_port, naive_app, proxy_config_doc, start_upstream
+from benchproxy.common import PROXY_FEATURES, make_body, session_headers
+from benchproxy.targets import start_in_process, start_upstream
 
-from kvproxy.app import create_app
-from kvproxy.config import ServerConfig, from_mapping
-from kvproxy.keys import ADMISSION
+from kvproxy.config import ServerConfig
 from kvproxy.serve import apply_gc_threshold
 
 TARGETS = ("direct", "floor", "naive", *PROXY_FEATURES)
@@ -64,32 +62,6 @@ async def _drive(url: str, body: bytes, n: int, concurrency: int) -> None:
         await asyncio.gather(*(worker() for _ in range(concurrency)))
 
 
-async def _proxy(target: str, upstream: str, poll_s: float) -> tuple[web.AppRunner, str]:
-    if target == "floor":  # the reference forwarders of bench_proxy.py
-        app = floor_app(upstream)
-    elif target == "naive":
-        app = naive_app(upstream)
-    else:
-        doc = proxy_config_doc(target, upstream, poll_interval_s=poll_s)
-        app = create_app(from_mapping(doc))
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, HOST, port).start()
-    if PROXY_FEATURES.get(target, (False, False))[
-        1
-    ]:  # admission: its first poll, as in bench_proxy
-        for _ in range(1200):  # 60 s at most (valgrind runs this slowly)
-            if not app[ADMISSION].health().degraded:
-                break
-            await asyncio.sleep(0.05)
-    # As kvproxy serve does once it listens: what the app's start-up built (numpy, for
-    # admission's vectorised count) is frozen out of the collector's way.
-    gc.collect()
-    gc.freeze()
-    return runner, f"http://{HOST}:{port}"
-
-
 async def _measure(
     target: str,
     upstream: str,
@@ -103,7 +75,7 @@ async def _measure(
     runner: web.AppRunner | None = None
     url = f"{upstream}/generate"
     if target != "direct":
-        runner, base = await _proxy(target, upstream, poll_s)
+        runner, base = await start_in_process(target, upstream, poll_s)
         url = f"{base}/generate"
     try:
         await _drive(url, body, min(200, n), concurrency)  # warm-up

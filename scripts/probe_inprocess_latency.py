@@ -22,31 +22,17 @@ import time
 from pathlib import Path
 
 import aiohttp
-from aiohttp import web
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchproxy.common import HOST, PROXY_FEATURES, make_body, session_headers
-from benchproxy.targets import free_port, proxy_config_doc, start_upstream
-
-from kvproxy.app import create_app
-from kvproxy.config import from_mapping
-from kvproxy.keys import ADMISSION
+from benchproxy.common import make_body, session_headers
+from benchproxy.targets import start_in_process, start_upstream
 
 
 async def _p50_ms(target: str, upstream: str, body: bytes, n: int) -> float:
-    app = create_app(from_mapping(proxy_config_doc(target, upstream, poll_interval_s=1.0)))
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, HOST, port).start()
+    runner, base = await start_in_process(target, upstream, poll_s=1.0)
     try:
-        if PROXY_FEATURES[target][1]:  # admission: its first poll
-            for _ in range(200):
-                if not app[ADMISSION].health().degraded:
-                    break
-                await asyncio.sleep(0.05)
         headers = session_headers()
-        url = f"http://{HOST}:{port}/generate"
+        url = f"{base}/generate"
         latencies: list[float] = []
         async with aiohttp.ClientSession() as http:
             for i in range(n + 20):  # the first 20: warm-up, not counted

@@ -402,6 +402,39 @@ def proxy_config_doc(
     }
 
 
+async def start_in_process(target: str, upstream: str, poll_s: float) -> tuple[Any, str]:
+    """``target`` (a reference forwarder, or kvproxy's app with the target's config) served
+    in this process's event loop: its ``web.AppRunner`` (clean it up) and base URL. Once
+    admission has its first poll, what start-up built is frozen out of the collector's
+    way, as ``kvproxy serve`` does once it listens."""
+    import gc
+
+    from aiohttp import web
+
+    from kvproxy.app import create_app
+    from kvproxy.config import from_mapping
+    from kvproxy.keys import ADMISSION
+
+    if target == "floor":
+        app = floor_app(upstream)
+    elif target == "naive":
+        app = naive_app(upstream)
+    else:
+        app = create_app(from_mapping(proxy_config_doc(target, upstream, poll_interval_s=poll_s)))
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, HOST, port).start()
+    if PROXY_FEATURES.get(target, (False, False))[1]:  # admission: its first poll
+        for _ in range(1200):  # 60 s at most (valgrind runs this slowly)
+            if not app[ADMISSION].health().degraded:
+                break
+            await asyncio.sleep(0.05)
+    gc.collect()
+    gc.freeze()
+    return runner, f"http://{HOST}:{port}"
+
+
 def write_proxy_config(path: Path, name: str, upstream: str, port: int) -> None:
     # JSON is YAML: kvproxy reads the file with its YAML loader.
     path.write_text(json.dumps(proxy_config_doc(name, upstream, port), indent=2) + "\n")
