@@ -71,7 +71,17 @@ class ServerConfig:
     # soon after, and collections cost 46-91 µs per request at 64 concurrent requests
     # (docs/benchmarks.md, "Garbage collection").
     gc_threshold: int = 10_000
+    # Freed memory glibc's malloc keeps for reuse instead of handing it back to the
+    # kernel (its trim threshold; buffers up to min(this, 32 MiB) come from the heap):
+    # a big body's buffers are then not fresh pages, each a page fault, on every request
+    # (kvproxy.heap; docs/benchmarks.md, "Page faults of big bodies"). 0 keeps glibc's
+    # own; nothing is done on another C library.
+    malloc_retain_bytes: int = 64 * 1024 * 1024
 
+
+# server.malloc_retain_bytes: 0, or from 1 MiB to what mallopt's int takes.
+MIN_MALLOC_RETAIN = 1024 * 1024
+MAX_MALLOC_RETAIN = 2**31 - 1
 
 ROUTER_POLICIES_MIRRORED = ("consistent_hashing",)
 ADMISSION_MODES = ("program", "request")
@@ -475,6 +485,12 @@ def validate(cfg: Config) -> None:
         s.gc_threshold == 0 or 100 <= s.gc_threshold <= 10_000_000,
         f"server.gc_threshold: must be 0 (Python's default) or in [100, 10000000] "
         f"(got {s.gc_threshold})",
+    )
+    _check(
+        s.malloc_retain_bytes == 0
+        or MIN_MALLOC_RETAIN <= s.malloc_retain_bytes <= MAX_MALLOC_RETAIN,
+        f"server.malloc_retain_bytes: must be 0 (glibc's own) or in [{MIN_MALLOC_RETAIN}, "
+        f"{MAX_MALLOC_RETAIN}] (got {s.malloc_retain_bytes})",
     )
     _check(bool(_URL_RE.match(r.url)), f"router.url: must be an http(s) URL (got {r.url!r})")
     _check(

@@ -11,7 +11,7 @@ import signal
 import sys
 from typing import Any
 
-from kvproxy import __version__
+from kvproxy import __version__, heap
 from kvproxy.config import (
     CLI_OVERRIDES,
     AdmissionConfig,
@@ -128,6 +128,7 @@ def run(args: argparse.Namespace) -> int:
         level=cfg.server.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    apply_malloc_retain(cfg.server.malloc_retain_bytes)
     loop: asyncio.AbstractEventLoop | None = None
     try:
         import uvloop
@@ -199,6 +200,19 @@ def apply_gc_threshold(threshold: int) -> None:
     if threshold:
         _, older, oldest = gc.get_threshold()
         gc.set_threshold(threshold, older, oldest)
+
+
+def apply_malloc_retain(retain_bytes: int) -> None:
+    """Keep freed request buffers for reuse (``server.malloc_retain_bytes``,
+    :mod:`kvproxy.heap`), before the app allocates any; a refusal is logged."""
+    outcome = heap.apply(retain_bytes)
+    if outcome == "refused":
+        log.warning(
+            "server.malloc_retain_bytes=%d: mallopt refused it; glibc's own thresholds stay",
+            retain_bytes,
+        )
+    else:
+        log.debug("server.malloc_retain_bytes=%d: %s", retain_bytes, outcome)
 
 
 def bind_error(host: str, port: int, exc: OSError) -> str:

@@ -16,7 +16,9 @@ processes, so it separates changes of a few microseconds per request.
 Targets alternate within each round (direct, floor, naive, off, lifecycle, admission, both:
 floor and naive are ``bench_proxy.py``'s reference forwarders, in this process too); the table
 gives the median and the min-max over rounds. The collector runs as ``kvproxy serve`` sets
-it (start-up frozen, ``server.gc_threshold``; ``--gc-threshold 0`` for Python's own).
+it (start-up frozen, ``server.gc_threshold``; ``--gc-threshold 0`` for Python's own), and
+malloc keeps freed buffers as it does (``server.malloc_retain_bytes``;
+``--malloc-retain-bytes 0`` for glibc's own).
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from benchproxy.common import PROXY_FEATURES, make_body, session_headers
 from benchproxy.targets import start_in_process, start_upstream
 
 from kvproxy.config import ServerConfig
-from kvproxy.serve import apply_gc_threshold
+from kvproxy.serve import apply_gc_threshold, apply_malloc_retain
 
 TARGETS = ("direct", "floor", "naive", *PROXY_FEATURES)
 
@@ -111,6 +113,9 @@ async def _main(a: argparse.Namespace) -> int:
     gc.collect()
     gc.freeze()
     apply_gc_threshold(a.gc_threshold)
+    # And malloc keeps freed buffers as kvproxy serve has it keep them (process-wide:
+    # every target alike, the client's buffers too).
+    apply_malloc_retain(a.malloc_retain_bytes)
     with tempfile.TemporaryDirectory() as tmp:
         upstream = start_upstream(Path(tmp))
         try:
@@ -171,6 +176,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=ServerConfig().gc_threshold,
         help="server.gc_threshold, as kvproxy serve applies it (0: Python's own, 700)",
     )
+    p.add_argument(
+        "--malloc-retain-bytes",
+        type=int,
+        default=ServerConfig().malloc_retain_bytes,
+        help="server.malloc_retain_bytes, as kvproxy serve applies it (0: glibc's own)",
+    )
     a = p.parse_args(argv)
     bad = [t for t in a.targets if t not in TARGETS]
     if (
@@ -180,10 +191,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         or a.concurrency < 1
         or a.poll_interval <= 0
         or a.gc_threshold < 0
+        or a.malloc_retain_bytes < 0
     ):
         p.error(
             f"targets from {','.join(TARGETS)}; requests, rounds, concurrency >= 1; "
-            "poll interval > 0; gc threshold >= 0"
+            "poll interval > 0; gc threshold, malloc retain bytes >= 0"
         )
     try:
         import uvloop

@@ -28,6 +28,7 @@ RESTART_ONLY = (
     "server.time_scale",
     "server.token_scale",
     "server.gc_threshold",
+    "server.malloc_retain_bytes",
 )
 
 

@@ -1,0 +1,80 @@
+"""Freed request buffers kept for reuse: glibc's malloc told not to hand them back.
+
+A request body of a few hundred KB is read, spliced and sent through buffers of its own
+size, freed when the request ends. glibc's malloc maps a buffer over its mmap threshold
+(128 KB at first, then raised to the largest one freed) and, once more than its trim
+threshold (twice that) is free at the top of the heap, gives the memory back to the
+kernel. With one big body at a time the heap top is trimmed after nearly every request,
+so the next request's buffers are fresh pages: each 4 KB page costs a minor fault, its
+zeroing included, about 4-6 µs on the virtual machines of the benchmarks (0.1-0.5 µs on
+bare metal). At 1 MB a request's buffers made 550 faults, 2.7 ms of kvproxy's 6.3 ms
+(docs/benchmarks.md, "Page faults of big bodies").
+
+:func:`apply` fixes both thresholds (``mallopt``): buffers up to the mmap threshold come
+from the heap, and up to ``server.malloc_retain_bytes`` of freed memory stays there for
+the next request. The memory kept is bounded by that setting; the process's RSS stays
+at its high-water mark below it instead of falling between requests.
+
+Only glibc has these knobs: on another C library (musl, macOS) nothing is done and the
+process runs as before. ``kvproxy serve`` applies it at start-up; nothing else does.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import platform
+from collections.abc import Callable
+
+# mallopt's parameter numbers (glibc's malloc.h).
+M_TRIM_THRESHOLD = -1
+M_MMAP_THRESHOLD = -3
+
+# glibc caps the mmap threshold at HEAP_MAX/2: 32 MiB on 64-bit systems (mallopt refuses
+# more). A larger body is mapped per request as before.
+MMAP_THRESHOLD_MAX = 32 * 1024 * 1024
+
+Mallopt = Callable[[int, int], int]
+
+
+def options(retain_bytes: int) -> tuple[tuple[int, int], ...]:
+    """The ``mallopt`` calls for ``server.malloc_retain_bytes`` (none for 0: glibc's
+    own behaviour)."""
+    if retain_bytes <= 0:
+        return ()
+    return (
+        (M_MMAP_THRESHOLD, min(retain_bytes, MMAP_THRESHOLD_MAX)),
+        (M_TRIM_THRESHOLD, retain_bytes),
+    )
+
+
+def glibc_mallopt() -> Mallopt | None:
+    """This process's ``mallopt`` when its C library is glibc, else None."""
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return None
+    try:
+        fn = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = (ctypes.c_int, ctypes.c_int)
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def apply(retain_bytes: int, mallopt: Mallopt | None = None) -> str:
+    """Set the thresholds for ``retain_bytes``; what was done, in words for the log:
+    ``"off"`` (0), ``"unavailable"`` (not glibc), ``"applied"`` or ``"refused"``
+    (``mallopt`` said no to one of the calls)."""
+    calls = options(retain_bytes)
+    if not calls:
+        return "off"
+    if mallopt is None:
+        mallopt = glibc_mallopt()
+        if mallopt is None:
+            return "unavailable"
+    ok = True
+    for param, value in calls:
+        ok = mallopt(param, value) == 1 and ok  # glibc returns 1 on success
+    return "applied" if ok else "refused"
+
+
+__all__ = ["MMAP_THRESHOLD_MAX", "apply", "glibc_mallopt", "options"]
