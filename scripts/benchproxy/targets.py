@@ -15,7 +15,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -386,12 +386,18 @@ def start_upstream(workdir: Path, floor_of: str | None = None, kind: str = "floo
 
 
 def proxy_config_doc(
-    name: str, upstream: str, port: int | None = None, poll_interval_s: float = 0.5
+    name: str,
+    upstream: str,
+    port: int | None = None,
+    poll_interval_s: float = 0.5,
+    server_keys: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """kvproxy's configuration for feature set ``name`` in front of ``upstream``: the one
-    document every proxy benchmark uses (this one and ``scripts/bench_request_cpu.py``)."""
+    document every proxy benchmark uses (this one and ``scripts/bench_request_cpu.py``),
+    with ``server_keys`` over its ``server`` section."""
     lifecycle, admission = PROXY_FEATURES[name]
     server: dict[str, Any] = {"log_level": "WARNING", "shutdown_grace_s": 1.0}
+    server.update(server_keys or {})
     if port is not None:
         server["port"] = port
     return {
@@ -435,19 +441,35 @@ async def start_in_process(target: str, upstream: str, poll_s: float) -> tuple[A
     return runner, f"http://{HOST}:{port}"
 
 
-def write_proxy_config(path: Path, name: str, upstream: str, port: int) -> None:
+def write_proxy_config(
+    path: Path,
+    name: str,
+    upstream: str,
+    port: int,
+    server_keys: Mapping[str, Any] | None = None,
+) -> None:
     # JSON is YAML: kvproxy reads the file with its YAML loader.
-    path.write_text(json.dumps(proxy_config_doc(name, upstream, port), indent=2) + "\n")
+    doc = proxy_config_doc(name, upstream, port, server_keys=server_keys)
+    path.write_text(json.dumps(doc, indent=2) + "\n")
 
 
-def start_proxy(name: str, upstream: str, workdir: Path, launcher: str) -> Proc:
-    """Start kvproxy with feature set ``name``; through kvproxy.stack when available."""
+def start_proxy(
+    name: str,
+    upstream: str,
+    workdir: Path,
+    launcher: str,
+    server_keys: Mapping[str, Any] | None = None,
+    label: str | None = None,
+) -> Proc:
+    """Start kvproxy with feature set ``name`` (and ``server_keys``); through kvproxy.stack
+    when available. ``label`` names its files (default: ``name``)."""
     if name in REFERENCES:
         return start_upstream(workdir, floor_of=upstream, kind=name)
+    label = label or name
     port = free_port()
-    cfg = workdir / f"kvproxy-{name}.yaml"
-    write_proxy_config(cfg, name, upstream, port)
-    log_dir = workdir / f"kvproxy-{name}"
+    cfg = workdir / f"kvproxy-{label}.yaml"
+    write_proxy_config(cfg, name, upstream, port, server_keys)
+    log_dir = workdir / f"kvproxy-{label}"
     log_dir.mkdir(exist_ok=True)
     proc: Proc | None = None
     if launcher in ("auto", "stack"):
@@ -461,7 +483,7 @@ def start_proxy(name: str, upstream: str, workdir: Path, launcher: str) -> Proc:
                 config_path=cfg, router_url=upstream, port=port, log_dir=log_dir
             )
             proc = Proc(
-                name,
+                label,
                 str(managed.url).rstrip("/"),
                 managed.popen,
                 Path(getattr(managed, "log_path", log_dir / "kvproxy.log")),
@@ -480,14 +502,14 @@ def start_proxy(name: str, upstream: str, workdir: Path, launcher: str) -> Proc:
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
             )
-        proc = Proc(name, f"http://{HOST}:{port}", popen, log)
+        proc = Proc(label, f"http://{HOST}:{port}", popen, log)
     try:
         wait_ready(proc, "/kvproxy/health", 30.0)
         if PROXY_FEATURES[name][1]:  # admission on
             # Wait for the first /metrics poll so that measurements see a live ledger.
             doc = wait_ready(proc, "/kvproxy/health", 10.0, want_status="ok")
             if doc is not None and doc.get("status") != "ok":
-                print(f"  note: {name} proxy health is {doc.get('status')!r}", flush=True)
+                print(f"  note: {label} proxy health is {doc.get('status')!r}", flush=True)
     except BaseException:
         proc.stop()
         raise
