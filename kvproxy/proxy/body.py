@@ -62,3 +62,12 @@ def splice_parts(raw: bytes, fields: Mapping[str, Any]) -> BodyParts:
     # Views, not slices: joined, the join is then the only copy of a big body.
     view = memoryview(raw)
     return view[: start + 1], members, view[start + 1 :]
+
+
+def unjoined(raw: bytes) -> tuple[memoryview, memoryview]:
+    """``raw`` as two views, its first byte and the rest, to be sent as parts: aiohttp
+    writes the request head together with the first body write, joining them into one
+    new buffer on Python before 3.12.9; with the first write one byte long, the body is
+    never copied for it."""
+    view = memoryview(raw)
+    return view[:1], view[1:]

@@ -40,10 +40,11 @@ from kvproxy.admission.coordinator import (
     Decision,
 )
 from kvproxy.config import LiveConfig
-from kvproxy.proxy.body import parse_object
+from kvproxy.proxy.body import parse_object, unjoined
 from kvproxy.proxy.errors import ErrorType
 from kvproxy.proxy.metrics import ProxyMetrics
 from kvproxy.proxy.pipeline import (
+    PARTS_MIN_BYTES,
     Plan,
     Refusal,
     final_fields,
@@ -471,10 +472,13 @@ class ProxyHandlers:
         if request.query_string:
             url += "?" + request.query_string
         headers = attempt.sent_headers = forward_request_headers(request, attempt.extra_headers)
+        body = attempt.body
+        if type(body) is bytes and len(body) >= PARTS_MIN_BYTES:
+            body = PartsPayload(unjoined(body))  # not copied to go with the request head
         sent_at = time.perf_counter()
         try:
             upstream_cm = self.http.request(
-                request.method, url, data=attempt.body, headers=headers, allow_redirects=False
+                request.method, url, data=body, headers=headers, allow_redirects=False
             )
             upstream = await upstream_cm.__aenter__()
         except asyncio.CancelledError:

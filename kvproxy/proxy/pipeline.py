@@ -313,6 +313,7 @@ def render_body(raw: bytes, plan: Plan, fields: Mapping[str, Any]) -> bytes | Bo
 
 
 __all__ = [
+    "PARTS_MIN_BYTES",
     "PASS_THROUGH",
     "Plan",
     "Refusal",

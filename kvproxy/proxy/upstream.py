@@ -32,12 +32,16 @@ _RECOMPUTED = frozenset({"host", "content-length"})
 
 class PartsPayload(aiohttp.payload.Payload):
     """A request body sent as its parts, in order, never joined into one copy (a big
-    body with fields spliced at its head: :func:`kvproxy.proxy.body.splice_parts`).
-    Each part is handed to the connection's writer as it is."""
+    body with fields spliced at its head: :func:`kvproxy.proxy.body.splice_parts`; one
+    forwarded as received: :func:`kvproxy.proxy.body.unjoined`). Each part is handed to
+    the connection's writer as it is. ``content_type`` is not sent: the client session
+    skips the automatic header, and the client's own ``Content-Type`` is forwarded."""
 
     _value: tuple[bytes | memoryview, ...]
 
-    def __init__(self, parts: tuple[bytes | memoryview, ...], content_type: str) -> None:
+    def __init__(
+        self, parts: tuple[bytes | memoryview, ...], content_type: str = "application/octet-stream"
+    ) -> None:
         super().__init__(parts, content_type=content_type)
         self._size = sum(len(p) for p in parts)
 

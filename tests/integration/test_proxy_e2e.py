@@ -542,3 +542,22 @@ async def test_a_spliced_body_reaches_the_engine_as_the_clients_bytes_with_the_f
     assert arrived["session_id"] == f"s-{marker}"
     assert isinstance(arrived["rid"], str) and len(arrived["rid"]) == 32
     assert (len(raw) >= PARTS_MIN_BYTES) == (ids > 1000)
+
+
+@pytest.mark.parametrize("ids", [100, 30_000])  # forwarded joined with its head, and apart
+async def test_a_body_forwarded_as_received_reaches_the_engine_whole(
+    make_proxy: MakeProxy, http: aiohttp.ClientSession, engine_urls: list[str], ids: int
+) -> None:
+    proxy = await make_proxy()  # both features off: the client's bytes go as they came
+    marker = new_marker()
+    body = {"input_ids": [1000 + i % 30_000 for i in range(ids)], "tag": marker}
+    raw = orjson.dumps(body)
+    headers = {"Content-Type": "application/json"}
+    async with http.post(proxy.url + "/generate", data=raw, headers=headers) as resp:
+        assert resp.status == 200, await resp.text()
+        answer = orjson.loads(await resp.read())
+    assert answer["meta_info"]["prompt_tokens"] == ids
+    (got,) = [r for r in await recorded(http, engine_urls, path="/generate") if marker in r["body"]]
+    arrived = orjson.loads(got["body"])
+    assert {k: arrived[k] for k in body} == body and "session_id" not in arrived
+    assert (len(raw) >= PARTS_MIN_BYTES) == (ids > 1000)

@@ -1,7 +1,7 @@
 import orjson
 import pytest
 
-from kvproxy.proxy.body import inject_fields, parse_object
+from kvproxy.proxy.body import inject_fields, parse_object, unjoined
 
 
 @pytest.mark.parametrize(
@@ -54,3 +54,10 @@ def test_inject_escapes_values() -> None:
 def test_inject_rejects_non_objects() -> None:
     with pytest.raises(ValueError):
         inject_fields(b"[1]", {"a": 1})
+
+
+def test_unjoined_is_the_body_as_a_one_byte_head_and_the_rest() -> None:
+    raw = b'{"input_ids":[1,2,3]}'
+    head, rest = unjoined(raw)
+    assert bytes(head) == b"{" and bytes(head) + bytes(rest) == raw
+    assert rest.obj is raw  # a view: nothing copied
