@@ -53,7 +53,7 @@ def test_config_default_and_range() -> None:
     assert from_mapping({}).server.malloc_retain_bytes == 64 * MIB
     assert from_mapping({"server": {"malloc_retain_bytes": 0}}).server.malloc_retain_bytes == 0
     for bad in (1, MIB - 1, 2**31):
-        with pytest.raises(ConfigError, match="server.malloc_retain_bytes: must be 0"):
+        with pytest.raises(ConfigError, match=r"server\.malloc_retain_bytes: must be 0"):
             from_mapping({"server": {"malloc_retain_bytes": bad}})
 
 
