@@ -851,6 +851,21 @@ class AdmissionController:
             if self._waiters:
                 self._drain(self._clock())
 
+    def learns_from(self, req: AdmissionRequest) -> bool:
+        """Whether the engine's usage report for ``req`` (decided) would teach
+        :meth:`observe_usage` anything: a session's first turn (the shared prefix), a
+        turn program admission let run (the session's context), a text prompt (the
+        chars-per-token calibration). A token-id request of a later turn in ledger mode
+        teaches nothing, and the proxy does not read its response for usage."""
+        if not self._cfg.enabled:
+            return False
+        ticket = req.ticket_id
+        return (
+            ticket in self._first_turns
+            or self.program.running(ticket)
+            or self._sizer.calibrates_from(req.body)
+        )
+
     def observe_usage(
         self,
         req: AdmissionRequest,

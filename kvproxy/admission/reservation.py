@@ -359,8 +359,14 @@ class ReservationSizer:
         shared = min(prompt, int(self.shared_prefix))
         return Reservation(prompt - shared, completion, source, chars, shared)
 
+    @staticmethod
+    def calibrates_from(body: Mapping[str, Any]) -> bool:
+        """Whether :meth:`observe` learns from this body's report: a text prompt's (a
+        token-id prompt's size is known exactly)."""
+        return exact_prompt_tokens(body) is None
+
     def observe(self, body: Mapping[str, Any], session_id: str | None, prompt_tokens: int) -> None:
         """Learn from the prompt tokens an engine reported for a text-prompt request."""
-        if prompt_tokens <= 0 or exact_prompt_tokens(body) is not None:
+        if prompt_tokens <= 0 or not self.calibrates_from(body):
             return
         self._calibrator.observe(session_id, prompt_chars(body), prompt_tokens)

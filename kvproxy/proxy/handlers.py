@@ -416,6 +416,8 @@ class ProxyHandlers:
                 decision.action, decision.reason, decision.wait_s
             )
         admission = self.admission
+        if not admission.learns_from(areq):
+            return decision.priority  # the response's usage is not read
 
         def observe(usage: Usage | None) -> None:
             # The engine's own usage report, from the final chunk (or the body).

@@ -992,6 +992,29 @@ async def test_only_a_sessions_first_request_teaches_the_shared_prefix(make_env:
         assert d.tokens == 2000 - int(learned)
 
 
+async def test_a_usage_report_is_read_only_where_it_teaches_something(
+    make_env: Factory,
+) -> None:
+    """learns_from: a session's first turn (the shared prefix) and a text prompt (the
+    calibration) are learnt from; a later token-id turn, or one without a session, is
+    not (in ledger mode), so the proxy does not read its response for usage."""
+    env = await make_env(engines={A: (100_000, 0.1)})
+    ctl = env.ctl
+    first = sreq("t1", "s1", 2000)
+    async with ctl.admit(first):
+        assert ctl.learns_from(first)
+    ctl.observe_usage(first, 2000, 1500)
+    later = sreq("t2", "s1", 2600)
+    async with ctl.admit(later):
+        assert not ctl.learns_from(later)
+    anonymous = sreq("t3", None, 100)
+    async with ctl.admit(anonymous):
+        assert not ctl.learns_from(anonymous)
+    text = AdmissionRequest("t4", "/generate", CIMultiDict(), {"text": "x" * 40}, "s1")
+    async with ctl.admit(text):
+        assert ctl.learns_from(text)
+
+
 async def test_decide_now_grants_at_once_and_wait_gives_a_queued_decision(
     make_env: Factory,
 ) -> None:

@@ -77,6 +77,8 @@ async def lab() -> AsyncIterator[Any]:
 
 async def turn(ctl: AdmissionController, r: AdmissionRequest, prompt: int, completion: int = 0):
     async with ctl.admit(r) as decision:
+        # A turn program admission lets run is always learnt from (its context).
+        assert ctl.learns_from(r) or not ctl.program.running(r.ticket_id)
         ctl.observe_usage(r, prompt, 0, completion)
     return decision
 
