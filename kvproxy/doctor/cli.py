@@ -8,12 +8,15 @@ import importlib.util
 import sys
 from typing import Any
 
+from kvproxy import heap
+from kvproxy.config import ServerConfig
 from kvproxy.doctor.checks import (
     Intent,
     Line,
     config_lines,
     engine_lines,
     fleet_lines,
+    heap_lines,
     probe_lines,
     router_lines,
     speedup_lines,
@@ -112,6 +115,8 @@ async def diagnose(
             lines += probe_lines(probed)
     # This host's own: where the doctor runs is where kvproxy runs, as a rule.
     lines += speedup_lines(importlib.util.find_spec("numpy") is not None, intent)
+    retain = (cfg.server if cfg is not None else ServerConfig()).malloc_retain_bytes
+    lines += heap_lines(heap.glibc_mallopt() is not None, retain)
     return lines
 
 

@@ -19,6 +19,7 @@ from kvproxy.doctor.checks import (
     fleet_lines,
     probe_lines,
     router_lines,
+    heap_lines,
     speedup_lines,
     summary,
 )
@@ -325,6 +326,15 @@ def test_speedup_lines_warn_only_when_admission_would_use_numpy() -> None:
     (missing,) = speedup_lines(False, Intent())
     assert missing.status is Status.WARN and missing.fix is not None
     assert "kvproxy[fast]" in missing.fix
+
+
+def test_heap_lines_warn_only_when_glibc_would_hand_buffers_back() -> None:
+    (kept,) = heap_lines(True, 64 << 20)
+    assert kept.status is Status.OK and "64 MiB" in kept.message
+    (off,) = heap_lines(True, 0)
+    assert off.status is Status.WARN and off.fix is not None and "malloc_retain_bytes" in off.fix
+    (other,) = heap_lines(False, 64 << 20)
+    assert other.status is Status.OK and "not glibc" in other.message
 
 
 def test_fleet_lines_flag_mixed_session_modes() -> None:
