@@ -17,9 +17,9 @@ from kvproxy.doctor.checks import (
     config_lines,
     engine_lines,
     fleet_lines,
+    heap_lines,
     probe_lines,
     router_lines,
-    heap_lines,
     speedup_lines,
     summary,
 )
