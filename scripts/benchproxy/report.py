@@ -222,6 +222,7 @@ def format_report(results: Mapping[str, Any], params: Params) -> str:
                 _f(r["latency"]["p99_ms"]),
                 "-" if name == "direct" else _signed(r.get("delta_p50_ms")),
                 "-" if name in ("direct", "off") else _signed(r.get("over_off_p50_ms")),
+                _faults(r.get("minor_faults_per_request")),
                 str(sum(r["errors"].values())),
             ]
             for label, b in bodies.items()
@@ -239,6 +240,7 @@ def format_report(results: Mapping[str, Any], params: Params) -> str:
                     "p99 ms",
                     "Δp50 vs direct",
                     "Δp50 vs off",
+                    "server page faults / req (rounds)",
                     "errors",
                 ],
                 rows,
@@ -437,3 +439,10 @@ def machine_info() -> dict[str, Any]:
         "git_commit": commit,
         "wrk": wrk_version,
     }
+
+
+def _faults(per_round: list[float] | None) -> str:
+    """Minor page faults per request of each round, "-" when not read."""
+    if not per_round:
+        return "-"
+    return " / ".join(f"{v:.1f}" for v in per_round)

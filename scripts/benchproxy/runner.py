@@ -28,7 +28,15 @@ from benchproxy.common import (
     summarize_ms,
 )
 from benchproxy.load import WRK_LUA, run_client_proc, run_wrk
-from benchproxy.targets import Proc, cpu_seconds, http_get, rss_mb, start_proxy, tcp_listen_drops
+from benchproxy.targets import (
+    Proc,
+    cpu_seconds,
+    http_get,
+    minor_faults,
+    rss_mb,
+    start_proxy,
+    tcp_listen_drops,
+)
 
 
 @dataclass
@@ -427,9 +435,13 @@ class Bench:
         pooled: dict[str, list[float]] = {t: [] for t in self.targets()}
         errors: dict[str, Tally[str]] = {t: Tally() for t in self.targets()}
         per_round: dict[str, list[dict[str, Any]]] = {t: [] for t in self.targets()}
+        faults: dict[str, list[float]] = {t: [] for t in self.targets()}
         body_bytes = 0
         for _ in range(p.rounds):
             for target in self.targets():
+                server = self.upstream if target == "direct" else self.proxies[target]
+                assert server is not None
+                before = minor_faults(server.pid)
                 spec = {
                     "kind": "sequential",
                     "url": self.url(target),
@@ -438,6 +450,9 @@ class Bench:
                     "warmup": p.big_warmup,
                 }
                 res = run_client_proc(spec, 300)
+                after = minor_faults(server.pid)
+                if before is not None and after is not None:  # warm-up included
+                    faults[target].append((after - before) / (p.big_requests + p.big_warmup))
                 pooled[target].extend(res["latencies_s"])
                 errors[target].update(res["errors"])
                 body_bytes = res["body_bytes"]
@@ -458,6 +473,8 @@ class Bench:
                     "delta_p50_ms": paired_delta(per_round, t, "p50_ms"),
                     "delta_p99_ms": paired_delta(per_round, t, "p99_ms"),
                     "over_off_p50_ms": paired_delta(per_round, t, "p50_ms", base="off"),
+                    # The server's (the upstream's for direct), per request, per round.
+                    "minor_faults_per_request": faults[t],
                 }
                 for t, v in pooled.items()
             },

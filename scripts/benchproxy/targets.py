@@ -24,10 +24,18 @@ from benchproxy.common import HOST, PROXY_FEATURES, REFERENCES, REPO, SCRIPT
 
 
 def serve_upstream(host: str, port: int) -> int:
-    """A fast SGLang-shaped engine/router stand-in (aiohttp + uvloop)."""
+    """A fast SGLang-shaped engine/router stand-in (aiohttp + uvloop). It keeps freed
+    buffers for reuse as ``kvproxy serve`` does (:mod:`kvproxy.heap`): with glibc's own
+    thresholds it page-faulted 70-100 times per 200 KB-1 MB body, which moved every
+    target's big-body rows alike. The reference forwarders are left as they are."""
     import orjson
     import uvloop
     from aiohttp import web
+
+    from kvproxy import heap
+    from kvproxy.config import ServerConfig
+
+    heap.apply(ServerConfig().malloc_retain_bytes)
 
     self_url = f"http://{host}:{port}"
     generate_reply = orjson.dumps(
@@ -296,6 +304,16 @@ def cpu_seconds(pid: int) -> float | None:
     except OSError:
         return None
     return (int(fields[11]) + int(fields[12])) / _CLK_TCK
+
+
+def minor_faults(pid: int) -> int | None:
+    """Minor page faults of ``pid`` so far (a fresh page each: docs/benchmarks.md, "Page
+    faults of big bodies")."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[7])
+    except OSError:
+        return None
 
 
 @dataclass
