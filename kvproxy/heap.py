@@ -7,18 +7,19 @@ threshold (twice that) is free at the top of the heap, gives the memory back to 
 kernel. With 1 MB bodies one at a time the heap top was trimmed after nearly every
 request (200 KB ones were not, in the same runs), so the next request's buffers were
 fresh pages: each 4 KB page costs a minor fault, its zeroing included, about 4-6 µs on
-the 2-vCPU virtual machine of the benchmarks (copying a page there takes about 0.15 µs). With 1 MB bodies kvproxy took 517-536 faults per
-request, 2.0-2.2 ms of its p50, and 0-1 with this (docs/benchmarks.md, "Page faults of
-big bodies").
+the 2-vCPU virtual machine of the benchmarks (copying a page there takes about 0.15
+µs). With 1 MB bodies kvproxy took 517-536 faults per request, 2.0-2.2 ms of its p50,
+and 0-1 with this (docs/benchmarks.md, "Page faults of big bodies").
 
 :func:`apply` fixes both thresholds (``mallopt``): buffers up to the mmap threshold come
 from the heap, and up to ``server.malloc_retain_bytes`` of freed memory stays there for
-the next request. The memory kept is bounded by that setting; the process's RSS stays
-at its high-water mark below it instead of falling between requests.
+the next request. The memory kept is bounded by that setting: the process's RSS stays
+near its high-water mark, at most that much above what requests hold, instead of
+falling between requests.
 
 Only glibc has these knobs: on another C library (musl, macOS) nothing is done and the
-process runs as before. ``kvproxy serve`` applies it at start-up (and
-``scripts/bench_request_cpu.py``, as serve does); the app factory does not.
+process runs as before. ``kvproxy serve`` applies it at start-up (the benchmarks'
+in-process runs and upstream stand-in do too, to match); the app factory does not.
 """
 
 from __future__ import annotations
