@@ -517,6 +517,19 @@ async def test_an_upstream_stream_that_breaks_is_cut_for_the_client_too(
     assert not [r for r in caplog.records if r.levelname == "ERROR"]
 
 
+async def _arrived_at_the_engine(
+    url: str, http: aiohttp.ClientSession, engine_urls: list[str], raw: bytes, headers: dict
+) -> tuple[dict, dict]:
+    """POST ``raw`` to ``url`` + /generate; (the answer, the body the engine recorded with
+    the answer's marker). The router re-encodes what it forwards, adding its defaults."""
+    marker = orjson.loads(raw)["tag"]
+    async with http.post(url + "/generate", data=raw, headers=headers) as resp:
+        assert resp.status == 200, await resp.text()
+        answer = orjson.loads(await resp.read())
+    (got,) = [r for r in await recorded(http, engine_urls, path="/generate") if marker in r["body"]]
+    return answer, orjson.loads(got["body"])
+
+
 @pytest.mark.parametrize("ids", [100, 30_000])  # a body sent joined, and one sent in parts
 async def test_a_spliced_body_reaches_the_engine_as_the_clients_bytes_with_the_fields_ahead(
     make_proxy: MakeProxy, http: aiohttp.ClientSession, engine_urls: list[str], ids: int
@@ -530,14 +543,10 @@ async def test_a_spliced_body_reaches_the_engine_as_the_clients_bytes_with_the_f
     }
     raw = orjson.dumps(body)
     headers = {"Content-Type": "application/json", "X-Session-ID": f"s-{marker}"}
-    async with http.post(proxy.url + "/generate", data=raw, headers=headers) as resp:
-        assert resp.status == 200, await resp.text()
-        answer = orjson.loads(await resp.read())
+    answer, arrived = await _arrived_at_the_engine(proxy.url, http, engine_urls, raw, headers)
     assert answer["meta_info"]["prompt_tokens"] == ids
-    (got,) = [r for r in await recorded(http, engine_urls, path="/generate") if marker in r["body"]]
-    # The router re-encodes what it forwards (adding its defaults): what arrives holds
-    # the client's members as sent, and the two fields kvproxy spliced in.
-    arrived = orjson.loads(got["body"])
+    # What arrives holds the client's members as sent, and the two fields kvproxy
+    # spliced in.
     assert {k: arrived[k] for k in body} == body
     assert arrived["session_id"] == f"s-{marker}"
     assert isinstance(arrived["rid"], str) and len(arrived["rid"]) == 32
@@ -549,15 +558,10 @@ async def test_a_body_forwarded_as_received_reaches_the_engine_whole(
     make_proxy: MakeProxy, http: aiohttp.ClientSession, engine_urls: list[str], ids: int
 ) -> None:
     proxy = await make_proxy()  # both features off: the client's bytes go as they came
-    marker = new_marker()
-    body = {"input_ids": [1000 + i % 30_000 for i in range(ids)], "tag": marker}
+    body = {"input_ids": [1000 + i % 30_000 for i in range(ids)], "tag": new_marker()}
     raw = orjson.dumps(body)
     headers = {"Content-Type": "application/json"}
-    async with http.post(proxy.url + "/generate", data=raw, headers=headers) as resp:
-        assert resp.status == 200, await resp.text()
-        answer = orjson.loads(await resp.read())
+    answer, arrived = await _arrived_at_the_engine(proxy.url, http, engine_urls, raw, headers)
     assert answer["meta_info"]["prompt_tokens"] == ids
-    (got,) = [r for r in await recorded(http, engine_urls, path="/generate") if marker in r["body"]]
-    arrived = orjson.loads(got["body"])
     assert {k: arrived[k] for k in body} == body and "session_id" not in arrived
     assert (len(raw) >= PARTS_MIN_BYTES) == (ids > 1000)
