@@ -40,7 +40,7 @@ from kvproxy.admission.coordinator import (
     Decision,
 )
 from kvproxy.config import LiveConfig
-from kvproxy.proxy.body import parse_object, unjoined
+from kvproxy.proxy.body import BodyParts, parse_object, unjoined
 from kvproxy.proxy.errors import ErrorType
 from kvproxy.proxy.metrics import ProxyMetrics
 from kvproxy.proxy.pipeline import (
@@ -96,9 +96,6 @@ _SSE_DONE = b"data: [DONE]\n\n"
 _DONE_LEN = len(_SSE_DONE)
 _SSE = "text/event-stream"
 _NO_HEADERS: Mapping[str, str] = {}  # shared, never written
-# The content type of a body sent as parts (only JSON objects are spliced; the client's
-# own Content-Type header, forwarded, wins over it).
-_JSON = "application/json"
 
 
 class Attempt:
@@ -123,7 +120,7 @@ class Attempt:
         self,
         request: web.Request,
         path: str,
-        body: bytes | PartsPayload | aiohttp.StreamReader | None,
+        body: bytes | BodyParts | aiohttp.StreamReader | None,
         started: float,
         extra_headers: Mapping[str, str] | None = None,
     ) -> None:
@@ -374,8 +371,7 @@ class ProxyHandlers:
         if source is not None and self.live.config.session_lifecycle.enabled:
             self.agents.note_priority(source)
         assert isinstance(attempt.body, bytes)
-        body = render_body(attempt.body, plan, fields)
-        attempt.body = body if isinstance(body, bytes) else PartsPayload(body, _JSON)
+        attempt.body = render_body(attempt.body, plan, fields)
         attempt.extra_headers = plan.headers or None
         if turn is not None and (self.agents.involved(turn) or turn.wants_body):
             return self._send_turn(attempt, plan, turn, fields)
@@ -474,9 +470,7 @@ class ProxyHandlers:
         if request.query_string:
             url += "?" + request.query_string
         headers = attempt.sent_headers = forward_request_headers(request, attempt.extra_headers)
-        body = attempt.body
-        if type(body) is bytes and len(body) >= PARTS_MIN_BYTES:
-            body = PartsPayload(unjoined(body))  # not copied to go with the request head
+        body = _payload(attempt.body)
         sent_at = time.perf_counter()
         try:
             upstream_cm = self.http.request(
@@ -699,6 +693,19 @@ def _usage_readers(
         window = TailWindow() if event_stream else StreamedBodyUsage()
     whole = _Kept() if attempt.observe_body is not None and not event_stream else None
     return window, whole
+
+
+def _payload(
+    body: bytes | BodyParts | aiohttp.StreamReader | None,
+) -> bytes | PartsPayload | aiohttp.StreamReader | None:
+    """An attempt's body as the client session sends it: a spliced big body as its
+    parts, a big body as received without aiohttp's copy of it next to the request head
+    (:func:`~kvproxy.proxy.body.unjoined`), anything else as it is."""
+    if isinstance(body, tuple):
+        return PartsPayload(body)
+    if isinstance(body, bytes) and len(body) >= PARTS_MIN_BYTES:
+        return PartsPayload(unjoined(body))
+    return body
 
 
 def _tail_observer(observe: ObserveUsage | None) -> Callable[[bytes], None] | None:
