@@ -35,7 +35,14 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchproxy.common import PROXY_FEATURES, make_body, session_headers
-from benchproxy.targets import Proc, rss_mb, start_proxy, start_upstream
+from benchproxy.targets import (
+    Proc,
+    cpu_seconds,
+    minor_faults,
+    rss_mb,
+    start_proxy,
+    start_upstream,
+)
 
 
 @dataclass
@@ -64,12 +71,7 @@ def parse_target(spec: str) -> Target:
 
 def proc_stat(pid: int) -> tuple[float, int]:
     """(CPU seconds, minor faults) of ``pid`` so far."""
-    import os
-
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    ticks = os.sysconf("SC_CLK_TCK")
-    return (int(fields[11]) + int(fields[12])) / ticks, int(fields[7])
+    return cpu_seconds(pid) or 0.0, minor_faults(pid) or 0
 
 
 async def _post(http: aiohttp.ClientSession, url: str, body: bytes, hdrs: Any) -> float:
