@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
 
 import pytest
@@ -10,6 +11,7 @@ import pytest
 from kvproxy.config import SessionLifecycleConfig
 from kvproxy.sessions.identity import (
     NO_IDENTITY,
+    RID_BATCH,
     RID_LENGTH,
     ROUTING_KEY_HEADER,
     SKIP_ALREADY_PRESENT,
@@ -227,9 +229,30 @@ SID = SessionIdentity("s1", "header", False)
 
 
 def test_new_rid_is_fixed_length_hex_and_unique() -> None:
-    rids = {new_rid() for _ in range(200)}
-    assert len(rids) == 200
+    n = 3 * RID_BATCH + 7  # across several draws from the kernel
+    rids = {new_rid() for _ in range(n)}
+    assert len(rids) == n
     assert all(len(r) == RID_LENGTH and int(r, 16) >= 0 for r in rids)
+
+
+def test_a_forked_child_does_not_hand_out_the_parents_rids() -> None:
+    new_rid()  # the pool holds drawn rids now
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: its next rid, to the parent
+        try:
+            os.write(write, new_rid().encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    try:
+        child = os.read(read, 64).decode()
+    finally:
+        os.close(read)
+        os.waitpid(pid, 0)
+    parent = new_rid()
+    assert len(child) == RID_LENGTH
+    assert child != parent  # without the fork hook both pop the same drawn rid
 
 
 @pytest.mark.parametrize(
