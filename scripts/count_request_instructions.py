@@ -24,32 +24,26 @@ collector runs as ``kvproxy serve`` sets it (``--gc-threshold``, default
 from __future__ import annotations
 
 import argparse
-import os
-import re
 import shutil
-import subprocess
 import sys
 import tempfile
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from benchproxy.callgrind import count_instructions
+
 from kvproxy.config import ServerConfig
 
 HERE = Path(__file__).resolve().parent
 TARGETS = ("direct", "floor", "naive", "off", "lifecycle", "admission", "both")
-_TOTAL = re.compile(rb"^totals:\s+(\d+)", re.MULTILINE)
 
 
 def _count(
     target: str, requests: int, body_kb: int, poll_s: float, gc_threshold: int, workdir: Path
 ) -> int:
     """Instructions of one ``bench_request_cpu.py`` run of ``requests`` to ``target``."""
-    out = workdir / f"{target}-{requests}.callgrind"
-    cmd = [
-        "valgrind",
-        "--tool=callgrind",
-        f"--callgrind-out-file={out}",
+    argv = [
         sys.executable,
         str(HERE / "bench_request_cpu.py"),
         f"--targets={target}",
@@ -59,15 +53,8 @@ def _count(
         f"--poll-interval={poll_s}",
         f"--gc-threshold={gc_threshold}",
     ]
-    env = {**os.environ, "PYTHONHASHSEED": "0"}
-    done = subprocess.run(cmd, env=env, capture_output=True, check=False)
-    if done.returncode != 0:
-        tail = (done.stdout + done.stderr).decode(errors="replace")[-2000:]
-        raise RuntimeError(f"{target} x {requests} failed ({done.returncode}):\n{tail}")
-    found = _TOTAL.search(out.read_bytes())
-    if found is None:
-        raise RuntimeError(f"{out}: no totals line")
-    return int(found.group(1))
+    out = workdir / f"{target}-{requests}.callgrind"
+    return count_instructions(argv, out, f"{target} x {requests}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

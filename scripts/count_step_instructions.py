@@ -19,10 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import os
-import re
 import shutil
-import subprocess
 import sys
 import tempfile
 from collections.abc import Callable, Sequence
@@ -30,6 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from benchproxy.callgrind import count_instructions
 from benchproxy.common import SESSIONS, SMALL_BODY_BYTES, make_body
 from multidict import CIMultiDict, CIMultiDictProxy
 
@@ -47,7 +45,6 @@ STEPS: dict[str, str] = {
     "decide": "AdmissionRequest, admit, decide_now, leave (an always-room ledger)",
     "headers": "the admission response headers' values",
 }
-_TOTAL = re.compile(rb"^totals:\s+(\d+)", re.MULTILINE)
 
 
 async def _run_step(step: str, calls: int) -> None:
@@ -110,18 +107,9 @@ async def _run_step(step: str, calls: int) -> None:
 
 
 def _count(step: str, calls: int, workdir: Path) -> int:
+    argv = [sys.executable, __file__, "--step", step, "--calls", str(calls)]
     out = workdir / f"{step}-{calls}.callgrind"
-    cmd = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", sys.executable]
-    cmd += [__file__, "--step", step, "--calls", str(calls)]
-    env = {**os.environ, "PYTHONHASHSEED": "0"}
-    done = subprocess.run(cmd, env=env, capture_output=True, check=False)
-    if done.returncode != 0:
-        tail = (done.stdout + done.stderr).decode(errors="replace")[-2000:]
-        raise RuntimeError(f"{step} x {calls} failed ({done.returncode}):\n{tail}")
-    found = _TOTAL.search(out.read_bytes())
-    if found is None:
-        raise RuntimeError(f"{out}: no totals line")
-    return int(found.group(1))
+    return count_instructions(argv, out, f"{step} x {calls}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
