@@ -548,31 +548,30 @@ def scan_object(
     if not found:
         return _full(raw)
     parts: list[bytes] = []
+    spans: dict[str, tuple[int, int]] = {}
+    counts: dict[str, int] = {}  # the scan's own (a count read later is added)
     prev = 0
-    for start, end, key, _ in found:
+    for start, end, key, n in found:
         if start < prev:  # overlapping finds cannot both be top-level arrays
             return _full(raw)
         parts += (raw[prev:start], _SENTINEL_BYTES[key])
         prev = end
+        spans[key] = (start, end)
+        if n >= 0:
+            counts[key] = n
     parts.append(raw[prev:])
     try:
         doc = orjson.loads(b"".join(parts))
     except orjson.JSONDecodeError:
         return _full(raw)
-    if not isinstance(doc, dict):
+    if type(doc) is not dict:
         return _full(raw)
-    for _, _, key, _ in found:
+    for key in spans:
         if doc.get(key) != _SENTINELS[key]:
             # The occurrence found was nested, overridden by a later duplicate, or the
             # top-level key was spelled with escapes: the scan cannot decide.
             return _full(raw)
-    return BodyScan(
-        doc,
-        raw=raw,
-        spans={key: (start, end) for start, end, key, _ in found},
-        counts={key: n for _, _, key, n in found if n >= 0},
-        method=METHOD_SCAN,
-    )
+    return BodyScan(doc, raw=raw, spans=spans, counts=counts, method=METHOD_SCAN)
 
 
 __all__ = [

@@ -202,7 +202,7 @@ class SessionTable:
             self._n_forwarded += 1
         entry.requests += 1
         entry.last_active = now
-        return Begin(token=token, created=created, reopened=reopened, evicted=evicted)
+        return Begin(token, created, reopened, evicted)  # positional: per request
 
     def forwarded(self, session_id: str, token: int, rids: tuple[str, ...], now: float) -> bool:
         """Move a queued request to forwarded. False if the token is not queued."""
