@@ -26,6 +26,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 import aiohttp
@@ -157,12 +158,28 @@ def _too_large(limit: int) -> Refused:
     )
 
 
-def _admission_headers(action: str, reason: str, wait_s: float) -> dict[str, str]:
-    return {
-        "X-KVProxy-Admission": action if action == "admit" else f"bypass; reason={reason}",
-        "X-KVProxy-Admission-Wait-Ms": f"{wait_s * 1000:.1f}",
-        "X-KVProxy-Admission-Decision": reason,
-    }
+def _admission_headers(action: str, reason: str, wait_s: float) -> Mapping[str, str]:
+    """The admission decision's response headers (read, never written: a decision made
+    at once, most of them, shares one mapping per action and reason)."""
+    if wait_s == 0.0:
+        cached = _UNWAITED_HEADERS.get((action, reason))
+        if cached is not None:
+            return cached
+    headers = MappingProxyType(
+        {
+            "X-KVProxy-Admission": action if action == "admit" else f"bypass; reason={reason}",
+            "X-KVProxy-Admission-Wait-Ms": f"{wait_s * 1000:.1f}",
+            "X-KVProxy-Admission-Decision": reason,
+        }
+    )
+    if wait_s == 0.0 and len(_UNWAITED_HEADERS) < _UNWAITED_HEADERS_MAX:
+        _UNWAITED_HEADERS[action, reason] = headers
+    return headers
+
+
+# The headers of decisions made without a wait, by (action, reason): a few dozen pairs.
+_UNWAITED_HEADERS: dict[tuple[str, str], Mapping[str, str]] = {}
+_UNWAITED_HEADERS_MAX = 64
 
 
 @dataclass
