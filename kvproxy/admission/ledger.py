@@ -356,9 +356,7 @@ class Ledger:
         continuing: bool = False,
     ) -> str:
         """The reason ``reserve`` would give for a new ticket of ``tokens`` (no side effects)."""
-        if self._dirty or now > self._next_expiry:  # is_degraded(), inlined: per request
-            self._recompute(now)
-        if self.fresh_count == 0 or self.ceiling <= 0:
+        if self.is_degraded(now):
             return DEGRADED
         if self._treat_as_resident(session_id, continuing):
             if self.pressure >= self.pressure_threshold:
@@ -394,8 +392,7 @@ class Ledger:
         residency ended while it waited), is held only by ``degraded`` /
         ``pressure_guard``, and its lease charges ``max(0, tokens - resident)``.
         """
-        existing_id = self._lease_by_ticket.get(ticket_id)  # lease_for_ticket, inlined
-        existing = None if existing_id is None else self._leases.get(existing_id)
+        existing = self.lease_for_ticket(ticket_id)
         if existing is not None:
             return Grant(
                 True,

@@ -159,11 +159,7 @@ def resolve_identity(
             value = path_session_id
         if value is None:
             continue
-        if not (
-            type(value) is str and 0 < len(value) <= cfg.id_max_length and _ID_RE.fullmatch(value)
-        ):
-            validate_session_id(value, cfg.id_max_length, source=src)  # raises: says why
-        session_id = value
+        session_id = validate_session_id(value, cfg.id_max_length, source=src)
         source = src
         break
     if session_id is None:
