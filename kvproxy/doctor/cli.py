@@ -8,11 +8,12 @@ import importlib.util
 import sys
 from typing import Any
 
-from kvproxy import heap
+from kvproxy import compiled, heap
 from kvproxy.config import ServerConfig
 from kvproxy.doctor.checks import (
     Intent,
     Line,
+    build_lines,
     config_lines,
     engine_lines,
     fleet_lines,
@@ -117,6 +118,7 @@ async def diagnose(
     lines += speedup_lines(importlib.util.find_spec("numpy") is not None, intent)
     retain = (cfg.server if cfg is not None else ServerConfig()).malloc_retain_bytes
     lines += heap_lines(heap.glibc_mallopt() is not None, retain)
+    lines += build_lines(len(compiled.compiled_modules()), len(compiled.MODULES))
     return lines
 
 

@@ -138,13 +138,13 @@ class LabProxy:
             cfg.admission,
             healthy_engines=lambda: urls,
             http=self.http,  # type: ignore[arg-type]
+            fetch_metrics=self._scrape,  # each engine's exposition, read in process
             clock=loop.time,
             router_policy=self.placement.policy,
             workers=lambda: ring,
             server_info={url: e.server_info() for url, e in self.engines.items()},
             token_scale=cfg.server.token_scale,
         )
-        self.admission._scrape = self._scrape  # type: ignore[method-assign]
         await self.sessions.start()
         await self.admission.start()
 

@@ -123,12 +123,12 @@ def _lifecycle_plan(
     top = members(body)  # the small fields, read without a Python call each
     try:
         nvext = parse_nvext(top)  # Dynamo's nvext (docs/dynamo.md)
-    except InvalidNvext as exc:
-        return Refusal(ErrorType.INVALID_REQUEST, str(exc))
+    except InvalidNvext as bad_nvext:  # (one name per type: mypyc types a name once)
+        return Refusal(ErrorType.INVALID_REQUEST, str(bad_nvext))
     try:
         identity = resolve_identity(lc, path_session_id=path_session_id, headers=headers, body=top)
-    except InvalidSessionId as exc:
-        return Refusal(ErrorType.INVALID_SESSION_ID, str(exc))
+    except InvalidSessionId as bad_id:
+        return Refusal(ErrorType.INVALID_SESSION_ID, str(bad_id))
     inj = injection_plan(lc, identity, top, headers=headers)
     sid = identity.session_id
     plan = Plan(

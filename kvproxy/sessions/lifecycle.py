@@ -35,7 +35,7 @@ from collections.abc import (
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import aiohttp
 from prometheus_client.core import Metric
@@ -114,7 +114,7 @@ _WARN_KEYS_MAX = 1024
 class SessionClosed(Exception):
     """The request's session is closing or closed; it is not forwarded (HTTP 409)."""
 
-    error_type = "session_closed"
+    error_type: ClassVar[str] = "session_closed"
 
     def __init__(self, session_id: str, message: str | None = None) -> None:
         self.session_id = session_id

@@ -509,7 +509,10 @@ def start_proxy(
             )
     if proc is None:
         log = log_dir / "kvproxy.log"
-        cmd = [sys.executable, "-m", "kvproxy", "serve", "--config", str(cfg), "--port", str(port)]
+        # -P: the kvproxy this interpreter has installed (a compiled build included),
+        # not the checkout's source that cwd would put first on sys.path.
+        cmd = [sys.executable, "-P", "-m", "kvproxy", "serve", "--config", str(cfg)]
+        cmd += ["--port", str(port)]
         cmd += ["--router-url", upstream]
         with open(log, "wb") as out:
             popen = subprocess.Popen(

@@ -31,11 +31,14 @@ def metrics(cap: int, evicted: int = 0) -> str:
     )
 
 
-class Lab(AdmissionController):
-    caps: dict[str, int]
+# Each controller's engines' capacities, which its metric fetch reports (by id: the
+# controller is a compiled class in a KVPROXY_COMPILE=1 build, closed to subclasses
+# and new attributes).
+CAPS: dict[int, dict[str, int]] = {}
 
-    async def _scrape(self, url: str) -> str:
-        return metrics(self.caps[url])
+
+def set_cap(ctl: AdmissionController, url: str, cap: int) -> None:
+    CAPS[id(ctl)][url] = cap
 
 
 def request(ticket: str, sid: str | None, tokens: int, **body: Any) -> AdmissionRequest:
@@ -45,7 +48,7 @@ def request(ticket: str, sid: str | None, tokens: int, **body: Any) -> Admission
 
 @pytest.fixture
 async def lab() -> AsyncIterator[Any]:
-    made: list[Lab] = []
+    made: list[AdmissionController] = []
 
     async def factory(policy: str | None = "consistent_hashing", info: str = "priority", **cfg):
         settings: dict[str, Any] = {
@@ -57,15 +60,20 @@ async def lab() -> AsyncIterator[Any]:
             "session_buffer_tokens": 0,
             **cfg,
         }
-        ctl = Lab(
+        caps = {A: 1000, B: 1000}
+
+        async def fetch(url: str) -> str:
+            return metrics(caps[url])
+
+        ctl = AdmissionController(
             AdmissionConfig(**settings),
             healthy_engines=lambda: [A, B],
             http=None,
-            fetch_metrics=lambda url: asyncio.sleep(0, ""),
+            fetch_metrics=fetch,
             router_policy=policy,
             server_info={u: {"radix_eviction_policy": info} for u in (A, B)},
         )
-        ctl.caps = {A: 1000, B: 1000}
+        CAPS[id(ctl)] = caps
         await ctl.start()
         made.append(ctl)
         return ctl
@@ -73,6 +81,7 @@ async def lab() -> AsyncIterator[Any]:
     yield factory
     for ctl in made:
         await ctl.stop()
+        del CAPS[id(ctl)]
 
 
 async def turn(ctl: AdmissionController, r: AdmissionRequest, prompt: int, completion: int = 0):
@@ -124,7 +133,7 @@ async def test_priority_is_injected_only_when_engines_evict_by_priority(lab) -> 
         prompt=100,
     )
     assert d.priority == 0
-    ctl.caps[A] = 10**6
+    set_cap(ctl, A, 10**6)
     await ctl.poll_once()
     d = await turn(ctl, request("t2", a1, 20_000), prompt=20_000)
     assert d.priority == 2
@@ -160,7 +169,7 @@ async def test_a_paused_turn_waits_no_longer_than_its_bound(lab) -> None:
     await turn(ctl, request("t1", a1, 10), prompt=500)
     await turn(ctl, request("t2", a2, 10), prompt=10)
     # a2 grows past the pause mark while a1 is idle: the tick pauses the smaller, a1.
-    ctl.caps[A] = 1000
+    set_cap(ctl, A, 1000)
     await asyncio.sleep(0.02)
     task = asyncio.create_task(turn(ctl, request("t3", a2, 470), prompt=480))
     await asyncio.sleep(0)

@@ -1,0 +1,69 @@
+"""Which of the request path's modules run compiled.
+
+``KVPROXY_COMPILE=1 pip install .`` builds the modules below with mypyc (``setup.py``
+reads this list): the pure core a request goes through (the body scan, the plan, the
+session table, admission's decision and ledger) and the handlers that call it. The
+source is the same; mypyc turns each typed function into C, so a feature's
+per-request cost falls by about a third (docs/benchmarks.md, "The request path
+compiled"). A plain ``pip install .`` runs the same modules as Python: that is the
+reference, and what the tests run by default.
+
+Nothing here imports the modules it names, so ``setup.py`` can read it at build time.
+"""
+
+from __future__ import annotations
+
+import importlib.machinery
+import sys
+from collections.abc import Mapping
+
+# The request path, in dependency order. A module that subclasses one of these, or is
+# subclassed by Python code (a test's subclass included), must not be added: a compiled
+# class cannot be subclassed from Python.
+MODULES: tuple[str, ...] = (
+    "kvproxy.vocab",
+    "kvproxy.observability",
+    "kvproxy.proxy.errors",
+    "kvproxy.proxy.body",
+    "kvproxy.proxy.scan",
+    "kvproxy.sessions.identity",
+    "kvproxy.sessions.agent_hints",
+    "kvproxy.sessions.table",
+    "kvproxy.proxy.pipeline",
+    "kvproxy.admission.decisions",
+    "kvproxy.admission.classify",
+    "kvproxy.admission.priority",
+    "kvproxy.admission.reservation",
+    "kvproxy.admission.queues",
+    "kvproxy.admission.ledger",
+    "kvproxy.admission.engine_ledger",
+    "kvproxy.admission.program",
+    "kvproxy.admission.coordinator",
+    "kvproxy.sessions.streaming",
+    "kvproxy.sessions.lifecycle",
+    "kvproxy.proxy.usage",
+    "kvproxy.proxy.upstream",
+    "kvproxy.proxy.responses",
+    "kvproxy.proxy.session_relay",
+    "kvproxy.proxy.handlers",
+)
+
+# The build switch: KVPROXY_COMPILE=1 (``setup.py`` and the build backend read it).
+COMPILE_ENV = "KVPROXY_COMPILE"
+
+
+def compile_requested(environ: Mapping[str, str]) -> bool:
+    """Whether the build should compile :data:`MODULES` (``1``, ``true`` or ``yes``)."""
+    return environ.get(COMPILE_ENV, "").strip().lower() in {"1", "true", "yes"}
+
+
+def compiled_modules() -> tuple[str, ...]:
+    """The modules of :data:`MODULES` that are loaded as compiled extensions now (a
+    module not imported yet is imported: the answer is about what a request runs)."""
+    suffixes = tuple(importlib.machinery.EXTENSION_SUFFIXES)
+    found = []
+    for name in MODULES:
+        module = sys.modules.get(name) or importlib.import_module(name)
+        if str(getattr(module, "__file__", "") or "").endswith(suffixes):
+            found.append(name)
+    return tuple(found)
