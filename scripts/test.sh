@@ -9,10 +9,15 @@
 #      the package (mypy, configured in pyproject.toml) and runs pytest (arguments go
 #      to pytest);
 #   4. builds the wheel and checks it installs and runs in a fresh virtualenv
-#      (scripts/check_wheel.sh; skipped when pytest gets arguments).
+#      (scripts/check_wheel.sh), then builds the compiled one (KVPROXY_COMPILE=1) and
+#      runs the unit and request-path tests on it (scripts/check_compiled.sh); both
+#      skipped when pytest gets arguments.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3}"
+# The checkout's own install and wheel are the pure-Python build; check_compiled.sh
+# builds the compiled one itself.
+unset KVPROXY_COMPILE
 
 if [ ! -x .venv/bin/python ]; then
     "$PYTHON" -m venv .venv
@@ -27,7 +32,8 @@ if [ -n "$KVPROXY_CHROMIUM" ]; then export KVPROXY_CHROMIUM; else unset KVPROXY_
 .venv/bin/ruff check kvproxy tests scripts
 .venv/bin/ruff format --check kvproxy tests scripts
 .venv/bin/mypy
-.venv/bin/python -m pytest -q "$@"
+KVPROXY_EXPECT_COMPILED="${KVPROXY_EXPECT_COMPILED:-0}" .venv/bin/python -m pytest -q "$@"
 if [ "$#" -eq 0 ]; then
     bash scripts/check_wheel.sh
+    bash scripts/check_compiled.sh
 fi
