@@ -67,3 +67,12 @@ def compiled_modules() -> tuple[str, ...]:
         if str(getattr(module, "__file__", "") or "").endswith(suffixes):
             found.append(name)
     return tuple(found)
+
+
+def build_name(found: tuple[str, ...]) -> str:
+    """The build as the start-up line names it, from :func:`compiled_modules`."""
+    if found == MODULES:
+        return "compiled"
+    if not found:
+        return "python"
+    return f"mixed ({len(found)} of {len(MODULES)} compiled)"

@@ -11,7 +11,7 @@ import signal
 import sys
 from typing import Any
 
-from kvproxy import __version__, heap
+from kvproxy import __version__, compiled, heap
 from kvproxy.config import (
     CLI_OVERRIDES,
     AdmissionConfig,
@@ -167,13 +167,14 @@ def run(args: argparse.Namespace) -> int:
         apply_gc_threshold(cfg.server.gc_threshold)
         log.info(
             "kvproxy %s listening on http://%s:%d -> router %s (session_lifecycle=%s, "
-            "admission=%s)",
+            "admission=%s, build=%s)",
             __version__,
             cfg.server.host,
             cfg.server.port,
             cfg.router.url,
             cfg.session_lifecycle.enabled,
             cfg.admission.enabled,
+            compiled.build_name(compiled.compiled_modules()),
         )
 
     try:

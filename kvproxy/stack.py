@@ -184,6 +184,7 @@ def start_sim_engine(
     url = f"http://{HOST}:{port}"
     argv = [
         sys.executable,
+        "-P",  # this interpreter's kvproxy (a compiled build), not a checkout in cwd
         "-m",
         "kvproxy",
         "sim-engine",
@@ -324,6 +325,7 @@ def start_kvproxy(
     url = f"http://{HOST}:{port}"
     argv = [
         sys.executable,
+        "-P",  # this interpreter's kvproxy (a compiled build), not a checkout in cwd
         "-m",
         "kvproxy",
         "serve",

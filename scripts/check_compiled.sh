@@ -36,7 +36,8 @@ if [ "$#" -eq 0 ]; then
         tests/integration/test_proxy_e2e.py tests/integration/test_lifecycle_e2e.py \
         tests/integration/test_admission_e2e.py tests/integration/test_program_e2e.py \
         tests/integration/test_dynamo_e2e.py tests/integration/test_big_responses.py \
-        tests/integration/test_slow_clients.py tests/integration/test_lab_agreement.py
+        tests/integration/test_slow_clients.py tests/integration/test_lab_agreement.py \
+        tests/integration/test_startup_log.py
 fi
 KVPROXY_EXPECT_COMPILED=1 "$WORK/venv/bin/python" -P -m pytest -q -p no:cacheprovider \
     --import-mode=append "$@" || fail "the tests failed on the compiled build"

@@ -4,7 +4,9 @@ start named in one WARNING, then one INFO line once it answers."""
 from __future__ import annotations
 
 import asyncio
+import os
 import platform
+import re
 import time
 from pathlib import Path
 
@@ -48,6 +50,12 @@ async def test_router_down_at_start_then_up(tmp_path: Path) -> None:
             f"INFO kvproxy: kvproxy {__version__} listening on {proc.url} -> router {router_url}"
             in text
         )
+        # The build it runs (scripts/check_compiled.sh runs this test on the compiled
+        # one): a subprocess started from the checkout must not import its source.
+        build = {"1": "compiled", "0": "python"}.get(
+            os.environ.get("KVPROXY_EXPECT_COMPILED", ""), "compiled|python"
+        )
+        assert re.search(rf"admission=False, build=({build})\)", text), text[-2000:]
         # Freed buffers kept for reuse (kvproxy.heap), on glibc; said at DEBUG.
         if platform.system() == "Linux" and platform.libc_ver()[0] == "glibc":
             assert f"DEBUG kvproxy: server.malloc_retain_bytes={64 << 20}: applied" in text

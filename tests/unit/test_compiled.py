@@ -70,6 +70,15 @@ def test_doctor_says_which_build_runs() -> None:
     assert build_lines(3, 25)[0].status is Status.WARN
 
 
+def test_the_build_is_named_for_the_start_up_line() -> None:
+    assert compiled.build_name(compiled.MODULES) == "compiled"
+    assert compiled.build_name(()) == "python"
+    assert (
+        compiled.build_name(compiled.MODULES[:3])
+        == f"mixed (3 of {len(compiled.MODULES)} compiled)"
+    )
+
+
 def test_the_run_ran_the_build_it_expects() -> None:
     expected = os.environ.get("KVPROXY_EXPECT_COMPILED")
     found = compiled.compiled_modules()
