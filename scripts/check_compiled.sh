@@ -13,6 +13,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 REPO="$(pwd)"
+source scripts/fresh_venv.sh
 VENV_PY="$REPO/.venv/bin/python"
 WORK="$(mktemp -d "${TMPDIR:-/tmp}/kvproxy-compiled.XXXXXX")"
 trap 'rm -rf "$WORK"' EXIT
@@ -23,13 +24,7 @@ KVPROXY_COMPILE=1 "$VENV_PY" -m pip wheel --no-deps --wheel-dir "$WORK/dist" . \
     >"$WORK/build.log" 2>&1 || { tail -40 "$WORK/build.log" >&2; fail "the compiled wheel did not build"; }
 WHEEL="$(ls "$WORK"/dist/kvproxy-*.whl)"
 
-python_base="$("$VENV_PY" -c 'import sys; print(sys._base_executable)')"
-"$python_base" -m venv --without-pip "$WORK/venv"
-FRESH_SITE="$("$WORK/venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
-DEPS_SITE="$("$VENV_PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
-echo "$DEPS_SITE" >"$FRESH_SITE/kvproxy-check-deps.pth"
-"$VENV_PY" -m pip --python "$WORK/venv/bin/python" install --quiet --no-deps --no-index "$WHEEL" \
-    || fail "the compiled wheel did not install"
+fresh_venv_with_wheel "$VENV_PY" "$WHEEL" "$WORK" >/dev/null || fail "the compiled wheel did not install"
 
 if [ "$#" -eq 0 ]; then
     set -- tests/unit \

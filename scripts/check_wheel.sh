@@ -10,6 +10,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 REPO="$(pwd)"
+source scripts/fresh_venv.sh
 VENV_PY="$REPO/.venv/bin/python"
 WORK="$(mktemp -d "${TMPDIR:-/tmp}/kvproxy-wheel.XXXXXX")"
 SERVER_PID=""
@@ -30,13 +31,7 @@ if grep -Ei "SetuptoolsDeprecationWarning|SetuptoolsWarning|license.*deprecated"
 fi
 
 # 2. A fresh venv without pip, seeing .venv's dependencies but not its kvproxy.
-python_base="$("$VENV_PY" -c 'import sys; print(sys._base_executable)')"
-"$python_base" -m venv --without-pip "$WORK/venv"
-FRESH_SITE="$("$WORK/venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
-DEPS_SITE="$("$VENV_PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
-echo "$DEPS_SITE" >"$FRESH_SITE/kvproxy-check-deps.pth"
-"$VENV_PY" -m pip --python "$WORK/venv/bin/python" install --quiet --no-deps --no-index "$WHEEL" \
-    || fail "the wheel did not install"
+FRESH_SITE="$(fresh_venv_with_wheel "$VENV_PY" "$WHEEL" "$WORK")" || fail "the wheel did not install"
 
 # 3. Run it from outside the checkout.
 cd "$WORK"
