@@ -232,9 +232,10 @@ def _osl(body: Mapping[str, Any]) -> int | None:
 
 def _batch_size(body: Mapping[str, Any]) -> int:
     """Number of prompts in a native ``/generate`` batch (1 when not batched)."""
-    counted = getattr(body, "batch_size", None)  # a BodyScan's, without the list built
-    if counted is not None:
-        return int(counted)
+    if type(body) is not dict:  # a plain dict has no count; compiled, the miss raises
+        counted = getattr(body, "batch_size", None)  # a BodyScan's, without the list built
+        if counted is not None:
+            return int(counted)
     ids = body.get("input_ids")
     if type(ids) is list and ids and type(ids[0]) is list:
         return len(ids)
