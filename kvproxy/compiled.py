@@ -22,6 +22,7 @@ from collections.abc import Mapping
 # subclassed by Python code (a test's subclass included), must not be added: a compiled
 # class cannot be subclassed from Python.
 MODULES: tuple[str, ...] = (
+    "kvproxy.record",
     "kvproxy.vocab",
     "kvproxy.observability",
     "kvproxy.proxy.errors",

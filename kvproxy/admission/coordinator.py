@@ -61,7 +61,7 @@ from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Se
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, NamedTuple
+from typing import Any, Final
 
 import aiohttp
 from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily, Metric
@@ -100,6 +100,7 @@ from kvproxy.observability import (
     counter_families,
     gauge_families,
 )
+from kvproxy.record import Record
 from kvproxy.urls import base_url, join
 
 log = logging.getLogger(__name__)
@@ -249,26 +250,48 @@ _MAX_TOMBSTONES = 100_000
 _LOG_INTERVAL_S = 30.0
 
 
-class AdmissionRequest(NamedTuple):
-    ticket_id: str  # unique per forwarded attempt (the rid)
-    path: str  # "/generate", "/v1/chat/completions", "/v1/completions"
-    headers: Mapping[str, str]  # case-insensitive mapping (aiohttp CIMultiDictProxy)
-    body: Mapping[str, Any]  # parsed JSON object
-    session_id: str | None
-    # The X-SMG-Routing-Key the router will see (None: the session id).
-    routing_key: str | None = None
+class AdmissionRequest(Record):
+    __slots__ = ("body", "headers", "path", "routing_key", "session_id", "ticket_id")
+
+    def __init__(
+        self,
+        ticket_id: str,
+        path: str,
+        headers: Mapping[str, str],
+        body: Mapping[str, Any],
+        session_id: str | None,
+        routing_key: str | None = None,
+    ) -> None:
+        self.ticket_id: Final = ticket_id  # unique per forwarded attempt (the rid)
+        self.path: Final = path  # "/generate", "/v1/chat/completions", "/v1/completions"
+        self.headers: Final = headers  # case-insensitive mapping (aiohttp CIMultiDictProxy)
+        self.body: Final = body  # parsed JSON object
+        self.session_id: Final = session_id
+        # The X-SMG-Routing-Key the router will see (None: the session id).
+        self.routing_key: Final = routing_key
 
 
-class Decision(NamedTuple):
-    action: str  # "admit" | "bypass" | "pass"
-    # capacity_available | protected | degraded | aged | oversized | queue_full |
-    # cancelled | disabled | out_of_scope
-    reason: str
-    lease_id: str | None
-    tokens: int
-    wait_s: float
-    # Program mode: the priority to inject when the body carries none (None: nothing).
-    priority: int | None = None
+class Decision(Record):
+    __slots__ = ("action", "lease_id", "priority", "reason", "tokens", "wait_s")
+
+    def __init__(
+        self,
+        action: str,
+        reason: str,
+        lease_id: str | None,
+        tokens: int,
+        wait_s: float,
+        priority: int | None = None,
+    ) -> None:
+        self.action: Final = action  # "admit" | "bypass" | "pass"
+        # capacity_available | protected | degraded | aged | oversized | queue_full |
+        # cancelled | disabled | out_of_scope
+        self.reason: Final = reason
+        self.lease_id: Final = lease_id
+        self.tokens: Final = tokens
+        self.wait_s: Final = wait_s
+        # Program mode: the priority to inject when the body carries none (None: nothing).
+        self.priority: Final = priority
 
 
 _PASS_DISABLED = Decision(PASS, R_DISABLED, None, 0, 0.0)

@@ -69,7 +69,9 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Final
+
+from kvproxy.record import Record
 
 CAPACITY_AVAILABLE = "capacity_available"
 CAPACITY_EXHAUSTED = "capacity_exhausted"
@@ -99,26 +101,58 @@ class EngineView:
     age_s: float | None
 
 
-class Lease(NamedTuple):
-    lease_id: str
-    ticket_id: str
-    tokens: int  # charged to ``reserved`` (for a resident session: the growth only)
-    epoch: int
-    created_at: float
-    session_id: str | None = None
-    # The request's whole reservation (prefix + completion budget); equals ``tokens``
-    # unless the session was resident when the lease was granted.
-    full_tokens: int = 0
+class Lease(Record):
+    __slots__ = (
+        "created_at",
+        "epoch",
+        "full_tokens",
+        "lease_id",
+        "session_id",
+        "ticket_id",
+        "tokens",
+    )
+
+    def __init__(
+        self,
+        lease_id: str,
+        ticket_id: str,
+        tokens: int,
+        epoch: int,
+        created_at: float,
+        session_id: str | None = None,
+        full_tokens: int = 0,
+    ) -> None:
+        self.lease_id: Final = lease_id
+        self.ticket_id: Final = ticket_id
+        # Charged to ``reserved`` (for a resident session: the growth only).
+        self.tokens: Final = tokens
+        self.epoch: Final = epoch
+        self.created_at: Final = created_at
+        self.session_id: Final = session_id
+        # The request's whole reservation (prefix + completion budget); equals
+        # ``tokens`` unless the session was resident when the lease was granted.
+        self.full_tokens: Final = full_tokens
 
 
-class Grant(NamedTuple):
-    granted: bool
-    reason: str
-    lease_id: str | None
-    tokens: int  # the request's reservation (a lease's ``full_tokens``)
-    epoch: int
-    # Tokens charged to ``reserved`` (smaller than ``tokens`` for a resident session).
-    charged: int = 0
+class Grant(Record):
+    __slots__ = ("charged", "epoch", "granted", "lease_id", "reason", "tokens")
+
+    def __init__(
+        self,
+        granted: bool,
+        reason: str,
+        lease_id: str | None,
+        tokens: int,
+        epoch: int,
+        charged: int = 0,
+    ) -> None:
+        self.granted: Final = granted
+        self.reason: Final = reason
+        self.lease_id: Final = lease_id
+        self.tokens: Final = tokens  # the request's reservation (a lease's ``full_tokens``)
+        self.epoch: Final = epoch
+        # Tokens charged to ``reserved`` (smaller than ``tokens`` for a resident session).
+        self.charged: Final = charged
 
 
 class _Resident:

@@ -37,12 +37,13 @@ import contextlib
 import math
 from collections import OrderedDict
 from collections.abc import Mapping
-from typing import Any, NamedTuple
+from typing import Any, Final
 
 import orjson
 
 from kvproxy import vocab
 from kvproxy.config import AdmissionConfig
+from kvproxy.record import Record
 
 # Characters allowed per chat message for the template's role markers and separators.
 MESSAGE_OVERHEAD_CHARS = 16
@@ -57,15 +58,30 @@ SOURCE_DEFAULT = "default"
 SOURCE_NONE = "none"
 
 
-class Reservation(NamedTuple):
-    prompt_tokens: int
-    completion_tokens: int
-    # input_ids | session | global | default | none
-    prompt_source: str
-    # Characters behind an estimated prompt (0 when prompt_tokens is exact).
-    prompt_chars: int = 0
-    # Prompt tokens left out of ``prompt_tokens`` as the learned shared prefix.
-    shared_tokens: int = 0
+class Reservation(Record):
+    __slots__ = (
+        "completion_tokens",
+        "prompt_chars",
+        "prompt_source",
+        "prompt_tokens",
+        "shared_tokens",
+    )
+
+    def __init__(
+        self,
+        prompt_tokens: int,
+        completion_tokens: int,
+        prompt_source: str,
+        prompt_chars: int = 0,
+        shared_tokens: int = 0,
+    ) -> None:
+        self.prompt_tokens: Final = prompt_tokens
+        self.completion_tokens: Final = completion_tokens
+        self.prompt_source: Final = prompt_source  # input_ids | session | global | default | none
+        # Characters behind an estimated prompt (0 when prompt_tokens is exact).
+        self.prompt_chars: Final = prompt_chars
+        # Prompt tokens left out of ``prompt_tokens`` as the learned shared prefix.
+        self.shared_tokens: Final = shared_tokens
 
     @property
     def tokens(self) -> int:

@@ -23,7 +23,7 @@ import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any, NamedTuple
+from typing import Any, Final
 
 import orjson
 
@@ -31,6 +31,7 @@ from kvproxy.config import Config, SessionLifecycleConfig
 from kvproxy.proxy.body import BodyParts, inject_fields, splice_parts
 from kvproxy.proxy.errors import STATUS, ErrorType
 from kvproxy.proxy.scan import BodyScan, counted_keys_for, members, scan_object, validated
+from kvproxy.record import Record
 from kvproxy.sessions.agent_hints import NO_NVEXT, InvalidNvext, Nvext, parse_nvext
 from kvproxy.sessions.agent_hints import combine_priority as _combine_priority
 from kvproxy.sessions.identity import (
@@ -59,48 +60,104 @@ class Refusal:
 _NONE: Mapping[str, Any] = MappingProxyType({})
 
 
-class Plan(NamedTuple):
+class Plan(Record):
     """What the shell does with one intercepted request.
 
     ``body`` None: forward the bytes as received, nothing else (features off, or the
-    body is not a JSON object).
-
-    A named tuple, not a frozen dataclass: as immutable, and built (and, with a turn's
-    headers, replaced) on every intercepted request at a quarter of the cost (a frozen
-    dataclass sets each of its 16 fields through ``object.__setattr__``).
+    body is not a JSON object). Built on every intercepted request, and rebuilt once
+    with a turn's headers: a record (kvproxy.record), read-only, the cheapest to build.
     """
 
-    body: Mapping[str, Any] | None
-    # Top-level fields to add (``overwrite``: one replaces a member the body has).
-    fields: Mapping[str, Any] = _NONE
-    overwrite: bool = False
-    # Request headers to set on the forwarded request.
-    headers: Mapping[str, str] = _NONE
-    # The session the request belongs to (lifecycle tracking, admission residency).
-    session_id: str | None = None
-    close_after: bool = False
-    # Rids an abort of this request names (client disconnect before the end).
-    abort_rids: tuple[str, ...] = ()
-    # The admission ticket (the engine-visible rid when known).
-    ticket: str = ""
-    # The injection decision, for the lifecycle's counters (None: lifecycle off).
-    injection: InjectionPlan | None = None
-    nvext: Nvext = NO_NVEXT
-    # Track the request in the session table (lifecycle on, a session).
-    track: bool = False
-    # Wait for admission; ``routing_key`` attributes program admission to a ring owner.
-    admit: bool = False
-    routing_key: str | None = None
-    # Open a Dynamo turn for the session (lifecycle on, a session).
-    turn: bool = False
-    # Forward without the top-level ``nvext`` (session_lifecycle.strip_nvext_paths).
-    strip_nvext: bool = False
-    # Priority source: the client's agent_hints.priority when agent hints are on.
-    priority_hint: int | None = None
+    __slots__ = (
+        "abort_rids",
+        "admit",
+        "body",
+        "close_after",
+        "fields",
+        "headers",
+        "injection",
+        "nvext",
+        "overwrite",
+        "priority_hint",
+        "routing_key",
+        "session_id",
+        "strip_nvext",
+        "ticket",
+        "track",
+        "turn",
+    )
+
+    def __init__(
+        self,
+        body: Mapping[str, Any] | None,
+        fields: Mapping[str, Any] = _NONE,
+        overwrite: bool = False,
+        headers: Mapping[str, str] = _NONE,
+        session_id: str | None = None,
+        close_after: bool = False,
+        abort_rids: tuple[str, ...] = (),
+        ticket: str = "",
+        injection: InjectionPlan | None = None,
+        nvext: Nvext = NO_NVEXT,
+        track: bool = False,
+        admit: bool = False,
+        routing_key: str | None = None,
+        turn: bool = False,
+        strip_nvext: bool = False,
+        priority_hint: int | None = None,
+    ) -> None:
+        self.body: Final = body
+        # Top-level fields to add (``overwrite``: one replaces a member the body has).
+        self.fields: Final = fields
+        self.overwrite: Final = overwrite
+        # Request headers to set on the forwarded request.
+        self.headers: Final = headers
+        # The session the request belongs to (lifecycle tracking, admission residency).
+        self.session_id: Final = session_id
+        self.close_after: Final = close_after
+        # Rids an abort of this request names (client disconnect before the end).
+        self.abort_rids: Final = abort_rids
+        # The admission ticket (the engine-visible rid when known).
+        self.ticket: Final = ticket
+        # The injection decision, for the lifecycle's counters (None: lifecycle off).
+        self.injection: Final = injection
+        self.nvext: Final = nvext
+        # Track the request in the session table (lifecycle on, a session).
+        self.track: Final = track
+        # Wait for admission; ``routing_key`` attributes program admission to a ring owner.
+        self.admit: Final = admit
+        self.routing_key: Final = routing_key
+        # Open a Dynamo turn for the session (lifecycle on, a session).
+        self.turn: Final = turn
+        # Forward without the top-level ``nvext`` (session_lifecycle.strip_nvext_paths).
+        self.strip_nvext: Final = strip_nvext
+        # Priority source: the client's agent_hints.priority when agent hints are on.
+        self.priority_hint: Final = priority_hint
 
     @property
     def passthrough(self) -> bool:
         return self.body is None
+
+    def with_headers(self, headers: Mapping[str, str], routing_key: str | None) -> Plan:
+        """This plan with other request headers and routing key."""
+        return Plan(
+            self.body,
+            self.fields,
+            self.overwrite,
+            headers,
+            self.session_id,
+            self.close_after,
+            self.abort_rids,
+            self.ticket,
+            self.injection,
+            self.nvext,
+            self.track,
+            self.admit,
+            routing_key,
+            self.turn,
+            self.strip_nvext,
+            self.priority_hint,
+        )
 
 
 PASS_THROUGH = Plan(body=None)
@@ -257,11 +314,11 @@ def with_turn_headers(
     if not plan.admit:
         if merged is plan.headers:
             return plan
-        return plan._replace(headers=merged)
+        return plan.with_headers(merged, plan.routing_key)
     routing_key, merged = _routing_key(config, plan.session_id, headers, merged)
     if merged is plan.headers and routing_key == plan.routing_key:
         return plan
-    return plan._replace(headers=merged, routing_key=routing_key)
+    return plan.with_headers(merged, routing_key)
 
 
 def final_fields(plan: Plan, steering: int | None) -> tuple[Mapping[str, Any], str | None]:

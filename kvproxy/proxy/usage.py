@@ -30,9 +30,11 @@ from __future__ import annotations
 
 import re
 from itertools import islice
-from typing import Any, NamedTuple
+from typing import Any, Final
 
 import orjson
+
+from kvproxy.record import Record
 
 # Events larger than this are not parsed; their last bytes are searched instead.
 MAX_EVENT_BYTES = 256 * 1024
@@ -61,14 +63,23 @@ PARSE_BYTES = 4 * 1024
 _RSEARCH_TRIES = 8
 
 
-class Usage(NamedTuple):
-    prompt_tokens: int | None = None
-    completion_tokens: int | None = None
-    cached_tokens: int | None = None
-    # Sequences the numbers cover (n > 1 answers report one object per sequence).
-    sequences: int = 1
-    # meta_info | usage | search
-    source: str = "meta_info"
+class Usage(Record):
+    __slots__ = ("cached_tokens", "completion_tokens", "prompt_tokens", "sequences", "source")
+
+    def __init__(
+        self,
+        prompt_tokens: int | None = None,
+        completion_tokens: int | None = None,
+        cached_tokens: int | None = None,
+        sequences: int = 1,
+        source: str = "meta_info",
+    ) -> None:
+        self.prompt_tokens: Final = prompt_tokens
+        self.completion_tokens: Final = completion_tokens
+        self.cached_tokens: Final = cached_tokens
+        # Sequences the numbers cover (n > 1 answers report one object per sequence).
+        self.sequences: Final = sequences
+        self.source: Final = source  # meta_info | usage | search
 
 
 def _int(value: Any) -> int | None:

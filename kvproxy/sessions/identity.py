@@ -15,11 +15,12 @@ import os
 import re
 from collections.abc import Mapping
 from types import MappingProxyType
-from typing import Any, NamedTuple
+from typing import Any, Final
 from urllib.parse import unquote
 
 from kvproxy import vocab
 from kvproxy.config import SessionLifecycleConfig
+from kvproxy.record import Record
 
 ROUTING_KEY_HEADER = "X-SMG-Routing-Key"
 SESSION_PATH_PREFIX = "/sessions/"
@@ -102,11 +103,14 @@ def split_session_path(path: str) -> tuple[str | None, str]:
     return segment, (slash + rest) if slash else "/"
 
 
-class SessionIdentity(NamedTuple):
-    session_id: str | None
-    source: str | None
-    # The request is the session's last turn: close the session once it completes.
-    close_after: bool
+class SessionIdentity(Record):
+    __slots__ = ("close_after", "session_id", "source")
+
+    def __init__(self, session_id: str | None, source: str | None, close_after: bool) -> None:
+        self.session_id: Final = session_id
+        self.source: Final = source
+        # The request is the session's last turn: close the session once it completes.
+        self.close_after: Final = close_after
 
     @property
     def present(self) -> bool:
@@ -203,22 +207,42 @@ os.register_at_fork(after_in_child=_rids.clear)
 _NONE: Mapping[str, Any] = MappingProxyType({})
 
 
-class InjectionPlan(NamedTuple):
-    # Top-level JSON fields to set. A key listed in ``overwrites`` is already in the
-    # body (with another value) and must be replaced; every other key is new.
-    fields: Mapping[str, Any] = _NONE
-    overwrites: tuple[str, ...] = ()
-    # Request headers to set on the forwarded request.
-    headers: Mapping[str, str] = _NONE
-    # The rid the engine will see (generated or the client's), None when unknown
-    # (no JSON object body, or a non-string rid such as a batch list).
-    rid: str | None = None
-    # Every rid an abort of this request must name: the rid, and for n > 1 the
-    # engine-expanded ``{rid}_{i}`` (SGLang's tokenizer matches rids exactly).
-    abort_rids: tuple[str, ...] = ()
-    rid_generated: bool = False
-    # Why no session_id is injected (None when it is): one of the SKIP_* values.
-    skip_reason: str | None = None
+class InjectionPlan(Record):
+    __slots__ = (
+        "abort_rids",
+        "fields",
+        "headers",
+        "overwrites",
+        "rid",
+        "rid_generated",
+        "skip_reason",
+    )
+
+    def __init__(
+        self,
+        fields: Mapping[str, Any] = _NONE,
+        overwrites: tuple[str, ...] = (),
+        headers: Mapping[str, str] = _NONE,
+        rid: str | None = None,
+        abort_rids: tuple[str, ...] = (),
+        rid_generated: bool = False,
+        skip_reason: str | None = None,
+    ) -> None:
+        # Top-level JSON fields to set. A key listed in ``overwrites`` is already in the
+        # body (with another value) and must be replaced; every other key is new.
+        self.fields: Final = fields
+        self.overwrites: Final = overwrites
+        # Request headers to set on the forwarded request.
+        self.headers: Final = headers
+        # The rid the engine will see (generated or the client's), None when unknown
+        # (no JSON object body, or a non-string rid such as a batch list).
+        self.rid: Final = rid
+        # Every rid an abort of this request must name: the rid, and for n > 1 the
+        # engine-expanded ``{rid}_{i}`` (SGLang's tokenizer matches rids exactly).
+        self.abort_rids: Final = abort_rids
+        self.rid_generated: Final = rid_generated
+        # Why no session_id is injected (None when it is): one of the SKIP_* values.
+        self.skip_reason: Final = skip_reason
 
     @property
     def injects_session_id(self) -> bool:

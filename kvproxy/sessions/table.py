@@ -23,7 +23,9 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import NamedTuple
+from typing import Final
+
+from kvproxy.record import Record
 
 # Most live entries one insert looks at when making room under the cap.
 _SCAN_LIMIT = 256
@@ -56,14 +58,23 @@ class SessionEntry:
         return self.state is SessionState.OPEN and not self.queued and not self.forwarded
 
 
-class Begin(NamedTuple):
+class Begin(Record):
     """Result of :meth:`SessionTable.begin`."""
 
-    # The request's token; None when the session is closing (reject the request).
-    token: int | None
-    created: bool = False  # a new session started (including a re-open)
-    reopened: bool = False  # ... with the id of a session closed earlier
-    evicted: tuple[str, ...] = ()  # idle sessions forgotten to stay under the cap
+    __slots__ = ("created", "evicted", "reopened", "token")
+
+    def __init__(
+        self,
+        token: int | None,
+        created: bool = False,
+        reopened: bool = False,
+        evicted: tuple[str, ...] = (),
+    ) -> None:
+        # The request's token; None when the session is closing (reject the request).
+        self.token: Final = token
+        self.created: Final = created  # a new session started (including a re-open)
+        self.reopened: Final = reopened  # ... with the id of a session closed earlier
+        self.evicted: Final = evicted  # idle sessions forgotten to stay under the cap
 
 
 class CloseStatus(StrEnum):

@@ -765,7 +765,7 @@ async def test_observed_prompt_tokens_calibrate_text_requests(make_env: Factory)
     async with env.ctl.admit(r) as d:
         assert d.tokens == 100  # 4 chars / token before calibration
     env.ctl.observe_usage(r, 200, None)
-    async with env.ctl.admit(r._replace(ticket_id="t2")) as d:
+    async with env.ctl.admit(AdmissionRequest("t2", r.path, r.headers, r.body, r.session_id)) as d:
         assert d.tokens == 200
 
 
