@@ -26,31 +26,38 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable
-from dataclasses import dataclass
+from typing import Final
 
 from kvproxy.admission.decisions import Event, Held, Outcome
 from kvproxy.admission.engine_ledger import EngineLedger, Session, SessionState
 from kvproxy.admission.params import ProgramParams
 from kvproxy.admission.priority import next_priority
 from kvproxy.admission.queues import Entry, Queues
+from kvproxy.record import Record
 
 
-@dataclass(frozen=True, slots=True)
-class Verdict:
+class Verdict(Record):
     """The answer to one request: forward now (``outcome``) or wait (``held``)."""
 
-    outcome: Outcome | None
-    held: Held | None = None
-    engine: str | None = None
+    __slots__ = ("engine", "held", "outcome")
+
+    def __init__(
+        self, outcome: Outcome | None, held: Held | None = None, engine: str | None = None
+    ) -> None:
+        self.outcome: Final = outcome
+        self.held: Final = held
+        self.engine: Final = engine
 
 
-@dataclass(frozen=True, slots=True)
-class Release:
+class Release(Record):
     """A waiting ticket's decision, made by a drain or a tick."""
 
-    ticket: str
-    outcome: Outcome
-    wait_s: float
+    __slots__ = ("outcome", "ticket", "wait_s")
+
+    def __init__(self, ticket: str, outcome: Outcome, wait_s: float) -> None:
+        self.ticket: Final = ticket
+        self.outcome: Final = outcome
+        self.wait_s: Final = wait_s
 
 
 class ProgramCore:
