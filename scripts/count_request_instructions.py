@@ -32,11 +32,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from benchproxy.callgrind import count_instructions
+from benchproxy.common import TARGETS
 
 from kvproxy.config import ServerConfig
 
 HERE = Path(__file__).resolve().parent
-TARGETS = ("direct", "floor", "naive", "off", "lifecycle", "admission", "both")
 
 
 def _count(

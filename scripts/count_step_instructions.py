@@ -43,6 +43,7 @@ STEPS: dict[str, str] = {
     "plan": "plan_request, admission alone",
     "plan-lifecycle": "plan_request, the lifecycle alone",
     "decide": "AdmissionRequest, admit, decide_now, leave (an always-room ledger)",
+    "decide-ring": "the same, program admission on a mirrored ring (one engine)",
     "headers": "the admission response headers' values",
 }
 
@@ -67,14 +68,21 @@ async def _run_step(step: str, calls: int) -> None:
     async def metrics(_: str) -> str:
         return "sglang:max_total_num_tokens 1000000000\nsglang:token_usage 0.1\n"
 
+    engine = "http://127.0.0.1:1"
+    ring = step == "decide-ring"
     ctl = AdmissionController(
         admission,
-        healthy_engines=lambda: ["http://127.0.0.1:1"],
+        healthy_engines=lambda: [engine],
         http=None,
         fetch_metrics=metrics,
         clock=asyncio.get_running_loop().time,
+        # decide-ring: placement known, as with smg --policy consistent_hashing
+        router_policy="consistent_hashing" if ring else None,
+        workers=(lambda: ([engine], [engine])) if ring else None,
+        server_info={engine: {"radix_eviction_policy": "priority"}} if ring else None,
     )
     await ctl.start()
+    assert ctl.health().program.active == ring
     body = pipeline.read_body(adm, "/generate", raw)
     assert body is not None
 
@@ -98,6 +106,7 @@ async def _run_step(step: str, calls: int) -> None:
             lc, "/generate", None, headers[i % SESSIONS], body
         ),
         "decide": decide,
+        "decide-ring": decide,
         "headers": lambda i: _admission_headers("admit", "capacity_available", 0.0),
     }
     fn = run[step]

@@ -14,7 +14,17 @@ REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "bench_proxy.py"
 HOST = "127.0.0.1"
 
-TARGETS = ("direct", "floor", "naive", "off", "lifecycle", "admission", "both")
+TARGETS = (
+    "direct",
+    "floor",
+    "naive",
+    "off",
+    "lifecycle",
+    "admission",
+    "both",
+    "admission-ring",
+    "both-ring",
+)
 # Reference forwarders, not kvproxy (scripts/benchproxy/targets.py: floor_app, naive_app).
 REFERENCES = ("floor", "naive")
 PROXY_FEATURES: dict[str, tuple[bool, bool]] = {  # name -> (lifecycle, admission)
@@ -22,7 +32,13 @@ PROXY_FEATURES: dict[str, tuple[bool, bool]] = {  # name -> (lifecycle, admissio
     "lifecycle": (True, False),
     "admission": (False, True),
     "both": (True, True),
+    "admission-ring": (False, True),
+    "both-ring": (True, True),
 }
+# Feature sets run with router.policy consistent_hashing: program admission mirrors the
+# ring and decides per engine (the deployment the README recommends). The others keep
+# the default policy, where placement is unknown and admission accounts fleet-wide.
+RING_TARGETS = frozenset({"admission-ring", "both-ring"})
 MEASUREMENTS = ("saturation", "fixed", "ladder", "streams", "bigbody", "open-streams")
 
 # Requests cycle through this many session ids (sent as X-Session-ID to every target).

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchproxy.common import HOST, PROXY_FEATURES, REFERENCES, REPO, SCRIPT
+from benchproxy.common import HOST, PROXY_FEATURES, REFERENCES, REPO, RING_TARGETS, SCRIPT
 
 
 def serve_upstream(host: str, port: int) -> int:
@@ -420,7 +420,11 @@ def proxy_config_doc(
         server["port"] = port
     return {
         "server": server,
-        "router": {"url": upstream, "engines": [upstream]},
+        "router": {
+            "url": upstream,
+            "engines": [upstream],
+            "policy": "consistent_hashing" if name in RING_TARGETS else "cache_aware",
+        },
         "session_lifecycle": {"enabled": lifecycle},
         "admission": {"enabled": admission, "poll_interval_s": poll_interval_s},
     }
