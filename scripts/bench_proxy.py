@@ -14,6 +14,13 @@ upstream process, for these targets:
   admission   through kvproxy, admission on (poll_interval_s 0.5; the upstream's
               /metrics always has room, so every request is admitted)
   both        through kvproxy, both features on (as users run them)
+  admission-ring, both-ring
+              the same with router.policy consistent_hashing (program admission
+              decides per engine, as the README recommends)
+  off:compiled, lifecycle:compiled, ...
+              any kvproxy target served by the compiled build (--compiled-python, an
+              interpreter whose kvproxy is KVPROXY_COMPILE=1's build), in the same
+              run: its rounds interleave with the Python build's
 
 Measurements (each reported per target, with the difference to direct):
 
@@ -40,6 +47,9 @@ The script starts every process itself (upstream, proxies, load generators) on
     python scripts/bench_proxy.py --quick --skip saturation,fixed,streams,open-streams
                                                   # QPS ladder and body sizes only
     python scripts/bench_proxy.py --profile results/profile   # also py-spy each proxy
+    python scripts/bench_proxy.py --compiled-python /tmp/compiled/bin/python \
+        --targets direct,naive,off,lifecycle,off:compiled,lifecycle:compiled
+                                                  # both builds side by side
 
 Internal modes (started by the script itself):
 

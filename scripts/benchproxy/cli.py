@@ -7,6 +7,7 @@ import contextlib
 import json
 import os
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -14,7 +15,14 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from benchproxy.common import HOST, MEASUREMENTS, TARGETS
+from benchproxy.common import (
+    COMPILED_SUFFIX,
+    HOST,
+    MEASUREMENTS,
+    TARGETS,
+    is_compiled,
+    known_target,
+)
 from benchproxy.load import run_client
 from benchproxy.report import format_report, machine_info, target_checks
 from benchproxy.runner import Bench, Params
@@ -53,7 +61,20 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--md", default=None, help="also write the markdown tables here (default: --out with .md)"
     )
-    parser.add_argument("--targets", default=",".join(TARGETS), help="comma list of %(default)s")
+    parser.add_argument(
+        "--targets",
+        default=",".join(TARGETS),
+        help="comma list of %(default)s; a kvproxy target with the suffix "
+        f"{COMPILED_SUFFIX} (off{COMPILED_SUFFIX}, lifecycle{COMPILED_SUFFIX}, ...) runs the "
+        "compiled build of --compiled-python in the same run",
+    )
+    parser.add_argument(
+        "--compiled-python",
+        default=None,
+        metavar="PYTHON",
+        help=f"the interpreter that serves the {COMPILED_SUFFIX} targets: one whose installed "
+        "kvproxy is the compiled build (KVPROXY_COMPILE=1 pip install . in a virtualenv)",
+    )
     parser.add_argument(
         "--skip", default="", help=f"comma list of measurements to skip: {', '.join(MEASUREMENTS)}"
     )
@@ -106,13 +127,42 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--upstream", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.targets = [t.strip() for t in args.targets.split(",") if t.strip()]
-    unknown = [t for t in args.targets if t not in TARGETS]
+    unknown = [t for t in args.targets if not known_target(t)]
     if unknown:
-        parser.error(f"unknown targets {unknown} (choose from {', '.join(TARGETS)})")
+        parser.error(
+            f"unknown targets {unknown} (choose from {', '.join(TARGETS)}, or a kvproxy "
+            f"target with {COMPILED_SUFFIX})"
+        )
+    if any(is_compiled(t) for t in args.targets):
+        if args.compiled_python is None:
+            parser.error(f"the {COMPILED_SUFFIX} targets need --compiled-python")
+        problem = compiled_build_problem(args.compiled_python)
+        if problem is not None:
+            parser.error(f"--compiled-python {args.compiled_python}: {problem}")
     args.skip = {s.strip() for s in args.skip.split(",") if s.strip()}
     if bad := args.skip - set(MEASUREMENTS):
         parser.error(f"unknown measurements in --skip: {sorted(bad)}")
     return args
+
+
+def compiled_build_problem(python: str) -> str | None:
+    """Why ``python`` cannot serve the compiled targets (None: its kvproxy is the
+    compiled build). Asked the way the proxies start it: ``-P``, outside the checkout's
+    source."""
+    probe = (
+        "from kvproxy.compiled import build_name, compiled_modules; "
+        "print(build_name(compiled_modules()))"
+    )
+    try:
+        done = subprocess.run(
+            [python, "-P", "-c", probe], capture_output=True, text=True, timeout=60, check=False
+        )
+    except OSError as exc:
+        return f"cannot run it ({exc})"
+    if done.returncode != 0:
+        return f"cannot import kvproxy ({done.stderr.strip().splitlines()[-1:]})"
+    build = done.stdout.strip()
+    return None if build == "compiled" else f"its kvproxy build is {build!r}, not 'compiled'"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -158,7 +208,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             bench.say(f"upstream {bench.upstream.url} (pid {bench.upstream.pid})")
             for name in (t for t in args.targets if t != "direct"):
                 try:
-                    proxy = start_proxy(name, bench.upstream.url, workdir, args.launcher)
+                    proxy = start_proxy(
+                        name, bench.upstream.url, workdir, args.launcher, python=bench.python(name)
+                    )
                 except Exception as exc:
                     bench.notes.append(f"proxy {name} did not start: {exc}")
                     bench.say(f"proxy {name} did not start: {exc}")

@@ -41,6 +41,34 @@ PROXY_FEATURES: dict[str, tuple[bool, bool]] = {  # name -> (lifecycle, admissio
 RING_TARGETS = frozenset({"admission-ring", "both-ring"})
 MEASUREMENTS = ("saturation", "fixed", "ladder", "streams", "bigbody", "open-streams")
 
+# A kvproxy target can also run the compiled build, beside the Python one in the same run
+# (its rounds interleaved with theirs): ``lifecycle:compiled`` is the lifecycle feature
+# set served by the interpreter given as ``--compiled-python`` (a virtualenv holding the
+# ``KVPROXY_COMPILE=1`` build).
+COMPILED_SUFFIX = ":compiled"
+
+
+def feature_set(target: str) -> str | None:
+    """The kvproxy feature set (a :data:`PROXY_FEATURES` key) ``target`` runs, in either
+    build; None for ``direct`` and the reference forwarders."""
+    base = target.removesuffix(COMPILED_SUFFIX)
+    return base if base in PROXY_FEATURES else None
+
+
+def is_compiled(target: str) -> bool:
+    return target.endswith(COMPILED_SUFFIX) and feature_set(target) is not None
+
+
+def known_target(target: str) -> bool:
+    return target in TARGETS or is_compiled(target)
+
+
+def in_build_of(feature: str, target: str) -> str:
+    """Feature set ``feature`` in ``target``'s build: ``off`` for ``lifecycle``,
+    ``off:compiled`` for ``lifecycle:compiled``."""
+    return feature + COMPILED_SUFFIX if is_compiled(target) else feature
+
+
 # Requests cycle through this many session ids (sent as X-Session-ID to every target).
 SESSIONS = 256
 SMALL_BODY_BYTES = 4 * 1024
@@ -50,6 +78,12 @@ BODY_SIZES: dict[str, int] = {"4KB": SMALL_BODY_BYTES, "200KB": BIG_BODY_BYTES, 
 LADDER_RATES: tuple[float, ...] = (100.0, 500.0, 1000.0, 2000.0)
 
 # Targets from the issue, checked at the end of a run.
+# Saturation: a feature on against features off (same build) and the naive splicing
+# proxy, each the median over rounds of the round's req/s ratio.
+TARGET_OVER_OFF_RATIO = 0.85
+TARGET_OVER_NAIVE_RATIO = 1.0
+# One 4 KB request at a time, added p50 over direct: features off, and a feature on.
+TARGET_C1_ADDED_P50_MS = {"off": 0.3, "feature": 0.4}
 TARGET_ADDED_P50_MS = 0.3
 TARGET_ADDED_P99_MS = 2.0
 TARGET_SATURATION_RPS = 5000.0

@@ -6,18 +6,23 @@ import contextlib
 import os
 import platform
 import shutil
+import statistics
 import subprocess
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from benchproxy.common import (
-    PROXY_FEATURES,
     TARGET_ADDED_P50_MS,
     TARGET_ADDED_P99_MS,
     TARGET_BIG_BODY_ADDED_MS,
     TARGET_BODY_OVER_OFF_MS,
+    TARGET_C1_ADDED_P50_MS,
     TARGET_OPEN_STREAMS_RSS_MB,
+    TARGET_OVER_NAIVE_RATIO,
+    TARGET_OVER_OFF_RATIO,
     TARGET_SATURATION_RPS,
+    feature_set,
+    in_build_of,
 )
 from benchproxy.runner import Params
 from kvproxy.demo import git_revision
@@ -44,6 +49,19 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 DELTA_NOTE = "Δ = median over rounds of target minus direct in the same round"
 
 
+def round_ratio(sat: Mapping[str, Any], target: str, base: str) -> float | None:
+    """Median over rounds of ``target``'s saturation req/s over ``base``'s in the same
+    round (rounds interleave the targets, so a drift of the machine cancels)."""
+    runs = sat.get("runs") or {}
+    pairs = zip(runs.get(target, ()), runs.get(base, ()), strict=False)
+    ratios = [t["rps"] / b["rps"] for t, b in pairs if t.get("rps") and b.get("rps")]
+    return statistics.median(ratios) if ratios else None
+
+
+def _ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
 def format_report(results: Mapping[str, Any], params: Params) -> str:
     parts: list[str] = []
     if sat := results.get("saturation"):
@@ -58,6 +76,12 @@ def format_report(results: Mapping[str, Any], params: Params) -> str:
                     f"{r['rps_median']:.0f}",
                     f"{r.get('rps_best', r['rps_median']):.0f}",
                     "-" if name == "direct" or not base else f"{r['rps_median'] / base:.2f}",
+                    _ratio(
+                        round_ratio(sat, name, in_build_of("off", name))
+                        if feature_set(name) not in (None, "off")
+                        else None
+                    ),
+                    _ratio(round_ratio(sat, name, "naive") if feature_set(name) else None),
                     _f(lat.get("p50_ms")),
                     _f(lat.get("p99_ms")),
                     str(r["errors"]),
@@ -68,13 +92,16 @@ def format_report(results: Mapping[str, Any], params: Params) -> str:
             )
         parts.append(
             f"**Saturation** ({sat['generator']}, {params.sat_connections} connections, 4 KB `input_ids` bodies, "
-            f"median of {params.rounds} x {params.sat_duration_s:.0f} s)\n\n"
+            f"median of {params.rounds} x {params.sat_duration_s:.0f} s; vs off and vs naive: the "
+            "median over rounds of the round's ratio, off of the same build)\n\n"
             + _table(
                 [
                     "target",
                     "req/s (median)",
                     "req/s (best)",
                     "vs direct",
+                    "vs off (rounds)",
+                    "vs naive (rounds)",
                     "p50 ms",
                     "p99 ms",
                     "errors",
@@ -221,7 +248,9 @@ def format_report(results: Mapping[str, Any], params: Params) -> str:
                 _f(r["latency"]["p50_ms"]),
                 _f(r["latency"]["p99_ms"]),
                 "-" if name == "direct" else _signed(r.get("delta_p50_ms")),
-                "-" if name in ("direct", "off") else _signed(r.get("over_off_p50_ms")),
+                "-"
+                if name == "direct" or feature_set(name) == "off"
+                else _signed(r.get("over_off_p50_ms")),
                 _faults(r.get("minor_faults_per_request")),
                 str(sum(r["errors"].values())),
             ]
@@ -309,7 +338,7 @@ def target_checks(results: Mapping[str, Any], params: Params) -> list[tuple[str,
     base = (fixed.get("direct") or {}).get("latency", {})
     rate = f"{params.fixed_rate:.0f} req/s"
     for name, r in fixed.items():
-        if name not in PROXY_FEATURES or base.get("p50_ms") is None:
+        if not feature_set(name) or base.get("p50_ms") is None:
             continue
         n_err = sum(r["errors"].values())
         if r["latency"]["p50_ms"] is None:
@@ -336,7 +365,7 @@ def target_checks(results: Mapping[str, Any], params: Params) -> list[tuple[str,
         )
     sat = (results.get("saturation") or {}).get("targets", {})
     for name, r in sat.items():
-        if name in PROXY_FEATURES:
+        if feature_set(name):
             rps, n_err = r["rps_median"], r["errors"]
             best = r.get("rps_best", rps)
             checks.append(
@@ -347,9 +376,11 @@ def target_checks(results: Mapping[str, Any], params: Params) -> list[tuple[str,
                     rps >= TARGET_SATURATION_RPS and not n_err,
                 )
             )
+    checks += _ratio_checks(results.get("saturation") or {})
+    checks += _one_at_a_time_checks(results)
     opened = (results.get("open_streams") or {}).get("targets", {})
     for name, r in opened.items():
-        if name not in PROXY_FEATURES:
+        if not feature_set(name):
             continue
         ok = (
             r["ok"] == r["streams"]
@@ -366,7 +397,7 @@ def target_checks(results: Mapping[str, Any], params: Params) -> list[tuple[str,
         )
     streams = results.get("streams") or {}
     for name, r in streams.items():
-        if name in PROXY_FEATURES:
+        if feature_set(name):
             ok = r["ok"] == r["streams"] and r["coalesced"] == 0
             checks.append(
                 (
@@ -379,7 +410,7 @@ def target_checks(results: Mapping[str, Any], params: Params) -> list[tuple[str,
     big = (results.get("bigbody") or {}).get("targets", {})
     bbase = (big.get("direct") or {}).get("latency", {})
     for name, r in big.items():
-        if name not in PROXY_FEATURES or bbase.get("p50_ms") is None:
+        if not feature_set(name) or bbase.get("p50_ms") is None:
             continue
         n_err = sum(r["errors"].values())
         if r["latency"]["p50_ms"] is None:
@@ -399,7 +430,7 @@ def target_checks(results: Mapping[str, Any], params: Params) -> list[tuple[str,
     for label, limit in TARGET_BODY_OVER_OFF_MS.items():
         per_size = ((results.get("bodies") or {}).get(label) or {}).get("targets", {})
         for name, r in per_size.items():
-            if name not in PROXY_FEATURES or name == "off" or r.get("over_off_p50_ms") is None:
+            if feature_set(name) in (None, "off") or r.get("over_off_p50_ms") is None:
                 continue
             n_err = sum(r["errors"].values())
             d = r["over_off_p50_ms"]
@@ -411,6 +442,54 @@ def target_checks(results: Mapping[str, Any], params: Params) -> list[tuple[str,
                     d <= limit and not n_err,
                 )
             )
+    return checks
+
+
+def _ratio_checks(sat: Mapping[str, Any]) -> list[tuple[str, str, str, bool]]:
+    """A feature on at saturation against features off of the same build and against the
+    naive splicing proxy, where those ran (median over rounds of the round's ratio)."""
+    checks: list[tuple[str, str, str, bool]] = []
+    targets = sat.get("targets") or {}
+    for name in targets:
+        if feature_set(name) in (None, "off"):
+            continue
+        for base, limit in (
+            (in_build_of("off", name), TARGET_OVER_OFF_RATIO),
+            ("naive", TARGET_OVER_NAIVE_RATIO),
+        ):
+            ratio = round_ratio(sat, name, base) if base in targets else None
+            if ratio is None:
+                continue
+            checks.append(
+                (
+                    name,
+                    f">= {limit:.2f}x {base}'s req/s at saturation (median of round ratios)",
+                    f"{ratio:.2f}x",
+                    ratio >= limit,
+                )
+            )
+    return checks
+
+
+def _one_at_a_time_checks(results: Mapping[str, Any]) -> list[tuple[str, str, str, bool]]:
+    """Added p50 over direct with one 4 KB request at a time: features off, a feature on."""
+    checks: list[tuple[str, str, str, bool]] = []
+    small = ((results.get("bodies") or {}).get("4KB") or {}).get("targets", {})
+    for name, r in small.items():
+        features = feature_set(name)
+        d = r.get("delta_p50_ms")
+        if features is None or d is None:
+            continue
+        limit = TARGET_C1_ADDED_P50_MS["off" if features == "off" else "feature"]
+        n_err = sum(r["errors"].values())
+        checks.append(
+            (
+                name,
+                f"4 KB, one at a time: added p50 <= {limit} ms over direct",
+                f"{d:+.3f} ms" + (f", {n_err} failed requests" if n_err else ""),
+                d <= limit and not n_err,
+            )
+        )
     return checks
 
 

@@ -18,10 +18,12 @@ from typing import Any
 from benchproxy.common import (
     BODY_SIZES,
     LADDER_RATES,
-    PROXY_FEATURES,
     SESSIONS,
     SMALL_BODY_BYTES,
+    feature_set,
     histogram_quantile,
+    in_build_of,
+    is_compiled,
     make_body,
     paired_delta,
     parse_histogram,
@@ -97,6 +99,10 @@ class Bench:
     def say(self, line: str) -> None:
         print(line, flush=True)
 
+    def python(self, target: str) -> str | None:
+        """The interpreter that serves ``target`` when it is not this one's kvproxy."""
+        return self.args.compiled_python if is_compiled(target) else None
+
     def url(self, target: str) -> str:
         if target == "direct":
             assert self.upstream is not None
@@ -162,7 +168,7 @@ class Bench:
                     res["upstream_cpu_share"] = (ua - ub) / wall
                 runs[target].append(res)
                 self.say(f"  {target:10s} {res['rps']:9.0f} req/s  errors={res['errors'] or 0}")
-                if self.args.profile and target in PROXY_FEATURES and rnd == p.rounds - 1:
+                if self.args.profile and feature_set(target) and rnd == p.rounds - 1:
                     self._profile(target, url, lua, use_wrk)
         summary: dict[str, Any] = {
             "generator": "wrk" if use_wrk else "python-closed-loop",
@@ -472,7 +478,9 @@ class Bench:
                     "rounds": per_round[t],
                     "delta_p50_ms": paired_delta(per_round, t, "p50_ms"),
                     "delta_p99_ms": paired_delta(per_round, t, "p99_ms"),
-                    "over_off_p50_ms": paired_delta(per_round, t, "p50_ms", base="off"),
+                    "over_off_p50_ms": paired_delta(
+                        per_round, t, "p50_ms", base=in_build_of("off", t)
+                    ),
                     # The server's (the upstream's for direct), per request, per round.
                     "minor_faults_per_request": faults[t],
                 }
@@ -499,7 +507,13 @@ class Bench:
                 out[name] = self._open_streams_on(self.upstream)
             else:
                 try:
-                    proxy = start_proxy(name, self.upstream.url, self.workdir, self.args.launcher)
+                    proxy = start_proxy(
+                        name,
+                        self.upstream.url,
+                        self.workdir,
+                        self.args.launcher,
+                        python=self.python(name),
+                    )
                 except Exception as exc:
                     self.notes.append(f"open-streams/{name}: proxy did not start: {exc}")
                     continue

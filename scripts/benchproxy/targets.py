@@ -20,7 +20,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchproxy.common import HOST, PROXY_FEATURES, REFERENCES, REPO, RING_TARGETS, SCRIPT
+from benchproxy.common import (
+    HOST,
+    PROXY_FEATURES,
+    REFERENCES,
+    REPO,
+    RING_TARGETS,
+    SCRIPT,
+    feature_set,
+)
 
 
 def serve_upstream(host: str, port: int) -> int:
@@ -413,7 +421,10 @@ def proxy_config_doc(
     """kvproxy's configuration for feature set ``name`` in front of ``upstream``: the one
     document every proxy benchmark uses (this one and ``scripts/bench_request_cpu.py``),
     with ``server_keys`` over its ``server`` section."""
-    lifecycle, admission = PROXY_FEATURES[name]
+    features = feature_set(name)
+    if features is None:
+        raise ValueError(f"{name!r} is not a kvproxy target")
+    lifecycle, admission = PROXY_FEATURES[features]
     server: dict[str, Any] = {"log_level": "WARNING", "shutdown_grace_s": 1.0}
     server.update(server_keys or {})
     if port is not None:
@@ -423,7 +434,7 @@ def proxy_config_doc(
         "router": {
             "url": upstream,
             "engines": [upstream],
-            "policy": "consistent_hashing" if name in RING_TARGETS else "cache_aware",
+            "policy": "consistent_hashing" if features in RING_TARGETS else "cache_aware",
         },
         "session_lifecycle": {"enabled": lifecycle},
         "admission": {"enabled": admission, "poll_interval_s": poll_interval_s},
@@ -482,19 +493,24 @@ def start_proxy(
     launcher: str,
     server_keys: Mapping[str, Any] | None = None,
     label: str | None = None,
+    python: str | None = None,
 ) -> Proc:
-    """Start kvproxy with feature set ``name`` (and ``server_keys``); through kvproxy.stack
-    when available. ``label`` names its files (default: ``name``)."""
+    """Start kvproxy as target ``name`` (and ``server_keys``); through kvproxy.stack when
+    available. ``label`` names its files (default: ``name``); ``python`` serves it with
+    that interpreter's kvproxy (a compiled build) instead of this one's."""
     if name in REFERENCES:
         return start_upstream(workdir, floor_of=upstream, kind=name)
-    label = label or name
+    features = feature_set(name)
+    if features is None:
+        raise ValueError(f"{name!r} is not a kvproxy target")
+    label = (label or name).replace(":", "-")
     port = free_port()
     cfg = workdir / f"kvproxy-{label}.yaml"
     write_proxy_config(cfg, name, upstream, port, server_keys)
     log_dir = workdir / f"kvproxy-{label}"
     log_dir.mkdir(exist_ok=True)
     proc: Proc | None = None
-    if launcher in ("auto", "stack"):
+    if launcher in ("auto", "stack") and python is None:
         try:
             from kvproxy.stack import start_kvproxy  # type: ignore[import-not-found,unused-ignore]
         except ImportError:
@@ -515,7 +531,7 @@ def start_proxy(
         log = log_dir / "kvproxy.log"
         # -P: the kvproxy this interpreter has installed (a compiled build included),
         # not the checkout's source that cwd would put first on sys.path.
-        cmd = [sys.executable, "-P", "-m", "kvproxy", "serve", "--config", str(cfg)]
+        cmd = [python or sys.executable, "-P", "-m", "kvproxy", "serve", "--config", str(cfg)]
         cmd += ["--port", str(port)]
         cmd += ["--router-url", upstream]
         with open(log, "wb") as out:
@@ -530,7 +546,7 @@ def start_proxy(
         proc = Proc(label, f"http://{HOST}:{port}", popen, log)
     try:
         wait_ready(proc, "/kvproxy/health", 30.0)
-        if PROXY_FEATURES[name][1]:  # admission on
+        if PROXY_FEATURES[features][1]:  # admission on
             # Wait for the first /metrics poll so that measurements see a live ledger.
             doc = wait_ready(proc, "/kvproxy/health", 10.0, want_status="ok")
             if doc is not None and doc.get("status") != "ok":
