@@ -4,10 +4,10 @@
 reads this list): the pure core a request goes through (the body scan, the plan, the
 session table, admission's decision and ledger) and the handlers that call it. The
 source is the same; mypyc turns each typed function into C, and a feature's share of
-a request runs in 27-47 % fewer instructions (docs/benchmarks.md, "The request path
-compiled": in time, on the shared benchmark host, not yet told apart from the noise). A
-plain ``pip install .`` runs the same modules as Python: that is the default and the
-reference, and what the tests run first.
+a request runs in 27-47 % fewer instructions and about half the CPU time (measured side
+by side with the Python build on a quiet host: docs/benchmarks.md, "Where the targets
+stand on a quiet host"). A plain ``pip install .`` runs the same modules as Python: that
+is the default (no compiler needed) and the reference, and what the tests run first.
 
 Nothing here imports the modules it names, so ``setup.py`` can read it at build time.
 """
