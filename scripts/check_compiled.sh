@@ -2,8 +2,10 @@
 # Build kvproxy with its request path compiled (KVPROXY_COMPILE=1: mypyc, see
 # kvproxy/compiled.py) and run, on that build, the unit tests and the real-stack tests
 # of the request path:
-#   - the wheel builds (pip's isolated build env fetches mypy) and carries every module
-#     of kvproxy.compiled.MODULES as an extension;
+#   - the wheel builds as `KVPROXY_COMPILE=1 pip install .` builds it in a fresh
+#     virtualenv: by a bare virtualenv's pip, none of kvproxy's dependencies installed
+#     (pip's isolated build env fetches mypy and what it type-checks against), and
+#     carries every module of kvproxy.compiled.MODULES as an extension;
 #   - in a fresh virtualenv that sees .venv's dependencies but not its kvproxy, pytest
 #     imports the installed build (-P and --import-mode=append keep the checkout's
 #     source off the front of sys.path) with KVPROXY_EXPECT_COMPILED=1, so that
@@ -20,7 +22,9 @@ trap 'rm -rf "$WORK"' EXIT
 
 fail() { echo "check_compiled: FAIL: $*" >&2; exit 1; }
 
-KVPROXY_COMPILE=1 "$VENV_PY" -m pip wheel --no-deps --wheel-dir "$WORK/dist" . \
+BASE_PY="$("$VENV_PY" -c 'import sys; print(sys._base_executable)')"
+"$BASE_PY" -m venv "$WORK/bare" || fail "no virtualenv to build in"
+KVPROXY_COMPILE=1 "$WORK/bare/bin/python" -m pip wheel --no-deps --wheel-dir "$WORK/dist" . \
     >"$WORK/build.log" 2>&1 || { tail -40 "$WORK/build.log" >&2; fail "the compiled wheel did not build"; }
 WHEEL="$(ls "$WORK"/dist/kvproxy-*.whl)"
 
