@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import runpy
+import shutil
 from pathlib import Path
 
 from setuptools import setup
@@ -13,6 +14,12 @@ from setuptools import setup
 HERE = Path(__file__).resolve().parent
 # Read without importing the package (the build has none of its dependencies).
 _compiled = runpy.run_path(str(HERE / "kvproxy" / "compiled.py"))
+
+# A wheel is packed from what setuptools staged in build/lib*, which an earlier build of
+# the checkout may have left: a compiled module the current build does not make (the
+# module list changed) would be packed too, and its import fails. Staged afresh.
+for _staged in (HERE / "build").glob("lib*"):
+    shutil.rmtree(_staged, ignore_errors=True)
 
 if _compiled["compile_requested"](os.environ):
     from mypyc.build import mypycify
