@@ -22,8 +22,7 @@ trap 'rm -rf "$WORK"' EXIT
 
 fail() { echo "check_compiled: FAIL: $*" >&2; exit 1; }
 
-BASE_PY="$("$VENV_PY" -c 'import sys; print(sys._base_executable)')"
-"$BASE_PY" -m venv "$WORK/bare" || fail "no virtualenv to build in"
+"$(base_python "$VENV_PY")" -m venv "$WORK/bare" || fail "no virtualenv to build in"
 KVPROXY_COMPILE=1 "$WORK/bare/bin/python" -m pip wheel --no-deps --wheel-dir "$WORK/dist" . \
     >"$WORK/build.log" 2>&1 || { tail -40 "$WORK/build.log" >&2; fail "the compiled wheel did not build"; }
 WHEEL="$(ls "$WORK"/dist/kvproxy-*.whl)"

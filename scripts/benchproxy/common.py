@@ -55,6 +55,14 @@ def feature_set(target: str) -> str | None:
     return base if base in PROXY_FEATURES else None
 
 
+def features_of(target: str) -> str:
+    """:func:`feature_set` of a target that must be kvproxy (ValueError otherwise)."""
+    features = feature_set(target)
+    if features is None:
+        raise ValueError(f"{target!r} is not a kvproxy target")
+    return features
+
+
 def is_compiled(target: str) -> bool:
     return target.endswith(COMPILED_SUFFIX) and feature_set(target) is not None
 

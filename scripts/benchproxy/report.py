@@ -457,7 +457,7 @@ def _ratio_checks(sat: Mapping[str, Any]) -> list[tuple[str, str, str, bool]]:
             (in_build_of("off", name), TARGET_OVER_OFF_RATIO),
             ("naive", TARGET_OVER_NAIVE_RATIO),
         ):
-            ratio = round_ratio(sat, name, base) if base in targets else None
+            ratio = round_ratio(sat, name, base)
             if ratio is None:
                 continue
             checks.append(

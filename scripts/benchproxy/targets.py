@@ -27,7 +27,7 @@ from benchproxy.common import (
     REPO,
     RING_TARGETS,
     SCRIPT,
-    feature_set,
+    features_of,
 )
 
 
@@ -421,9 +421,7 @@ def proxy_config_doc(
     """kvproxy's configuration for feature set ``name`` in front of ``upstream``: the one
     document every proxy benchmark uses (this one and ``scripts/bench_request_cpu.py``),
     with ``server_keys`` over its ``server`` section."""
-    features = feature_set(name)
-    if features is None:
-        raise ValueError(f"{name!r} is not a kvproxy target")
+    features = features_of(name)
     lifecycle, admission = PROXY_FEATURES[features]
     server: dict[str, Any] = {"log_level": "WARNING", "shutdown_grace_s": 1.0}
     server.update(server_keys or {})
@@ -500,9 +498,7 @@ def start_proxy(
     that interpreter's kvproxy (a compiled build) instead of this one's."""
     if name in REFERENCES:
         return start_upstream(workdir, floor_of=upstream, kind=name)
-    features = feature_set(name)
-    if features is None:
-        raise ValueError(f"{name!r} is not a kvproxy target")
+    features = features_of(name)
     label = (label or name).replace(":", "-")
     port = free_port()
     cfg = workdir / f"kvproxy-{label}.yaml"
