@@ -5,6 +5,9 @@ Every measurement runs in one invocation, on the same machine, against the same
 upstream process, for these targets:
 
   direct      the load generator talks to the upstream itself (no proxy process)
+  raw         through a forwarder on asyncio Protocols (uvloop) with no HTTP framework:
+              it frames requests and responses and nothing more; what a Python hop
+              costs without aiohttp's server and client, for reference; not kvproxy
   floor       through a minimal aiohttp forwarder (read body, pooled upstream call, relay):
               the cost of one extra aiohttp hop, for reference; not kvproxy
   naive       the floor, but a JSON body is parsed, given the X-Session-ID header as its

@@ -44,7 +44,7 @@ from benchproxy.targets import start_in_process, start_upstream
 from kvproxy.config import ServerConfig
 from kvproxy.serve import apply_gc_threshold, apply_malloc_retain
 
-TARGETS = ("direct", "floor", "naive", *PROXY_FEATURES)
+TARGETS = ("direct", "raw", "floor", "naive", *PROXY_FEATURES)
 
 
 async def _drive(url: str, body: bytes, n: int, concurrency: int) -> None:

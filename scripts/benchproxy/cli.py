@@ -24,6 +24,7 @@ from benchproxy.common import (
     known_target,
 )
 from benchproxy.load import run_client
+from benchproxy.rawhop import serve_raw
 from benchproxy.report import format_report, machine_info, target_checks
 from benchproxy.runner import Bench, Params
 from benchproxy.targets import (
@@ -124,6 +125,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--client", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--serve-floor", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--serve-naive", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--serve-raw", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--upstream", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.targets = [t.strip() for t in args.targets.split(",") if t.strip()]
@@ -171,6 +173,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return serve_upstream(args.host, args.port)
     if args.client is not None:
         return run_client(args.client)
+    if args.serve_raw:
+        return serve_raw(args.host, args.port, args.upstream)
     if args.serve_floor or args.serve_naive:
         kind = "naive" if args.serve_naive else "floor"
         return serve_reference(args.host, args.port, args.upstream, kind)

@@ -16,6 +16,7 @@ HOST = "127.0.0.1"
 
 TARGETS = (
     "direct",
+    "raw",
     "floor",
     "naive",
     "off",
@@ -25,8 +26,9 @@ TARGETS = (
     "admission-ring",
     "both-ring",
 )
-# Reference forwarders, not kvproxy (scripts/benchproxy/targets.py: floor_app, naive_app).
-REFERENCES = ("floor", "naive")
+# Reference forwarders, not kvproxy: the raw hop (scripts/benchproxy/rawhop.py) and the
+# aiohttp ones (scripts/benchproxy/targets.py: floor_app, naive_app).
+REFERENCES = ("raw", "floor", "naive")
 PROXY_FEATURES: dict[str, tuple[bool, bool]] = {  # name -> (lifecycle, admission)
     "off": (False, False),
     "lifecycle": (True, False),

@@ -389,7 +389,7 @@ def wait_ready(
 
 def start_upstream(workdir: Path, floor_of: str | None = None, kind: str = "floor") -> Proc:
     """The fast upstream, or (``floor_of`` = the upstream's URL) a reference forwarder
-    (``kind``: floor or naive)."""
+    (``kind``: raw, floor or naive)."""
     port = free_port()
     name = kind if floor_of else "upstream"
     log = workdir / f"{name}.log"
@@ -452,6 +452,8 @@ async def start_in_process(target: str, upstream: str, poll_s: float) -> tuple[A
     from kvproxy.config import from_mapping
     from kvproxy.keys import ADMISSION
 
+    if target == "raw":
+        return await _start_raw_in_process(upstream)
     if target == "floor":
         app = floor_app(upstream)
     elif target == "naive":
@@ -470,6 +472,26 @@ async def start_in_process(target: str, upstream: str, poll_s: float) -> tuple[A
     gc.collect()
     gc.freeze()
     return runner, f"http://{HOST}:{port}"
+
+
+class _RawServer:
+    """The raw hop served in this event loop, stopped as a runner is (``cleanup``)."""
+
+    def __init__(self, server: asyncio.AbstractServer) -> None:
+        self._server = server
+
+    async def cleanup(self) -> None:
+        self._server.close()
+        await self._server.wait_closed()
+
+
+async def _start_raw_in_process(upstream: str) -> tuple[_RawServer, str]:
+    from benchproxy.rawhop import forwarder_factory
+
+    port = free_port()
+    loop = asyncio.get_running_loop()
+    server = await loop.create_server(forwarder_factory(upstream), HOST, port, backlog=4096)
+    return _RawServer(server), f"http://{HOST}:{port}"
 
 
 def write_proxy_config(
