@@ -163,8 +163,11 @@ class _Client(asyncio.Protocol):
         except OSError:
             self.close()
             return
-        self.upstream = up
         assert up.transport is not None
+        if self.transport is None:  # the client left while it connected
+            up.transport.close()
+            return
+        self.upstream = up
         up.transport.write(request)
 
     def send(self, data: bytes) -> None:
