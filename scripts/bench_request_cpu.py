@@ -38,13 +38,11 @@ import aiohttp
 from aiohttp import web
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchproxy.common import PROXY_FEATURES, make_body, session_headers
+from benchproxy.common import TARGETS, make_body, session_headers
 from benchproxy.targets import start_in_process, start_upstream
 
 from kvproxy.config import ServerConfig
 from kvproxy.serve import apply_gc_threshold, apply_malloc_retain
-
-TARGETS = ("direct", "raw", "floor", "naive", *PROXY_FEATURES)
 
 
 async def _drive(url: str, body: bytes, n: int, concurrency: int) -> None:
