@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import random
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from types import TracebackType
@@ -40,6 +41,7 @@ from multidict import CIMultiDict
 from kvproxy.admission.coordinator import AdmissionController, AdmissionRequest, Decision
 from kvproxy.config import Config
 from kvproxy.lab.engines import EngineError, LabEngine
+from kvproxy.lab.faults import FAULTS, ScrapeFailed, SignalFault
 from kvproxy.lab.router import Placement
 from kvproxy.proxy.pipeline import Plan, Refusal, final_fields, plan_request, with_turn_headers
 from kvproxy.sessions.lifecycle import SessionClosed, SessionManager, TrackedRequest
@@ -104,8 +106,17 @@ class _EngineHttp:
 class LabProxy:
     """The proxy's interception pipeline over lab engines (see the module docstring)."""
 
-    def __init__(self, config: Config, engines: Sequence[LabEngine], placement: Placement) -> None:
+    def __init__(
+        self,
+        config: Config,
+        engines: Sequence[LabEngine],
+        placement: Placement,
+        fault: SignalFault = FAULTS["none"],
+        seed: int = 0,
+    ) -> None:
         self.config = config
+        self.fault = fault
+        self._fault_rng = random.Random(seed)
         self.engines = {e.url: e for e in engines}
         self.placement = placement
         self.http = _EngineHttp(self.engines)
@@ -173,7 +184,14 @@ class LabProxy:
         self.admission.end_session(session_id)
 
     async def _scrape(self, url: str) -> str:
-        return self.engines[url].metrics_text()
+        loop = asyncio.get_running_loop()
+        if self.fault.failing(loop.time()):
+            raise ScrapeFailed(f"{url}/metrics: injected fault {self.fault.name!r}")
+        text = self.engines[url].metrics_text()
+        delay = self.fault.delay_s(self._fault_rng)
+        if delay > 0:  # the reading arrives late, as it was when the scrape began
+            await asyncio.sleep(delay)
+        return text
 
     # -- the data plane ----------------------------------------------------------------
 

@@ -26,6 +26,7 @@ from typing import Any
 
 from kvproxy.config import AdmissionConfig, Config, ServerConfig, SessionLifecycleConfig
 from kvproxy.lab.engines import LabEngine
+from kvproxy.lab.faults import FAULTS
 from kvproxy.lab.proxy import LabProxy
 from kvproxy.lab.router import ROUTER_POLICIES, Placement
 from kvproxy.lab.vloop import run_virtual
@@ -87,6 +88,9 @@ class LabConfig:
     # Engine URLs as the router lists them (placement hashes these strings);
     # None: http://127.0.0.1:30001, :30002, ...
     engine_urls: tuple[str, ...] | None = None
+    # A fault of kvproxy's /metrics scrapes (kvproxy.lab.faults: none, windows,
+    # periodic, quarter, lag); off and ceiling do not scrape.
+    signal_fault: str = "none"
     # Bound on simulated seconds; a run past it raises LabError.
     max_simulated_s: float = 7 * 24 * 3600.0
 
@@ -112,6 +116,8 @@ def _validate(cfg: LabConfig) -> None:
         raise LabError(f"sessions must be >= 1, got {cfg.sessions}")
     if cfg.token_scale < 1:
         raise LabError(f"token scale must be >= 1, got {cfg.token_scale}")
+    if cfg.signal_fault not in FAULTS:
+        raise LabError(f"signal fault must be one of {', '.join(FAULTS)}, got {cfg.signal_fault!r}")
     if cfg.engine_urls is not None and len(set(cfg.engine_urls)) != cfg.engines:
         raise LabError("engine_urls must name exactly `engines` distinct URLs")
 
@@ -204,6 +210,8 @@ async def _run(cfg: LabConfig) -> LabResult:
         proxy_config(cfg.policy, cfg.tuning, cfg.token_scale, cfg.admission_overrides),
         engines,
         Placement(cfg.router_policy, urls),
+        fault=FAULTS[cfg.signal_fault],
+        seed=cfg.seed,
     )
     transport = LabTransport(proxy)
     async with proxy.running():
@@ -254,6 +262,7 @@ async def _run(cfg: LabConfig) -> LabResult:
         admission_decisions=dict(sorted(proxy.decisions.items())),
         admission_counters=admission_counters,
         injected_priorities={str(k): v for k, v in sorted(proxy.priorities.items())},
+        signal_fault=cfg.signal_fault,
         simulated_s=round(simulated, 6),
         # Admission's wait of sessions' first requests (None: admission off).
         first_turn_wait_p99_s=None if p99 is None else round(p99, 4),

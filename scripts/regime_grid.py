@@ -1,0 +1,365 @@
+#!/usr/bin/env python3
+"""The regime grid: program admission against off and the no-eviction ceiling, in the lab.
+
+Every cell is one fleet (2 engines), one workload and one pool: fleet size (live
+sessions per engine), working set / pool, workload (swe, rl, subagents) with short
+(5k) or long (the preset's) contexts, and a signal fault on kvproxy's engine metrics.
+``off`` and ``ceiling`` do not read the engines' metrics, so they run once per fleet;
+``both`` runs once per fault. A cell reports sessions/min (output tokens/s for rl),
+both / off, ceiling / off, the gap closed ((both - off) / (ceiling - off)), the
+continuing-turn TTFT p99 of off and both, and both's first-turn wait p99.
+
+    python scripts/regime_grid.py --jobs 2                     # the whole grid, seed 0
+    python scripts/regime_grid.py --workloads swe --sizes 4,48 --ratios 2.5 --faults all
+    python scripts/regime_grid.py --check results/regime_grid.json   # the criteria only
+
+Writes ``results/regime_grid.json`` (every row) and prints the markdown tables and the
+acceptance criteria of docs/benchmarks.md ("Regime grid").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from kvproxy.demo import Scenario, git_revision
+from kvproxy.lab.faults import FAULTS
+from kvproxy.lab.runner import LabConfig, run_lab
+
+WORKLOADS = ("swe", "rl", "subagents")
+CONTEXTS = {"short": 5_120, "long": None}  # real tokens; None: the preset's
+SIZES = (4, 8, 16, 32, 48, 64)
+RATIOS = (0.8, 1.5, 2.5, 4.0)
+# Faults run on the KV-bound cells only unless --faults-everywhere.
+FAULT_NAMES = tuple(FAULTS)
+KEEP = (
+    "sessions_per_min",
+    "output_tokens_per_s",
+    "ttft_p99_continuing_s",
+    "first_turn_wait_p99_s",
+    "recompute_share",
+    "sessions",
+    "makespan_s",
+    "admission_counters",
+    "wall_s",
+)
+
+
+@dataclass(frozen=True)
+class Fleet:
+    """A cell without its policy: workload, context, size, pool ratio."""
+
+    workload: str
+    context: str
+    per_engine: int
+    ratio: float
+
+    @property
+    def key(self) -> str:
+        return f"{self.workload}/{self.context}/{self.per_engine}/{self.ratio:g}"
+
+    def scenario(self) -> Scenario:
+        ctx = CONTEXTS[self.context]
+        overrides = {} if ctx is None else {"context_length": ctx}
+        return Scenario(
+            name=self.key,
+            workload=self.workload,
+            sessions_per_engine=self.per_engine,
+            pool_ratio=self.ratio,
+            workload_overrides=overrides,
+        )
+
+    def pool(self) -> tuple[int, float]:
+        """(pool tokens per engine, the working set / pool it gives): the ratio's pool,
+        raised where needed so the longest context fits (SGLang rejects a longer one)."""
+        sc = self.scenario()
+        need = int(sc.spec().context_length) + 64
+        pool = max(sc.pool(), need)
+        return pool, sc.live_working_set() / pool
+
+    def metric(self) -> str:
+        return "output_tokens_per_s" if self.workload == "rl" else "sessions_per_min"
+
+
+@dataclass(frozen=True)
+class Job:
+    fleet: Fleet
+    policy: str  # off | both | ceiling
+    fault: str = "none"
+    seed: int = 0
+    admission: Mapping[str, Any] = field(default_factory=dict)
+
+    def config(self) -> LabConfig:
+        sc = self.fleet.scenario()
+        pool, _ = self.fleet.pool()
+        return LabConfig(
+            workload=self.fleet.workload,
+            engines=2,
+            sessions_per_engine=self.fleet.per_engine,
+            policy=self.policy,
+            seed=self.seed,
+            engine_overrides={"max_total_tokens": pool},
+            workload_overrides=dict(sc.workload_overrides),
+            admission_overrides=dict(self.admission),
+            signal_fault=self.fault,
+        )
+
+
+def run_job(job: Job) -> dict[str, Any]:
+    summary = run_lab(job.config()).summary
+    row = {k: summary.get(k) for k in KEEP}
+    row.update(
+        fleet=job.fleet.key, policy=job.policy, fault=job.fault, seed=job.seed
+    )
+    return row
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    if a is None or b is None or b == 0:
+        return None
+    return a / b
+
+
+def fleets(
+    workloads: Sequence[str], contexts: Sequence[str], sizes: Sequence[int], ratios: Sequence[float]
+) -> list[Fleet]:
+    return [
+        Fleet(w, c, n, r) for w in workloads for c in contexts for n in sizes for r in ratios
+    ]
+
+
+def jobs_for(
+    cells: Sequence[Fleet],
+    faults: Sequence[str],
+    seeds: Sequence[int],
+    admission: Mapping[str, Any],
+    fault_cells: set[str] | None,
+) -> list[Job]:
+    out: list[Job] = []
+    for f in cells:
+        for seed in seeds:
+            out.append(Job(f, "off", seed=seed))
+            out.append(Job(f, "ceiling", seed=seed))
+            out.append(Job(f, "both", seed=seed, admission=admission))
+            for fault in faults:
+                if fault == "none" or (fault_cells is not None and f.key not in fault_cells):
+                    continue
+                out.append(Job(f, "both", fault=fault, seed=seed, admission=admission))
+    # Longest first: big fleets first keeps both processes busy to the end.
+    out.sort(key=lambda j: -j.fleet.per_engine)
+    return out
+
+
+def cell_rows(rows: Iterable[Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per fleet: the median over seeds of each policy's (and fault's) metric."""
+    by: dict[tuple[str, str], list[Mapping[str, Any]]] = {}
+    for r in rows:
+        name = r["policy"] if r["fault"] == "none" else f"both@{r['fault']}"
+        by.setdefault((r["fleet"], name), []).append(r)
+    out: dict[str, dict[str, Any]] = {}
+    for (fleet, name), group in by.items():
+        wl = fleet.split("/")[0]
+        metric = "output_tokens_per_s" if wl == "rl" else "sessions_per_min"
+        cell = out.setdefault(fleet, {"fleet": fleet, "metric": metric})
+        cell[name] = {
+            "value": _median(r.get(metric) for r in group),
+            "ttft_p99": _median(r.get("ttft_p99_continuing_s") for r in group),
+            "first_wait_p99": _median(r.get("first_turn_wait_p99_s") for r in group),
+            "seeds": sorted(r["seed"] for r in group),
+        }
+    return out
+
+
+def _median(values: Iterable[Any]) -> float | None:
+    nums = [float(v) for v in values if isinstance(v, int | float) and not math.isnan(v)]
+    return statistics.median(nums) if nums else None
+
+
+def judge(cells: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
+    """The acceptance criteria of the admission issue, over the cells given."""
+    worst: tuple[float, str] | None = None
+    tail_bad: list[str] = []
+    closed: list[float] = []
+    fault_keep: dict[str, list[float]] = {}
+    for key, c in sorted(cells.items()):
+        off, both, ceil = (c.get(p, {}).get("value") for p in ("off", "both", "ceiling"))
+        r = _ratio(both, off)
+        if r is not None and (worst is None or r < worst[0]):
+            worst = (r, key)
+        bound = _ratio(ceil, off)
+        if bound is not None and bound < 1.1:
+            t = _ratio(c["both"]["ttft_p99"], c["off"]["ttft_p99"])
+            if t is not None and t > 1.2 and c["both"]["ttft_p99"] > 1.0:
+                tail_bad.append(f"{key} ({t:.2f}x)")
+        if bound is not None and bound >= 1.3 and off and both is not None and ceil is not None:
+            closed.append((both - off) / (ceil - off))
+            for name, v in c.items():
+                if name.startswith("both@") and isinstance(v, dict) and v.get("value"):
+                    keep = _ratio(v["value"] - off, both - off) if both > off else None
+                    if keep is not None:
+                        fault_keep.setdefault(name[5:], []).append(keep)
+    return {
+        "worst_both_over_off": None if worst is None else {"ratio": worst[0], "cell": worst[1]},
+        "tail_over_1_2x_where_not_kv_bound": tail_bad,
+        "kv_bound_cells": len(closed),
+        "median_gap_closed": _median(closed),
+        "fault_gain_kept_median": {k: _median(v) for k, v in sorted(fault_keep.items())},
+    }
+
+
+def _fmt(v: float | None, spec: str = "{:.2f}") -> str:
+    return "-" if v is None else spec.format(v)
+
+
+def markdown(cells: Mapping[str, Mapping[str, Any]]) -> str:
+    faults = sorted({n for c in cells.values() for n in c if n.startswith("both@")})
+    head = [
+        "cell (workload/context/per engine/ws:pool)",
+        "off",
+        "both",
+        "ceiling",
+        "both/off",
+        "ceil/off",
+        "gap closed",
+        "TTFT p99 off / both (s)",
+        "first wait p99 (s)",
+        *(f"{f[5:]} both/off" for f in faults),
+    ]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for key in sorted(cells, key=_sort_key):
+        c = cells[key]
+        off, both, ceil = (c.get(p, {}).get("value") for p in ("off", "both", "ceiling"))
+        gap = None
+        if off is not None and both is not None and ceil is not None and ceil - off > 1e-9:
+            gap = (both - off) / (ceil - off)
+        row = [
+            key,
+            _fmt(off),
+            _fmt(both),
+            _fmt(ceil),
+            _fmt(_ratio(both, off)),
+            _fmt(_ratio(ceil, off)),
+            _fmt(gap) if _ratio(ceil, off) and (_ratio(ceil, off) or 0) >= 1.3 else "",
+            f"{_fmt(c.get('off', {}).get('ttft_p99'), '{:.1f}')} / "
+            f"{_fmt(c.get('both', {}).get('ttft_p99'), '{:.1f}')}",
+            _fmt(c.get("both", {}).get("first_wait_p99"), "{:.0f}"),
+            *(_fmt(_ratio(c.get(f, {}).get("value"), off)) for f in faults),
+        ]
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def _sort_key(key: str) -> tuple[Any, ...]:
+    w, c, n, r = key.split("/")
+    return (WORKLOADS.index(w) if w in WORKLOADS else 9, c, int(n), float(r))
+
+
+def _csv(text: str, kind: type) -> list[Any]:
+    return [kind(x) for x in text.split(",") if x]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--workloads", default=",".join(WORKLOADS))
+    ap.add_argument("--contexts", default=",".join(CONTEXTS))
+    ap.add_argument("--sizes", default=",".join(map(str, SIZES)))
+    ap.add_argument("--ratios", default=",".join(f"{r:g}" for r in RATIOS))
+    ap.add_argument(
+        "--faults",
+        default="none",
+        help=f"comma-separated of {', '.join(FAULT_NAMES)}, or 'all' (default none)",
+    )
+    ap.add_argument(
+        "--fault-cells",
+        default="kv-bound",
+        help="where faults run: 'kv-bound' (cells named by --kv-bound-from) or 'all'",
+    )
+    ap.add_argument(
+        "--kv-bound-from",
+        type=Path,
+        default=None,
+        help="an earlier grid's JSON: faults run on its cells with ceiling/off >= 1.3",
+    )
+    ap.add_argument("--seeds", default="0")
+    ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
+    ap.add_argument(
+        "--admission",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override an admission.* key for both (YAML value); repeatable",
+    )
+    ap.add_argument("--out", type=Path, default=Path("results/regime_grid.json"))
+    ap.add_argument("--check", type=Path, default=None, help="judge a grid JSON and exit")
+    args = ap.parse_args(argv)
+
+    if args.check is not None:
+        doc = json.loads(args.check.read_text())
+        cells = cell_rows(doc["rows"])
+        print(markdown(cells))
+        print(json.dumps(judge(cells), indent=2))
+        return 0
+
+    import yaml
+
+    admission = {}
+    for item in args.admission:
+        k, _, v = item.partition("=")
+        admission[k.strip()] = yaml.safe_load(v)
+    faults = list(FAULT_NAMES) if args.faults == "all" else _csv(args.faults, str)
+    bad = sorted(set(faults) - set(FAULT_NAMES))
+    if bad:
+        ap.error(f"unknown faults: {', '.join(bad)}")
+    grid = fleets(
+        _csv(args.workloads, str),
+        _csv(args.contexts, str),
+        _csv(args.sizes, int),
+        _csv(args.ratios, float),
+    )
+    fault_cells: set[str] | None = None
+    if args.fault_cells == "kv-bound" and args.kv_bound_from is not None:
+        earlier = cell_rows(json.loads(args.kv_bound_from.read_text())["rows"])
+        fault_cells = {
+            k
+            for k, c in earlier.items()
+            if (_ratio(c.get("ceiling", {}).get("value"), c.get("off", {}).get("value")) or 0)
+            >= 1.3
+        }
+    jobs = jobs_for(grid, faults, _csv(args.seeds, int), admission, fault_cells)
+    t0 = time.perf_counter()
+    rows: list[dict[str, Any]] = []
+    with ProcessPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+        for i, row in enumerate(pool.map(run_job, jobs), 1):
+            rows.append(row)
+            if i % 25 == 0 or i == len(jobs):
+                print(f"  {i}/{len(jobs)} runs, {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+    pools = {f.key: dict(zip(("pool_tokens", "ws_over_pool"), f.pool(), strict=True)) for f in grid}
+    doc = {
+        "command": "python scripts/regime_grid.py " + " ".join(argv or sys.argv[1:]),
+        "commit": git_revision(),
+        "seeds": _csv(args.seeds, int),
+        "admission": admission,
+        "wall_s": round(time.perf_counter() - t0, 1),
+        "pools": pools,
+        "rows": rows,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(doc, indent=1) + "\n")
+    cells = cell_rows(rows)
+    print(markdown(cells))
+    print(json.dumps(judge(cells), indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
