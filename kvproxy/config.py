@@ -242,6 +242,20 @@ class AdmissionConfig:
     feedback_window_s: float = 5.0
     # Per-session constant added to its footprint (tokens).
     session_buffer_tokens: int = 100
+    # Hold work on an engine only while holding is measured to pay
+    # (docs/admission.md#when-admission-holds): permissive (nothing held, nothing
+    # paused) until engage_windows feedback windows in a row spent at least engage_cost
+    # of the engine's work recomputing evicted context (a decoded token weighing
+    # decode_token_weight prefill tokens) while a turn was in flight at least
+    # engage_busy of the time; permissive again after release_windows windows busy less
+    # than release_busy. false: the gate is always engaged (earlier versions).
+    engage_on_thrash: bool = True
+    engage_cost: float = 0.3
+    engage_busy: float = 0.75
+    decode_token_weight: float = 16.0
+    release_busy: float = 0.5
+    engage_windows: int = 2
+    release_windows: int = 6
     # Growth-aware admission of new sessions: a new session starts only if what the
     # engine's admitted sessions and it are expected to grow to (each: max(footprint,
     # expected peak context)) fits growth_target x capacity. The expected peak is the
@@ -641,9 +655,22 @@ def _validate_program(a: AdmissionConfig) -> None:
         "thrash_cached_fraction",
         "growth_target",
         "growth_quantile",
+        "engage_cost",
+        "engage_busy",
     ):
         value = getattr(a, key)
         _check(0 < value <= 1, f"admission.{key}: must be in (0, 1] (got {value})")
+    _check(
+        0 <= a.release_busy < 1,
+        f"admission.release_busy: must be in [0, 1) (got {a.release_busy})",
+    )
+    _check(
+        a.decode_token_weight > 0,
+        f"admission.decode_token_weight: must be > 0 (got {a.decode_token_weight})",
+    )
+    for key in ("engage_windows", "release_windows"):
+        value = getattr(a, key)
+        _check(value >= 1, f"admission.{key}: must be >= 1 (got {value})")
     _check(
         a.pause_low < a.pause_high,
         f"admission.pause_low: must be < pause_high ({a.pause_high}) (got {a.pause_low})",

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import os
 import statistics
@@ -28,7 +29,7 @@ import sys
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -116,11 +117,10 @@ class Job:
 
 
 def run_job(job: Job) -> dict[str, Any]:
+    logging.disable(logging.WARNING)  # the faults' scrape warnings, once per scrape
     summary = run_lab(job.config()).summary
     row = {k: summary.get(k) for k in KEEP}
-    row.update(
-        fleet=job.fleet.key, policy=job.policy, fault=job.fault, seed=job.seed
-    )
+    row.update(fleet=job.fleet.key, policy=job.policy, fault=job.fault, seed=job.seed)
     return row
 
 
@@ -133,9 +133,7 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 def fleets(
     workloads: Sequence[str], contexts: Sequence[str], sizes: Sequence[int], ratios: Sequence[float]
 ) -> list[Fleet]:
-    return [
-        Fleet(w, c, n, r) for w in workloads for c in contexts for n in sizes for r in ratios
-    ]
+    return [Fleet(w, c, n, r) for w in workloads for c in contexts for n in sizes for r in ratios]
 
 
 def jobs_for(

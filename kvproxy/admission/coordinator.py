@@ -1198,7 +1198,7 @@ class AdmissionController:
 
     def _program_arm(self, now: float) -> None:
         """Arm the deadline timer for the earliest waiting deadline (nothing overstays)."""
-        deadline = self.program.next_deadline() if self._pwaiters else None
+        deadline = self.program.next_deadline(now) if self._pwaiters else None
         if deadline is None:
             if self._ptimer is not None:
                 self._ptimer.cancel()

@@ -26,6 +26,9 @@ class Outcome(StrEnum):
     RESUMED_WAITED = "resumed_waited"
     # Fail open: a paused session's turn that waited paused_max_wait_s went anyway.
     PAUSED_AGED = "paused_aged"
+    # Work-conserving: a waiting turn its engine took because nothing else was in flight
+    # there (engaged gate; it did not fit yet).
+    IDLE_ENGINE = "idle_engine"
     # Fail open, forwarded at once and not held:
     BYPASS_NO_SESSION = "bypass_no_session"  # no session id: nothing to attribute
     BYPASS_NO_PLACEMENT = "bypass_no_placement"  # no ring owner (no available worker)
@@ -51,6 +54,7 @@ _WAITED = frozenset(
         Outcome.NEW_AGED,
         Outcome.RESUMED_WAITED,
         Outcome.PAUSED_AGED,
+        Outcome.IDLE_ENGINE,
     }
 )
 _FAIL_OPEN = frozenset(
@@ -75,6 +79,11 @@ class Event(StrEnum):
     EVICTED = "evicted"  # dropped by the session-table bound
     TARGET_CUT = "target_cut"  # feedback lowered an engine's target
     TARGET_RAISED = "target_raised"  # feedback raised it
+    ENGAGED = "engaged"  # an engine's gate engaged: busy and thrashing (holding pays)
+    DISENGAGED = "disengaged"  # an engine's gate went permissive: holding starved it
+    # An engine heard from neither by /metrics nor by answers: its waiting turns leave
+    # one per tick (fail open, gradually), never all at once.
+    STALE_RELEASE = "stale_release"
 
 
 class Held(StrEnum):

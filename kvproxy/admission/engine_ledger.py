@@ -34,6 +34,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from kvproxy.admission.engagement import Engagement, Load
 from kvproxy.admission.params import ProgramParams
 
 
@@ -172,6 +173,11 @@ class Engine:
     turns_in_window: int = 0
     quiet: int = 0
     last_cut: float = -math.inf
+    # What kvproxy sees of the engine itself (turns in flight, busy time, answers) and
+    # whether holding is measured to pay there (kvproxy.admission.engagement).
+    load: Load = field(default_factory=Load)
+    engagement: Engagement = field(default_factory=Engagement)
+    last_stale_release: float = -math.inf
 
 
 class EngineLedger:
@@ -238,14 +244,31 @@ class EngineLedger:
         eng.observed_at = now
         return True
 
-    def fresh(self, url: str, now: float) -> bool:
+    def known(self, url: str) -> bool:
+        """Whether the engine's capacity was ever read (it does not change while the
+        engine runs: a lost scrape keeps the last one)."""
         eng = self.engines.get(url)
-        return (
-            eng is not None
-            and eng.observed_at is not None
-            and eng.max_total_num_tokens is not None
-            and now - eng.observed_at <= self.p.staleness_s
+        return eng is not None and eng.max_total_num_tokens is not None
+
+    def fresh(self, url: str, now: float) -> bool:
+        """Capacity known and the engine heard from within ``staleness_s``: by its
+        ``/metrics`` or by an answer to a turn (the contexts come from the answers)."""
+        eng = self.engines.get(url)
+        if eng is None or eng.max_total_num_tokens is None:
+            return False
+        heard = max(
+            -math.inf if eng.observed_at is None else eng.observed_at,
+            -math.inf if eng.load.last_answer_at is None else eng.load.last_answer_at,
         )
+        return now - heard <= self.p.staleness_s
+
+    def engaged(self, url: str) -> bool:
+        """Whether the gate holds work on ``url`` (always, with ``engage_on_thrash``
+        off: the gate of earlier versions)."""
+        if not self.p.engage_on_thrash:
+            return True
+        eng = self.engines.get(url)
+        return eng is not None and eng.engagement.engaged
 
     def capacity(self, url: str) -> float:
         eng = self.engines.get(url)
@@ -403,6 +426,9 @@ class EngineLedger:
             return
         total = prompt_tokens + (completion_tokens or 0)
         if cached_tokens is not None:
+            cached = min(cached_tokens, prompt_tokens)
+            lost = max(0, min(s.ctx, prompt_tokens) - cached) if continuing else 0
+            eng.load.worked(prompt_tokens - cached, lost, completion_tokens or 0)
             if s.turns == 0:
                 # What a session finds cached on its first turn is the shared prefix.
                 eng.shared_prefix = max(eng.shared_prefix, min(cached_tokens, prompt_tokens))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvproxy.admission.engagement import EngageRule
 from kvproxy.config import AdmissionConfig
 
 
@@ -49,9 +50,27 @@ class ProgramParams:
     growth_window: int = 256
     growth_min_closed: int = 16
     growth_horizon_turns: float = 16.0
+    # Hold only where holding is measured to pay (kvproxy.admission.engagement).
+    engage_on_thrash: bool = True
+    engage_cost: float = 0.3
+    engage_busy: float = 0.75
+    decode_token_weight: float = 16.0
+    release_busy: float = 0.5
+    engage_windows: int = 2
+    release_windows: int = 6
     staleness_s: float = 6.0
     max_queue: int = 10_000
     max_sessions: int = 100_000
+
+    @property
+    def engage_rule(self) -> EngageRule:
+        return EngageRule(
+            engage_cost=self.engage_cost,
+            engage_busy=self.engage_busy,
+            release_busy=self.release_busy,
+            engage_windows=self.engage_windows,
+            release_windows=self.release_windows,
+        )
 
     @classmethod
     def from_config(cls, cfg: AdmissionConfig, time_scale: float = 1.0) -> ProgramParams:
@@ -86,6 +105,13 @@ class ProgramParams:
             growth_window=cfg.growth_window,
             growth_min_closed=cfg.growth_min_closed,
             growth_horizon_turns=cfg.growth_horizon_turns,
+            engage_on_thrash=cfg.engage_on_thrash,
+            engage_cost=cfg.engage_cost,
+            engage_busy=cfg.engage_busy,
+            decode_token_weight=cfg.decode_token_weight,
+            release_busy=cfg.release_busy,
+            engage_windows=cfg.engage_windows,
+            release_windows=cfg.release_windows,
             staleness_s=cfg.effective_staleness_s * k,
             max_queue=cfg.max_queue,
             max_sessions=cfg.max_sessions,

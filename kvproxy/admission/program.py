@@ -29,7 +29,7 @@ from collections.abc import Iterable
 from typing import Final
 
 from kvproxy.admission.decisions import Event, Held, Outcome
-from kvproxy.admission.engine_ledger import EngineLedger, Session, SessionState
+from kvproxy.admission.engine_ledger import Engine, EngineLedger, Session, SessionState
 from kvproxy.admission.params import ProgramParams
 from kvproxy.admission.priority import next_priority
 from kvproxy.admission.queues import Entry, Queues
@@ -67,8 +67,10 @@ class ProgramCore:
         self.queues = Queues()
         self.events: Counter[str] = Counter()
         self.paused_waits: list[float] = []  # waits of paused turns since last read
-        self._inflight: dict[str, tuple[str, Outcome]] = {}  # ticket -> (sid, outcome)
+        # ticket -> (sid, outcome, engine it was started on)
+        self._inflight: dict[str, tuple[str, Outcome, str]] = {}
         self._last_tick = 0.0
+        self.trace: list[tuple[float, str, bool]] | None = None  # (lab) engagement changes
 
     def configure(self, params: ProgramParams) -> None:
         self.p = params
@@ -95,13 +97,14 @@ class ProgramCore:
         if s.state is SessionState.ACTIVE and not self.p.hold_continuing:
             self._start(ticket, s, now, tokens, Outcome.CONTINUING_FORWARDED)
             return Verdict(Outcome.CONTINUING_FORWARDED, engine=owner)
-        if not led.fresh(owner, now):
+        if not led.known(owner):
             led.activate(s)
             self._start(ticket, s, now, tokens, Outcome.BYPASS_NO_METRICS)
             return Verdict(Outcome.BYPASS_NO_METRICS, engine=owner)
+        engaged = led.engaged(owner)
         if s.state is SessionState.PAUSED:
             need = max(s.footprint(self.p.session_buffer_tokens), tokens)
-            if led.fits(owner, need, now):
+            if not engaged or led.fits(owner, need, now):
                 led.activate(s)
                 self._start(ticket, s, now, tokens, Outcome.RESUMED)
                 return Verdict(Outcome.RESUMED, engine=owner)
@@ -115,7 +118,12 @@ class ProgramCore:
             self._start(ticket, s, now, tokens, Outcome.BYPASS_OVERSIZED)
             return Verdict(Outcome.BYPASS_OVERSIZED, engine=owner)
         paused_waiting, new_waiting = self.queues.waiting(owner)
-        fit = led.fits(owner, tokens, now) if continuing else led.fits_new(owner, s, tokens, now)
+        if not engaged:
+            fit = True
+        elif continuing:
+            fit = led.fits(owner, tokens, now)
+        else:
+            fit = led.fits_new(owner, s, tokens, now)
         if not paused_waiting and not new_waiting and fit:
             outcome = Outcome.CONTINUING_FORWARDED if continuing else Outcome.NEW_ADMITTED
             led.activate(s)
@@ -152,14 +160,16 @@ class ProgramCore:
             self.ledger.activate(s)
             self._start(ticket, s, now, tokens, Outcome.BYPASS_QUEUE_FULL)
             return Verdict(Outcome.BYPASS_QUEUE_FULL, engine=s.engine)
-        self.queues.push(Entry(ticket, s.sid, s.engine, tokens, now, deadline, held), which)
+        mark = self.ledger.engine(s.engine, now).load.answers
+        self.queues.push(Entry(ticket, s.sid, s.engine, tokens, now, deadline, held, mark), which)
         return Verdict(None, held=held, engine=s.engine)
 
     def _start(self, ticket: str, s: Session, now: float, tokens: int, outcome: Outcome) -> None:
         if ticket in self._inflight:  # the same attempt asked twice: one running turn
             return
         self.ledger.turn_started(s, now, tokens)
-        self._inflight[ticket] = (s.sid, outcome)
+        self.ledger.engine(s.engine, now).load.started(now)
+        self._inflight[ticket] = (s.sid, outcome, s.engine)
 
     def priority(self, sid: str | None) -> int | None:
         """The priority to send with the session's request (monotone), or None."""
@@ -197,6 +207,9 @@ class ProgramCore:
         found = self._inflight.pop(ticket, None)
         if found is None:
             return
+        eng = self.ledger.engines.get(found[2])
+        if eng is not None:
+            eng.load.ended(now)
         s = self.ledger.get(found[0])
         if s is None:
             return
@@ -221,7 +234,8 @@ class ProgramCore:
         found = self._inflight.get(ticket)
         if found is None:
             return
-        sid, outcome = found
+        sid, outcome, url = found
+        self.ledger.engine(url, now).load.answered(now)
         s = self.ledger.get(sid)
         if s is None:
             return
@@ -276,47 +290,76 @@ class ProgramCore:
     def _drain_engine(self, url: str, now: float) -> list[Release]:
         out: list[Release] = []
         q = self.queues.engine(url)
-        fresh = self.ledger.fresh(url, now)
+        if not q.live_paused and not q.live_new:
+            return out
+        if not self.ledger.fresh(url, now):
+            return self._drain_stale(url, now)
+        engaged = self.ledger.engaged(url)
         for _ in range(len(q.paused) + 1):
             e = q.head("paused")
-            outcome = None if e is None else self._paused_outcome(url, e, fresh, now)
+            outcome = None if e is None else self._paused_outcome(url, e, engaged, now)
             if outcome is None:
                 break
             out.append(self._release(url, "paused", outcome, now))
-        if q.live_paused:
+        if not q.live_paused:
+            for _ in range(len(q.new) + 1):
+                e = q.head("new")
+                outcome = None if e is None else self._new_outcome(url, e, engaged, now)
+                if outcome is None:
+                    break
+                out.append(self._release(url, "new", outcome, now))
+        else:
             # Resumes go before new sessions; but an aged new head still leaves.
             out.extend(self._age_new(url, now))
-            return out
-        for _ in range(len(q.new) + 1):
-            e = q.head("new")
-            outcome = None if e is None else self._new_outcome(url, e, fresh, now)
-            if outcome is None:
-                break
-            out.append(self._release(url, "new", outcome, now))
+        # Work-conserving: an engine with nothing in flight takes the next waiting turn
+        # (a resume first) whether or not it fits.
+        if self.ledger.engine(url, now).load.inflight == 0:
+            which = "paused" if q.head("paused") is not None else "new"
+            if q.head(which) is not None:
+                out.append(self._release(url, which, Outcome.IDLE_ENGINE, now))
         return out
 
-    def _paused_outcome(self, url: str, e: Entry, fresh: bool, now: float) -> Outcome | None:
+    def _drain_stale(self, url: str, now: float) -> list[Release]:
+        """An engine heard from neither by /metrics nor by answers: fail open
+        gradually, one waiting turn per tick (resumes first), never all at once."""
+        eng = self.ledger.engine(url, now)
+        if now - eng.last_stale_release < self.p.tick_s:
+            return []
+        q = self.queues.engine(url)
+        which = "paused" if q.head("paused") is not None else "new"
+        if q.head(which) is None:
+            return []
+        eng.last_stale_release = now
+        self.events[Event.STALE_RELEASE] += 1
+        return [self._release(url, which, Outcome.BYPASS_NO_METRICS, now)]
+
+    def _aged(self, url: str, e: Entry, now: float) -> bool:
+        """A hold past its bound, once its engine has moved on since it was queued (an
+        answer, or nothing left in flight), or past twice its bound in any case."""
+        if now < e.deadline:
+            return False
+        load = self.ledger.engine(url, now).load
+        moved_on = load.answers > e.mark or load.inflight == 0
+        return moved_on or now >= e.deadline + (e.deadline - e.enqueued_at)
+
+    def _paused_outcome(self, url: str, e: Entry, engaged: bool, now: float) -> Outcome | None:
         """How the head of a paused queue leaves now, or None while it must wait."""
         led = self.ledger
         s = led.get(e.sid)
-        if s is None or s.state is not SessionState.PAUSED:
-            return Outcome.RESUMED_WAITED  # closed or resumed meanwhile: let it go
-        if not fresh:
-            return Outcome.BYPASS_NO_METRICS
+        if s is None or s.state is not SessionState.PAUSED or not engaged:
+            return Outcome.RESUMED_WAITED  # closed or resumed meanwhile, or permissive
         if led.fits(url, max(s.footprint(self.p.session_buffer_tokens), e.tokens), now):
             return Outcome.RESUMED_WAITED
-        if now >= e.deadline:
+        if self._aged(url, e, now):
             return Outcome.PAUSED_AGED
         return None
 
-    def _new_outcome(self, url: str, e: Entry, fresh: bool, now: float) -> Outcome | None:
+    def _new_outcome(self, url: str, e: Entry, engaged: bool, now: float) -> Outcome | None:
         """How the head of a new-session queue leaves now, or None while it must wait."""
         led = self.ledger
         s = led.get(e.sid)
-        if s is None:
+        if s is None or not engaged:
             return Outcome.NEW_WAITED
-        if not fresh:
-            return Outcome.BYPASS_NO_METRICS
         if e.tokens > led.capacity(url):
             return Outcome.BYPASS_OVERSIZED
         continuing = s.state is SessionState.ACTIVE
@@ -324,7 +367,7 @@ class ProgramCore:
             return Outcome.CONTINUING_WAITED
         if not continuing and led.fits_new(url, s, e.tokens, now):
             return Outcome.NEW_WAITED
-        if now >= e.deadline:
+        if self._aged(url, e, now):
             return Outcome.NEW_AGED
         return None
 
@@ -333,7 +376,7 @@ class ProgramCore:
         q = self.queues.engine(url)
         for _ in range(len(q.new) + 1):
             e = q.head("new")
-            if e is None or now < e.deadline:
+            if e is None or not self._aged(url, e, now):
                 break
             out.append(self._release(url, "new", Outcome.NEW_AGED, now))
         return out
@@ -351,8 +394,13 @@ class ProgramCore:
                 del self.paused_waits[:5_000]
         return Release(e.ticket, outcome, wait)
 
-    def next_deadline(self) -> float | None:
-        return self.queues.earliest_deadline()
+    def next_deadline(self, now: float) -> float | None:
+        """When a waiting turn may next age. A hold past its bound whose engine has not
+        moved on yet is looked at again a tick later (an answer drains it sooner)."""
+        deadline = self.queues.earliest_deadline()
+        if deadline is not None and deadline <= now:
+            return now + self.p.tick_s
+        return deadline
 
     def tick(self, now: float) -> list[Release]:
         """Expiry, then per engine: resume/admit (drain), pause, feedback."""
@@ -362,9 +410,9 @@ class ProgramCore:
         out = self.drain(now)
         urls = set(self.ledger.engines) | set(self.queues.by_engine)
         for url in urls:
-            if self.p.pause and self.ledger.fresh(url, now):
+            if self.p.pause and self.ledger.engaged(url) and self.ledger.fresh(url, now):
                 self._pause(url, now)
-            if self.p.feedback:
+            if self.p.feedback or self.p.engage_on_thrash:
                 self._feedback(url, now)
         if out or urls:
             out.extend(self.drain(now))
@@ -410,8 +458,11 @@ class ProgramCore:
             and eng.cached_sum / eng.resident_sum < p.thrash_cached_fraction
         )
         thrash = low_cache or eng.retracted_delta > 0 or eng.evicted_delta > eng.freed_tokens
+        self._engage(url, eng, now)
         _, new_waiting = self.queues.waiting(url)
-        if led.gate_off(url):
+        if not p.feedback:
+            pass
+        elif not led.engaged(url) or led.gate_off(url):
             eng.quiet = 0
         elif thrash:
             eng.quiet = 0
@@ -428,8 +479,29 @@ class ProgramCore:
                 eng.quiet = 0
                 self.events[Event.TARGET_RAISED] += 1
         eng.window_start = now
+        eng.load.new_window(now)
         eng.evicted_delta = eng.retracted_delta = eng.freed_tokens = 0
         eng.cached_sum = eng.resident_sum = eng.turns_in_window = 0
+
+    def _engage(self, url: str, eng: Engine, now: float) -> None:
+        """The window's engagement verdict (kvproxy.admission.engagement)."""
+        if not self.p.engage_on_thrash:
+            return
+        p = self.p
+        changed = eng.engagement.judge(
+            p.engage_rule,
+            busy=eng.load.busy_fraction(eng.window_start, now),
+            cost=eng.load.recompute_cost(p.decode_token_weight, p.min_feedback_turns),
+        )
+        if changed is not None and self.trace is not None:
+            self.trace.append((now, url, changed))
+        if changed is True:
+            self.events[Event.ENGAGED] += 1
+            eng.theta = p.target_start
+        elif changed is False:
+            self.events[Event.DISENGAGED] += 1
+            for s in self.ledger.on_engine(url):
+                s.pause_pending = False  # permissive: nobody pauses
 
     # -- reads ---------------------------------------------------------------------
 
@@ -452,6 +524,9 @@ class ProgramCore:
                     "reserved": led.reserved(url, now),
                     "target": eng.theta,
                     "gate_off": led.gate_off(url),
+                    "engaged": 1.0 if led.engaged(url) else 0.0,
+                    "busy": round(eng.load.busy_fraction(eng.window_start, now), 4),
+                    "inflight": float(eng.load.inflight),
                     "shared_prefix": float(eng.shared_prefix),
                     "active_sessions": float(states[SessionState.ACTIVE]),
                     "paused_sessions": float(paused),

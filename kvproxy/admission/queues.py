@@ -31,6 +31,10 @@ class Entry:
     enqueued_at: float
     deadline: float
     held: Held
+    # The engine's answers when it was queued: a hold ages only once the engine has
+    # moved on (kvproxy.admission.engagement.Load.answers), so a proxy whose clock
+    # runs ahead of its engines does not age holds early.
+    mark: int = 0
     live: bool = True
 
 
@@ -152,5 +156,6 @@ class Queues:
             entry.enqueued_at,
             entry.deadline,
             entry.held,
+            0,  # progress is counted per engine: the new one's answers start it
         )
         self.push(moved, which)

@@ -60,6 +60,4 @@ def signal_fault(name: str) -> SignalFault:
     try:
         return FAULTS[name]
     except KeyError:
-        raise ValueError(
-            f"signal fault must be one of {', '.join(FAULTS)}, got {name!r}"
-        ) from None
+        raise ValueError(f"signal fault must be one of {', '.join(FAULTS)}, got {name!r}") from None

@@ -163,7 +163,7 @@ def test_new_session_goes_anyway_after_its_bound() -> None:
     c = core()
     turn(c, "a1", "a", 900, 0.0)
     turn(c, "b1", "b", 200, 0.0)
-    assert c.next_deadline() == 60.0
+    assert c.next_deadline(0.0) == 60.0
     assert c.drain(59.9) == []
     (r,) = c.drain(60.0)
     assert (r.ticket, r.outcome, r.wait_s) == ("b1", Outcome.NEW_AGED, 60.0)

@@ -1,0 +1,131 @@
+"""When program admission holds work on an engine: only while holding is measured to pay.
+Pure: no I/O, time injected.
+
+Holding a session back costs the engine the work that session would have given it; it
+pays only when the engine is saturated *and* eviction is making it recompute. Both are
+measured, per engine, from what kvproxy sees itself, so neither depends on ``/metrics``:
+
+* **load** (:class:`Load`): the turns kvproxy has in flight on the engine, and the
+  fraction of each feedback window during which at least one was (``busy``). An engine
+  that is not busy has spare time: recomputing an evicted prefix uses it, and a held
+  session only leaves it idle longer;
+* **thrash**: the rule of the feedback step (continuing turns found less than
+  ``thrash_cached_fraction`` of their context cached, retractions, or more evicted than
+  paused or closed).
+
+An engine starts **permissive** (exactly what kvproxy does with admission off: nothing is
+held, nothing paused). It **engages** after ``engage_windows`` consecutive windows that
+were busy at least ``engage_busy`` *and* thrashed, and **releases** after
+``release_windows`` consecutive windows busy less than ``release_busy`` (holding is then
+starving it). While engaged, the gate is work-conserving: an engine with no turn in
+flight takes the head of its waiting queues whether or not it fits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class Load:
+    """One engine's load as kvproxy sees it (turns in flight, busy time, answers)."""
+
+    inflight: int = 0
+    busy_since: float | None = None  # since when at least one turn is in flight
+    busy_s: float = 0.0  # busy time in the current window, before busy_since
+    answers: int = 0  # responses observed on the engine (monotone: engine progress)
+    last_answer_at: float | None = None
+    # The window's work, from the answers' usage: prefill tokens the engine computed
+    # (prompt - cached), of them the context a continuing turn had left behind and found
+    # evicted (recomputed), and tokens decoded.
+    computed: int = 0
+    recomputed: int = 0
+    decoded: int = 0
+    turns: int = 0
+
+    def worked(self, computed: int, recomputed: int, decoded: int) -> None:
+        self.computed += computed
+        self.recomputed += recomputed
+        self.decoded += decoded
+        self.turns += 1
+
+    def recompute_cost(self, decode_token_weight: float, min_turns: int) -> float | None:
+        """The window's share of the engine's work spent recomputing evicted context,
+        a decoded token weighing ``decode_token_weight`` prefill tokens; None with fewer
+        than ``min_turns`` answers (too little to judge: the last verdict stands)."""
+        if self.turns < max(1, min_turns):
+            return None
+        work = self.computed + decode_token_weight * self.decoded
+        return self.recomputed / work if work > 0 else 0.0
+
+    def started(self, now: float) -> None:
+        if self.inflight == 0:
+            self.busy_since = now
+        self.inflight += 1
+
+    def ended(self, now: float) -> None:
+        if self.inflight <= 0:
+            return
+        self.inflight -= 1
+        if self.inflight == 0 and self.busy_since is not None:
+            self.busy_s += max(0.0, now - self.busy_since)
+            self.busy_since = None
+
+    def answered(self, now: float) -> None:
+        self.answers += 1
+        self.last_answer_at = now
+
+    def busy_fraction(self, window_start: float, now: float) -> float:
+        """The share of ``[window_start, now]`` with a turn in flight."""
+        span = now - window_start
+        if span <= 0:
+            return 1.0 if self.inflight else 0.0
+        busy = self.busy_s
+        if self.busy_since is not None:
+            busy += now - max(self.busy_since, window_start)
+        return min(1.0, max(0.0, busy / span))
+
+    def new_window(self, now: float) -> None:
+        self.busy_s = 0.0
+        self.computed = self.recomputed = self.decoded = self.turns = 0
+        if self.busy_since is not None:
+            self.busy_since = now
+
+
+@dataclass(frozen=True, slots=True)
+class EngageRule:
+    """The rule's parameters (``admission.engage_*``; see the module docstring)."""
+
+    engage_cost: float = 0.3
+    engage_busy: float = 0.75
+    release_busy: float = 0.5
+    engage_windows: int = 2
+    release_windows: int = 6
+
+
+@dataclass(slots=True)
+class Engagement:
+    """Permissive or engaged, with the window counts of its hysteresis."""
+
+    engaged: bool = False
+    hot: int = 0  # consecutive windows busy and recomputing (while permissive)
+    cool: int = 0  # consecutive windows not busy (while engaged)
+
+    def judge(self, rule: EngageRule, *, busy: float, cost: float | None) -> bool | None:
+        """One window's verdict: True when it engages now, False when it releases now,
+        None when nothing changes. ``cost`` None (too few answers this window): a
+        permissive engine keeps its count, neither engaging nor forgetting."""
+        if not self.engaged:
+            if cost is None:
+                return None
+            hot = cost >= rule.engage_cost and busy >= rule.engage_busy
+            self.hot = self.hot + 1 if hot else 0
+            if self.hot >= rule.engage_windows:
+                self.engaged, self.hot, self.cool = True, 0, 0
+                return True
+            return None
+        self.cool = self.cool + 1 if busy < rule.release_busy else 0
+        if self.cool >= rule.release_windows:
+            self.engaged, self.hot, self.cool = False, 0, 0
+            return False
+        return None
