@@ -133,7 +133,36 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 def fleets(
     workloads: Sequence[str], contexts: Sequence[str], sizes: Sequence[int], ratios: Sequence[float]
 ) -> list[Fleet]:
-    return [Fleet(w, c, n, r) for w in workloads for c in contexts for n in sizes for r in ratios]
+    """Every combination, less those whose pool had to be raised to the same size as a
+    smaller ratio's (the longest context must fit): the same run twice."""
+    out: list[Fleet] = []
+    seen: set[tuple[str, str, int, int]] = set()
+    for w in workloads:
+        for c in contexts:
+            for n in sizes:
+                for r in sorted(ratios):
+                    f = Fleet(w, c, n, r)
+                    key = (w, c, n, f.pool()[0])
+                    if key not in seen:
+                        seen.add(key)
+                        out.append(f)
+    return out
+
+
+def distinct(
+    cells: Mapping[str, dict[str, Any]], pools: Mapping[str, Mapping[str, float]]
+) -> dict[str, dict[str, Any]]:
+    """``cells`` less the repeats of a smaller ratio's run (same fleet, same pool)."""
+    seen: set[tuple[str, float]] = set()
+    out: dict[str, dict[str, Any]] = {}
+    for key in sorted(cells, key=_sort_key):
+        fleet = key.rsplit("/", 1)[0]
+        pool = pools.get(key, {}).get("pool_tokens", float("nan"))
+        if (fleet, pool) in seen:
+            continue
+        seen.add((fleet, pool))
+        out[key] = cells[key]
+    return out
 
 
 def jobs_for(
@@ -303,7 +332,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     if args.check is not None:
         doc = json.loads(args.check.read_text())
-        cells = cell_rows(doc["rows"])
+        cells = distinct(cell_rows(doc["rows"]), doc.get("pools", {}))
         print(markdown(cells))
         print(json.dumps(judge(cells), indent=2))
         return 0
@@ -353,7 +382,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(doc, indent=1) + "\n")
-    cells = cell_rows(rows)
+    cells = distinct(cell_rows(rows), pools)
     print(markdown(cells))
     print(json.dumps(judge(cells), indent=2))
     return 0

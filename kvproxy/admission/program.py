@@ -95,47 +95,54 @@ class ProgramCore:
         elif s.engine != owner:
             self._move(s, owner, now)
         if s.state is SessionState.ACTIVE and not self.p.hold_continuing:
-            self._start(ticket, s, now, tokens, Outcome.CONTINUING_FORWARDED)
-            return Verdict(Outcome.CONTINUING_FORWARDED, engine=owner)
+            return self._go(ticket, s, now, tokens, Outcome.CONTINUING_FORWARDED)
         if not led.known(owner):
-            led.activate(s)
-            self._start(ticket, s, now, tokens, Outcome.BYPASS_NO_METRICS)
-            return Verdict(Outcome.BYPASS_NO_METRICS, engine=owner)
-        engaged = led.engaged(owner)
+            return self._go(ticket, s, now, tokens, Outcome.BYPASS_NO_METRICS)
         if s.state is SessionState.PAUSED:
-            need = max(s.footprint(self.p.session_buffer_tokens), tokens)
-            if not engaged or led.fits(owner, need, now):
-                led.activate(s)
-                self._start(ticket, s, now, tokens, Outcome.RESUMED)
-                return Verdict(Outcome.RESUMED, engine=owner)
-            return self._wait(
-                ticket, s, tokens, now, "paused", now + self.p.paused_max_wait_s, Held.PAUSED_FIT
-            )
-        # NEW (or, in the hold_continuing ablation, a continuing turn).
+            return self._resume(ticket, s, tokens, now)
+        return self._first_turn(ticket, s, tokens, now)
+
+    def _go(self, ticket: str, s: Session, now: float, tokens: int, outcome: Outcome) -> Verdict:
+        """Forward now: the session counts on its engine from this turn on."""
+        self.ledger.activate(s)
+        self._start(ticket, s, now, tokens, outcome)
+        return Verdict(outcome, engine=s.engine)
+
+    def _resume(self, ticket: str, s: Session, tokens: int, now: float) -> Verdict:
+        """A paused session's turn: at once if permissive or it fits, else it waits."""
+        led, url = self.ledger, s.engine
+        need = max(s.footprint(self.p.session_buffer_tokens), tokens)
+        if not led.engaged(url) or led.fits(url, need, now):
+            return self._go(ticket, s, now, tokens, Outcome.RESUMED)
+        deadline = now + self.p.paused_max_wait_s
+        return self._wait(ticket, s, tokens, now, "paused", deadline, Held.PAUSED_FIT)
+
+    def _first_turn(self, ticket: str, s: Session, tokens: int, now: float) -> Verdict:
+        """A new session's first turn (or, in the hold_continuing ablation, a continuing
+        turn): at once if permissive or it fits with nobody ahead, else its engine's FIFO."""
+        led, url = self.ledger, s.engine
         continuing = s.state is SessionState.ACTIVE
-        if tokens > led.capacity(owner):
-            led.activate(s)
-            self._start(ticket, s, now, tokens, Outcome.BYPASS_OVERSIZED)
-            return Verdict(Outcome.BYPASS_OVERSIZED, engine=owner)
-        paused_waiting, new_waiting = self.queues.waiting(owner)
-        if not engaged:
+        if tokens > led.capacity(url):
+            return self._go(ticket, s, now, tokens, Outcome.BYPASS_OVERSIZED)
+        paused_waiting, new_waiting = self.queues.waiting(url)
+        if not led.engaged(url):
             fit = True
         elif continuing:
-            fit = led.fits(owner, tokens, now)
+            fit = led.fits(url, tokens, now)
         else:
-            fit = led.fits_new(owner, s, tokens, now)
+            fit = led.fits_new(url, s, tokens, now)
         if not paused_waiting and not new_waiting and fit:
             outcome = Outcome.CONTINUING_FORWARDED if continuing else Outcome.NEW_ADMITTED
-            led.activate(s)
-            self._start(ticket, s, now, tokens, outcome)
-            return Verdict(outcome, engine=owner)
-        held = (
-            Held.CONTINUING_FIT
-            if continuing
-            else (Held.NEW_BEHIND if paused_waiting or new_waiting else Held.NEW_SESSION_FIT)
-        )
+            return self._go(ticket, s, now, tokens, outcome)
+        if continuing:
+            held = Held.CONTINUING_FIT
+        elif paused_waiting or new_waiting:
+            held = Held.NEW_BEHIND
+        else:
+            held = Held.NEW_SESSION_FIT
         s.est = max(s.est, tokens)
-        return self._wait(ticket, s, tokens, now, "new", now + self.p.new_session_max_wait_s, held)
+        deadline = now + self.p.new_session_max_wait_s
+        return self._wait(ticket, s, tokens, now, "new", deadline, held)
 
     def hint_growth(self, sid: str | None, osl: int | None) -> None:
         """A client's expected output per turn (``agent_hints.osl``) floors the
@@ -312,8 +319,9 @@ class ProgramCore:
             # Resumes go before new sessions; but an aged new head still leaves.
             out.extend(self._age_new(url, now))
         # Work-conserving: an engine with nothing in flight takes the next waiting turn
-        # (a resume first) whether or not it fits.
-        if self.ledger.engine(url, now).load.inflight == 0:
+        # (a resume first) whether or not it fits (part of the measured rule: with
+        # engage_on_thrash off the gate is the earlier versions' exactly).
+        if self.p.engage_on_thrash and self.ledger.engine(url, now).load.inflight == 0:
             which = "paused" if q.head("paused") is not None else "new"
             if q.head(which) is not None:
                 out.append(self._release(url, which, Outcome.IDLE_ENGINE, now))
@@ -397,10 +405,19 @@ class ProgramCore:
     def next_deadline(self, now: float) -> float | None:
         """When a waiting turn may next age. A hold past its bound whose engine has not
         moved on yet is looked at again a tick later (an answer drains it sooner)."""
-        deadline = self.queues.earliest_deadline()
-        if deadline is not None and deadline <= now:
-            return now + self.p.tick_s
-        return deadline
+        best: float | None = None
+        for q in self.queues.by_engine.values():
+            for which in ("paused", "new"):
+                e = q.head(which)
+                if e is None:
+                    continue
+                at = e.deadline
+                if at <= now:  # past its bound: a tick later, or at twice its bound
+                    at = min(now + self.p.tick_s, 2 * e.deadline - e.enqueued_at)
+                    at = max(at, now)
+                if best is None or at < best:
+                    best = at
+        return best
 
     def tick(self, now: float) -> list[Release]:
         """Expiry, then per engine: resume/admit (drain), pause, feedback."""

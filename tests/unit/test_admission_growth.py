@@ -18,7 +18,10 @@ E1, E2 = "http://e1:1", "http://e2:1"
 # Capacity 1000 (headroom 1); the footprint gate is off below 750 and admits to 900; the
 # growth gate admits while the reservations stay within 900. Two closed sessions teach
 # the peak model (median).
+# The gate's mechanics, engaged from the start (engage_on_thrash off); when it
+# engages is tested in test_admission_engagement.py.
 P = ProgramParams(
+    engage_on_thrash=False,
     headroom=1.0,
     target_start=0.9,
     session_buffer_tokens=0,

@@ -18,7 +18,10 @@ from kvproxy.fleet.ring import HashRing
 
 E1, E2 = "http://e1:1", "http://e2:1"
 # Capacity 1000 (headroom 1), gate off below 750, target 900, pause 950 -> 850.
+# The gate's mechanics, engaged from the start (engage_on_thrash off); when it
+# engages is tested in test_admission_engagement.py.
 P = ProgramParams(
+    engage_on_thrash=False,
     headroom=1.0,
     target_start=0.9,
     session_buffer_tokens=0,
@@ -159,15 +162,29 @@ def test_new_sessions_wait_in_their_engines_fifo_until_they_fit() -> None:
     ]
 
 
-def test_new_session_goes_anyway_after_its_bound() -> None:
+def test_new_session_goes_anyway_after_its_bound_once_its_engine_moved_on() -> None:
     c = core()
     turn(c, "a1", "a", 900, 0.0)
     turn(c, "b1", "b", 200, 0.0)
     assert c.next_deadline(0.0) == 60.0
     assert c.drain(59.9) == []
-    (r,) = c.drain(60.0)
-    assert (r.ticket, r.outcome, r.wait_s) == ("b1", Outcome.NEW_AGED, 60.0)
+    # Past its bound, but the engine has answered nothing since b1 was queued: a proxy
+    # whose clock ran ahead of its engine does not age it; it looks again a tick later.
+    assert c.drain(60.0) == []
+    assert c.next_deadline(60.0) == 60.0 + P.tick_s
+    c.observe_response("a1", 61.0, prompt_tokens=900, completion_tokens=0, cached_tokens=None)
+    (r,) = c.drain(61.0)
+    assert (r.ticket, r.outcome, r.wait_s) == ("b1", Outcome.NEW_AGED, 61.0)
     assert Outcome.NEW_AGED.fail_open
+
+
+def test_a_hold_ages_at_twice_its_bound_without_engine_progress() -> None:
+    c = core()
+    turn(c, "a1", "a", 900, 0.0)  # never answers
+    turn(c, "b1", "b", 200, 0.0)
+    assert c.drain(119.9) == []
+    (r,) = c.drain(120.0)
+    assert (r.ticket, r.outcome) == ("b1", Outcome.NEW_AGED)
 
 
 @pytest.mark.parametrize(
@@ -175,7 +192,8 @@ def test_new_session_goes_anyway_after_its_bound() -> None:
     [
         (None, E1, True, 10, Outcome.BYPASS_NO_SESSION),
         ("s", None, True, 10, Outcome.BYPASS_NO_PLACEMENT),
-        ("s", E1, False, 10, Outcome.BYPASS_NO_METRICS),
+        # Stale but known: the last reading stands (capacity does not change).
+        ("s", E1, False, 10, Outcome.NEW_ADMITTED),
         ("s", E1, True, 1001, Outcome.BYPASS_OVERSIZED),
         ("s", E1, True, 700, Outcome.NEW_ADMITTED),
     ],
@@ -278,6 +296,8 @@ def test_a_paused_turn_waits_at_most_its_bound_ahead_of_new_sessions() -> None:
     # A new session now waits behind the paused turn, even a tiny one.
     assert turn(c, "n1", "new", 1, 7.5).held is Held.NEW_BEHIND
     assert c.drain(14.9) == []
+    # At its bound, once the engine has answered something since it was queued.
+    c.ledger.engine(E1).load.answered(14.0)
     releases = c.drain(15.0)
     assert [(r.ticket, r.outcome) for r in releases] == [("small1", Outcome.PAUSED_AGED)]
     assert releases[0].wait_s == pytest.approx(8.0)

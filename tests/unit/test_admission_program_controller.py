@@ -58,6 +58,9 @@ async def lab() -> AsyncIterator[Any]:
             "staleness_s": 3600.0,
             "target_start": 0.9,
             "session_buffer_tokens": 0,
+            # The gate's mechanics, engaged from the start (when it engages: the
+            # engagement tests).
+            "engage_on_thrash": False,
             **cfg,
         }
         caps = {A: 1000, B: 1000}
@@ -183,7 +186,9 @@ async def test_a_paused_turn_waits_no_longer_than_its_bound(lab) -> None:
         d = await asyncio.wait_for(turn(ctl, request("t5", a1, 500), prompt=500), 2.0)
         waited = loop.time() - started
     assert d.reason == "paused_aged" and d.action == "bypass"
-    assert 0.15 <= waited < 1.0 and d.wait_s == pytest.approx(0.2, abs=0.1)
+    # t4 runs and nothing was answered on A meanwhile: the hold ages at twice its bound
+    # (a proxy whose clock runs ahead of its engine does not age holds early).
+    assert 0.35 <= waited < 1.0 and d.wait_s == pytest.approx(0.4, abs=0.1)
     assert ctl.stats()["agentic_kv/admission/paused_wait_count"] == 1
 
 
