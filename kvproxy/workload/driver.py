@@ -29,6 +29,7 @@ from kvproxy.workload.spec import (
     WorkloadError,
     WorkloadSpec,
     override_names,
+    resolve_token_scale,
     workload_spec,
 )
 from kvproxy.workload.wire import (
@@ -50,6 +51,8 @@ MAX_CLOSE_RECORDS = 1_000_000
 MAX_STARTED = 1_000_000
 
 SESSION_CONTROLS = ("none", "open", "bind")
+# --token-scale left out: presets and traces of counts run at 1 (the engines' default).
+DEFAULT_TOKEN_SCALE = 1
 SESSION_CONTROL_SCOPES = ("all", "subagents")
 
 
@@ -509,7 +512,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help=f"a preset ({', '.join(PRESETS)}) or trace:PATH (trace:sample: the packaged sample)",
     )
     p.add_argument(
-        "--token-scale", type=int, default=1, help="tokens per macro-token (match the engines)"
+        "--token-scale",
+        type=int,
+        default=None,
+        help=f"tokens per macro-token (match the engines; default {DEFAULT_TOKEN_SCALE}, "
+        "a trace with explicit ids: its own)",
     )
     p.add_argument(
         "--sessions",
@@ -574,7 +581,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _spec_from_args(a: argparse.Namespace) -> WorkloadSpec:
-    return workload_spec(a.workload, a.token_scale, **parse_sets(a.set))
+    scale, note = resolve_token_scale(a.workload, a.token_scale, DEFAULT_TOKEN_SCALE)
+    if note is not None:
+        print(f"kvproxy workload: {note}", file=sys.stderr)
+    return workload_spec(a.workload, scale, **parse_sets(a.set))
 
 
 def run(a: argparse.Namespace) -> int:
