@@ -28,7 +28,7 @@ from kvproxy.sessions import streaming as st
 from kvproxy.sessions.agent_hints import Nvext
 from kvproxy.sessions.binding import BindTimers
 from kvproxy.sessions.identity import ROUTING_KEY_HEADER, new_rid
-from kvproxy.sessions.prefill import prefill_body
+from kvproxy.sessions.prefill import StreamAnswer, prefill_body
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +77,9 @@ class Turn:
     # A streaming slot's /close_session, awaited before the ordinary request is sent.
     closing: asyncio.Task[None] | None = None
     response: bytes | None = None  # a buffered 200 body, for the speculative prefill
+    # Why a streamed answer was not kept (StreamAnswer's skip reason), if it was not.
+    response_skip: str | None = None
+    answered: bool = False  # a streamed answer was kept (its prefill already decided)
 
     @property
     def wants_body(self) -> bool:
@@ -85,6 +88,11 @@ class Turn:
 
     def keep_body(self, data: bytes) -> None:
         self.response = data
+
+    def keep_stream(self, answer: StreamAnswer) -> None:
+        """A streamed answer, complete: kept in the buffered answer's shape."""
+        self.response, self.response_skip = answer.body()
+        self.answered = True
 
 
 class AgentControl:
@@ -524,7 +532,7 @@ class AgentControl:
         if self.slots.get(turn.session_id) is not None:
             return "streaming_session"  # its KV is held in the slot already
         if turn.response is None:
-            return "no_response_body"
+            return turn.response_skip or "no_response_body"
         if len(self._prefills) >= self.config.session_lifecycle.speculative_prefill_max_in_flight:
             return "in_flight_cap"
         if self._pressure(self._owner(key)):

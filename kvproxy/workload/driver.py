@@ -159,8 +159,8 @@ class HttpTransport:
     then closes the session after the response, before the explicit close arrives).
     ``session_control`` / ``speculative_prefill`` / ``session_timeout_s`` /
     ``session_control_scope``: Dynamo's ``nvext`` per turn (:func:`nvext_for`). With
-    ``speculative_prefill`` the requests are not streamed (kvproxy needs the whole answer
-    to prefill the next turn), so TTFT reads as the request's latency.
+    ``speculative_prefill`` the requests are not streamed (as the Dynamo benchmarks ran;
+    kvproxy prefills after a streamed answer too), so TTFT reads as the request's latency.
     """
 
     def __init__(
