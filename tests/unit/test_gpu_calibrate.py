@@ -213,3 +213,15 @@ def test_the_script_on_the_cpu_at_the_tiny_shape(gc: ModuleType, tmp_path: Path)
     assert doc["skipped"] == [] and len(doc["points"]) == len(gc.plan_points("tiny"))
     assert doc["device"]["type"] == "cpu" and doc["shape"]["layers"] == 2
     assert out.with_suffix(".md").read_text().startswith("# Cost model vs cpu")
+    # The attention it times is the right one: n queries after a cached prefix see the
+    # prefix and the causal part of their own (lower-right), GQA heads shared in pairs.
+    import torch
+
+    d = gc.Decoder(gc.SHAPES["tiny"], "cpu", torch.float32, 0)
+    n, total = 5, 12
+    q, k, v = torch.randn(1, 4, n, 16), torch.randn(1, 2, total, 16), torch.randn(1, 2, total, 16)
+    kk, vv = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
+    allowed = torch.arange(total)[None, :] <= torch.arange(total - n, total)[:, None]
+    scores = (q @ kk.transpose(-1, -2) / 4.0).masked_fill(~allowed, float("-inf"))
+    want = scores.softmax(-1) @ vv
+    assert torch.allclose(d._attend(q, k, v, d._lower_right(n, total)), want, atol=1e-5)
