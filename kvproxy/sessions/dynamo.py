@@ -80,11 +80,14 @@ class Turn:
     # Why a streamed answer was not kept (StreamAnswer's skip reason), if it was not.
     response_skip: str | None = None
     answered: bool = False  # a streamed answer was kept (its prefill already decided)
+    # session_lifecycle.speculative_prefill, as begin() found it.
+    prefill_on: bool = True
 
     @property
     def wants_body(self) -> bool:
-        """Only a turn asking for a speculative prefill keeps its answer."""
-        return self.nvext.hints.speculative_prefill
+        """Only a turn asking for a speculative prefill, with the feature on, keeps its
+        answer (a streamed one is accumulated only then)."""
+        return self.prefill_on and self.nvext.hints.speculative_prefill
 
     def keep_body(self, data: bytes) -> None:
         self.response = data
@@ -204,7 +207,7 @@ class AgentControl:
         """A turn starts; returns it and the headers to add (the routing key for
         bound and opened sessions, even when sticky_routing is off)."""
         sl = self.config.session_lifecycle
-        turn = Turn(session_id, path, nvext, close_after)
+        turn = Turn(session_id, path, nvext, close_after, prefill_on=sl.speculative_prefill)
         headers: dict[str, str] = {}
         action = nvext.control.action
         if (

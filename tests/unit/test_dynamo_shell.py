@@ -163,6 +163,16 @@ async def test_no_hint_no_prefill(control: Any) -> None:
     assert not control._prefills
 
 
+async def test_only_a_hinted_turn_with_the_feature_on_keeps_its_answer(control: Any) -> None:
+    # wants_body decides whether the relay keeps (or accumulates, when streamed) the answer.
+    assert _spec_turn(control).wants_body
+    assert not control.begin("s", "/v1/chat/completions", _nv(), False)[0].wants_body
+    control.reconfigure(
+        from_mapping({"session_lifecycle": {"enabled": True, "speculative_prefill": False}})
+    )
+    assert not _spec_turn(control).wants_body
+
+
 async def test_streaming_plans_use_the_mirrored_ring(control: Any) -> None:
     turn, _ = control.begin("s", "/generate", _nv(action="open"), False)
     plan = control.plan(turn, {"input_ids": [1, 2]}, "s")
