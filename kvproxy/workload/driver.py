@@ -51,9 +51,9 @@ MAX_CLOSE_RECORDS = 1_000_000
 MAX_STARTED = 1_000_000
 
 SESSION_CONTROLS = ("none", "open", "bind")
+SESSION_CONTROL_SCOPES = ("all", "subagents")
 # --token-scale left out: presets and traces of counts run at 1 (the engines' default).
 DEFAULT_TOKEN_SCALE = 1
-SESSION_CONTROL_SCOPES = ("all", "subagents")
 
 
 def nvext_for(
