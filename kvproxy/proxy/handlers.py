@@ -79,6 +79,7 @@ from kvproxy.sessions.identity import (
     validate_session_id,
 )
 from kvproxy.sessions.lifecycle import SessionClosed, SessionManager, TrackedRequest
+from kvproxy.sessions.prefill import StreamAnswer
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +91,7 @@ _RESPONSE_BUFFER_LIMIT = 1024 * 1024
 
 ObserveUsage = Callable[[Usage | None], None]
 ObserveBody = Callable[[bytes], None]
+ObserveStream = Callable[[StreamAnswer], None]
 
 # The last event of an SGLang or OpenAI-compatible stream. Once it has been relayed the
 # engine has finished the request: a client hanging up afterwards aborts nothing.
@@ -107,6 +109,7 @@ class Attempt:
         "complete",
         "extra_headers",
         "observe_body",
+        "observe_stream",
         "observe_usage",
         "on_disconnect",
         "path",
@@ -137,6 +140,8 @@ class Attempt:
         self.on_disconnect: Callable[[], None] | None = None
         self.observe_usage: ObserveUsage | None = None
         self.observe_body: ObserveBody | None = None
+        # A streamed (SSE) answer, accumulated only where this is set (the prefill hint).
+        self.observe_stream: ObserveStream | None = None
         self.complete = False  # the whole response (through [DONE]) was relayed
 
     def disconnected(self) -> None:
@@ -407,10 +412,23 @@ class ProxyHandlers:
                 return served
         if turn.wants_body:
             attempt.observe_body = turn.keep_body
+            # A streamed answer's prefill starts at its [DONE] (the router may hold the
+            # stream open a while after it): keep it, then the prefill, at once.
+            attempt.observe_stream = functools.partial(self._streamed_turn, attempt, plan, turn)
         response = await self.forward(attempt)
-        if turn.wants_body and response.status == 200:
+        if turn.wants_body and response.status == 200 and not turn.answered:
             self._after_turn(attempt, plan, turn)  # the speculative prefill
         return response
+
+    def _streamed_turn(
+        self, attempt: Attempt, plan: Plan, turn: Turn, answer: StreamAnswer
+    ) -> None:
+        """A streamed answer is complete (called from within the relay, which goes on)."""
+        turn.keep_stream(answer)
+        try:
+            self._after_turn(attempt, plan, turn)
+        except Exception:  # the client's stream must not break on a failed prefill
+            log.exception("speculative prefill of a streamed answer failed")
 
     def _admission_decided(
         self, attempt: Attempt, plan: Plan, areq: AdmissionRequest, decision: Decision
@@ -557,7 +575,7 @@ class ProxyHandlers:
             response.content_length = length
         await response.prepare(attempt.request)
         self.metrics.added_latency.observe(overhead + (time.perf_counter() - headers_at))
-        window, whole = _usage_readers(attempt, event_stream)
+        window, whole = _usage_readers(attempt, event_stream, upstream.status == 200)
         end = b""  # the stream's last bytes, to recognise its final [DONE] event
         try:
             async for chunk in upstream.content.iter_any():
@@ -584,10 +602,7 @@ class ProxyHandlers:
         with contextlib.suppress(ConnectionResetError):
             await response.write_eof()
         if upstream.status == 200:
-            if window is not None and attempt.observe_usage is not None:
-                attempt.observe_usage(window.usage())
-            if whole is not None and whole.data is not None and attempt.observe_body is not None:
-                attempt.observe_body(whole.data)
+            _observe_streamed(attempt, window, whole)
         return response
 
     async def _relay_buffered(
@@ -700,16 +715,36 @@ def _admission_request(attempt: Attempt, plan: Plan) -> AdmissionRequest:
 
 
 def _usage_readers(
-    attempt: Attempt, event_stream: bool
-) -> tuple[TailWindow | StreamedBodyUsage | None, _Kept | None]:
+    attempt: Attempt, event_stream: bool, ok: bool
+) -> tuple[TailWindow | StreamedBodyUsage | None, _Kept | StreamAnswer | None]:
     """What a streamed response tells the ledger (an event stream's tail, or a JSON
-    body's counts searched as it passes, wherever they are in it), and the chunked JSON
-    body kept whole, bounded, for ``observe_body``."""
+    body's counts searched as it passes, wherever they are in it), and what is kept of
+    it: a chunked JSON body whole, bounded, for ``observe_body``; an event stream's
+    answer, bounded, for ``observe_stream`` (``ok``: a 200, the only answer kept)."""
     window: TailWindow | StreamedBodyUsage | None = None
     if attempt.observe_usage is not None:
         window = TailWindow() if event_stream else StreamedBodyUsage()
-    whole = _Kept() if attempt.observe_body is not None and not event_stream else None
+    whole: _Kept | StreamAnswer | None = None
+    if event_stream:
+        if attempt.observe_stream is not None and ok:
+            whole = StreamAnswer(attempt.path, on_done=attempt.observe_stream)
+    elif attempt.observe_body is not None:
+        whole = _Kept()
     return window, whole
+
+
+def _observe_streamed(
+    attempt: Attempt,
+    window: TailWindow | StreamedBodyUsage | None,
+    whole: _Kept | StreamAnswer | None,
+) -> None:
+    """A 200 relayed to its end: its usage and what was kept go to their observers."""
+    if window is not None and attempt.observe_usage is not None:
+        attempt.observe_usage(window.usage())
+    if isinstance(whole, StreamAnswer):
+        whole.finish()  # observed at its [DONE] already, unless the stream had none
+    elif whole is not None and whole.data is not None and attempt.observe_body is not None:
+        attempt.observe_body(whole.data)
 
 
 def _payload(

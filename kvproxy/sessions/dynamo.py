@@ -28,7 +28,7 @@ from kvproxy.sessions import streaming as st
 from kvproxy.sessions.agent_hints import Nvext
 from kvproxy.sessions.binding import BindTimers
 from kvproxy.sessions.identity import ROUTING_KEY_HEADER, new_rid
-from kvproxy.sessions.prefill import prefill_body
+from kvproxy.sessions.prefill import StreamAnswer, prefill_body
 
 log = logging.getLogger(__name__)
 
@@ -77,14 +77,25 @@ class Turn:
     # A streaming slot's /close_session, awaited before the ordinary request is sent.
     closing: asyncio.Task[None] | None = None
     response: bytes | None = None  # a buffered 200 body, for the speculative prefill
+    # Why a streamed answer was not kept (StreamAnswer's skip reason), if it was not.
+    response_skip: str | None = None
+    answered: bool = False  # a streamed answer was kept (its prefill already decided)
+    # session_lifecycle.speculative_prefill, as begin() found it.
+    prefill_on: bool = True
 
     @property
     def wants_body(self) -> bool:
-        """Only a turn asking for a speculative prefill keeps its answer."""
-        return self.nvext.hints.speculative_prefill
+        """Only a turn asking for a speculative prefill, with the feature on, keeps its
+        answer (a streamed one is accumulated only then)."""
+        return self.prefill_on and self.nvext.hints.speculative_prefill
 
     def keep_body(self, data: bytes) -> None:
         self.response = data
+
+    def keep_stream(self, answer: StreamAnswer) -> None:
+        """A streamed answer, complete: kept in the buffered answer's shape."""
+        self.response, self.response_skip = answer.body()
+        self.answered = True
 
 
 class AgentControl:
@@ -196,7 +207,7 @@ class AgentControl:
         """A turn starts; returns it and the headers to add (the routing key for
         bound and opened sessions, even when sticky_routing is off)."""
         sl = self.config.session_lifecycle
-        turn = Turn(session_id, path, nvext, close_after)
+        turn = Turn(session_id, path, nvext, close_after, prefill_on=sl.speculative_prefill)
         headers: dict[str, str] = {}
         action = nvext.control.action
         if (
@@ -524,7 +535,7 @@ class AgentControl:
         if self.slots.get(turn.session_id) is not None:
             return "streaming_session"  # its KV is held in the slot already
         if turn.response is None:
-            return "no_response_body"
+            return turn.response_skip or "no_response_body"
         if len(self._prefills) >= self.config.session_lifecycle.speculative_prefill_max_in_flight:
             return "in_flight_cap"
         if self._pressure(self._owner(key)):

@@ -29,6 +29,7 @@ from kvproxy.workload.spec import (
     WorkloadError,
     WorkloadSpec,
     override_names,
+    resolve_token_scale,
     workload_spec,
 )
 from kvproxy.workload.wire import (
@@ -51,6 +52,8 @@ MAX_STARTED = 1_000_000
 
 SESSION_CONTROLS = ("none", "open", "bind")
 SESSION_CONTROL_SCOPES = ("all", "subagents")
+# --token-scale left out: presets and traces of counts run at 1 (the engines' default).
+DEFAULT_TOKEN_SCALE = 1
 
 
 def nvext_for(
@@ -156,8 +159,8 @@ class HttpTransport:
     then closes the session after the response, before the explicit close arrives).
     ``session_control`` / ``speculative_prefill`` / ``session_timeout_s`` /
     ``session_control_scope``: Dynamo's ``nvext`` per turn (:func:`nvext_for`). With
-    ``speculative_prefill`` the requests are not streamed (kvproxy needs the whole answer
-    to prefill the next turn), so TTFT reads as the request's latency.
+    ``speculative_prefill`` the requests are not streamed (as the Dynamo benchmarks ran;
+    kvproxy prefills after a streamed answer too), so TTFT reads as the request's latency.
     """
 
     def __init__(
@@ -509,7 +512,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help=f"a preset ({', '.join(PRESETS)}) or trace:PATH (trace:sample: the packaged sample)",
     )
     p.add_argument(
-        "--token-scale", type=int, default=1, help="tokens per macro-token (match the engines)"
+        "--token-scale",
+        type=int,
+        default=None,
+        help=f"tokens per macro-token (match the engines; default {DEFAULT_TOKEN_SCALE}, "
+        "a trace with explicit ids: its own)",
     )
     p.add_argument(
         "--sessions",
@@ -574,7 +581,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _spec_from_args(a: argparse.Namespace) -> WorkloadSpec:
-    return workload_spec(a.workload, a.token_scale, **parse_sets(a.set))
+    scale, note = resolve_token_scale(a.workload, a.token_scale, DEFAULT_TOKEN_SCALE)
+    if note is not None:
+        print(f"kvproxy workload: {note}", file=sys.stderr)
+    return workload_spec(a.workload, scale, **parse_sets(a.set))
 
 
 def run(a: argparse.Namespace) -> int:

@@ -350,6 +350,25 @@ def round_half_up(x: float) -> int:
     return math.floor(x + 0.5)
 
 
+def resolve_token_scale(
+    name_or_trace: str, given: int | None, default: int
+) -> tuple[int, str | None]:
+    """The token scale for a run of ``name_or_trace`` (a preset name or ``trace:PATH``),
+    and a one-line note for the user when it is not ``default``.
+
+    ``given`` is an explicitly given scale (``None``: the flag was left out): it is used
+    as it is. Otherwise a preset runs at ``default`` and so does a trace of counts; a
+    trace with explicit token ids runs at its own ``token_scale`` (ids cannot be
+    rescaled). Reads the trace; raises :class:`WorkloadError` for an unreadable one.
+    """
+    path = name_or_trace[len(TRACE_PREFIX) :]
+    if given is not None or not name_or_trace.startswith(TRACE_PREFIX) or not path:
+        return (default if given is None else given), None
+    from kvproxy.workload.trace import load_trace, run_token_scale
+
+    return run_token_scale(load_trace(path), given, default)
+
+
 def workload_spec(name_or_trace: str, token_scale: int = 1, **overrides: Any) -> WorkloadSpec:
     """The preset ``name_or_trace`` (``swe``, ``rl``, ``subagents``, ``legacy`` or
     ``trace:PATH``) with ``overrides`` applied, scaled by ``token_scale``.

@@ -13,8 +13,9 @@ One JSON object per line (blank lines are skipped):
 
 Token counts are in the trace's ``token_scale``; a run at scale K multiplies them by
 ``token_scale / K`` (stochastic rounding, outputs at least 1). Explicit ids cannot be
-rescaled: a trace with ids runs only at its own scale. Parsing is pure apart from
-reading the file; every error names the line and the field.
+rescaled: a trace with ids runs only at its own scale, which is also the CLIs' default
+for it (:func:`run_token_scale`). Parsing is pure apart from reading the file; every
+error names the line and the field.
 """
 
 from __future__ import annotations
@@ -95,10 +96,21 @@ class Trace:
                 sizes[s.group] = sizes.get(s.group, 0) + 1
         return max(sizes.values(), default=1)
 
+    @property
+    def has_ids(self) -> bool:
+        """Whether any prefix or turn gives explicit token ids (which fix the scale)."""
+        return any(p.ids is not None for p in self.prefixes.values()) or any(
+            t.input_ids is not None for s in self.sessions for t in s.turns
+        )
+
     def check_scale(self, token_scale: int) -> None:
         """Explicit ids cannot be rescaled: refuse a run at another token scale."""
         if token_scale == self.token_scale:
             return
+        fix = (
+            f"run at --token-scale {self.token_scale} (or leave --token-scale out: a trace "
+            f"with ids runs at its own scale by default)"
+        )
         for p in self.prefixes.values():
             if p.ids is not None:
                 raise _error(
@@ -106,8 +118,7 @@ class Trace:
                     p.line,
                     "ids",
                     f"explicit ids cannot be rescaled from the trace's token_scale "
-                    f"{self.token_scale} to {token_scale}; give a count ('tokens') or run "
-                    f"at --token-scale {self.token_scale}",
+                    f"{self.token_scale} to {token_scale}; give a count ('tokens') or {fix}",
                 )
         for s in self.sessions:
             for i, t in enumerate(s.turns):
@@ -117,9 +128,27 @@ class Trace:
                         s.line,
                         f"turns[{i}].input_ids",
                         f"explicit ids cannot be rescaled from the trace's token_scale "
-                        f"{self.token_scale} to {token_scale}; give a count ('input') or "
-                        f"run at --token-scale {self.token_scale}",
+                        f"{self.token_scale} to {token_scale}; give a count ('input') or {fix}",
                     )
+
+
+def run_token_scale(trace: Trace, given: int | None, default: int) -> tuple[int, str | None]:
+    """The token scale a run of ``trace`` uses, and a one-line note when the trace's
+    explicit ids chose it.
+
+    ``given`` is the scale asked for explicitly (``None``: not given), ``default`` the
+    caller's default for presets. A trace with explicit ids runs at its own scale unless
+    a scale is given (a conflicting one is refused later, by :meth:`Trace.check_scale`);
+    a trace of counts only is rescaled to the default like a preset.
+    """
+    if given is not None:
+        return given, None
+    if not trace.has_ids or trace.token_scale == default:
+        return default, None
+    return trace.token_scale, (
+        f"{trace.path} has explicit token ids: running at its token_scale "
+        f"{trace.token_scale} (not the default {default})"
+    )
 
 
 def _error(path: str, line: int, field: str, message: str) -> WorkloadError:

@@ -6,13 +6,15 @@ consistent_hashing``), kvproxy in front with only session lifecycle on.
 later turns go in streaming-session form and are served from the slot, close frees
 it, and the generated tokens equal a run without session control; a mismatching
 turn falls back without an error; ``bind`` with a short timeout is closed after it;
-a speculative prefill reaches the session's engine after the response.
+a speculative prefill reaches the session's engine after the response, streamed
+(SSE) or not.
 """
 
 from __future__ import annotations
 
 import itertools
 import re
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -298,6 +300,115 @@ async def test_speculative_prefill_reaches_the_sessions_engine_after_the_respons
 
     await wait_until(answered, timeout_s=10, what="the prefill's answer")
     # Never counted as a turn: one request tracked for the session.
+    await proxy.app[SESSIONS].close(sid, reason="test")
+
+
+async def _sse_lines(resp: aiohttp.ClientResponse) -> tuple[list[Any], float]:
+    """A streamed answer's JSON events, and when its ``[DONE]`` was read."""
+    events: list[Any] = []
+    async for line in resp.content:
+        ev = parse_sse_line(line)
+        if ev is not None and ev[0] == "json":
+            events.append(ev[1])
+        elif ev is not None and ev[0] == "done":
+            return events, time.monotonic()
+    raise AssertionError("the stream ended without [DONE]")
+
+
+async def _one_prefill_soon(
+    proxy: Proxy,
+    http: aiohttp.ClientSession,
+    owner: str,
+    mine: Any,
+    done_at: float,
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The turn and its one prefill on the session's engine, the prefill recorded
+    within about a second of the turn's [DONE] (a bounded poll, no fixed sleep)."""
+
+    async def prefilled() -> bool:
+        return len(mine(await recorded(http, [owner]))) >= 2
+
+    await wait_until(prefilled, timeout_s=1.5, what="the prefill within ~1 s of [DONE]")
+    assert time.monotonic() - done_at < 1.5
+
+    async def answered() -> bool:
+        return proxy.app[AGENTS].counters.total(dynamo.PREFILL_SENT) == 1
+
+    await wait_until(answered, timeout_s=10, what="the prefill's answer")
+    found = mine(await recorded(http, [owner]))
+    assert len(found) == 2, found  # the turn and exactly one prefill
+    assert proxy.app[AGENTS].counters.total(dynamo.PREFILL_FAILED) == 0
+    return found[0], found[1]
+
+
+async def test_a_streamed_chat_turn_gets_its_speculative_prefill_after_done(
+    proxy: Proxy, http: aiohttp.ClientSession
+) -> None:
+    sid = f"spec-sse-{next(_ids)}"
+    owner = proxy.app[AGENTS]._owner(sid)
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": f"plan the task {sid}"}],
+        "max_tokens": 5,
+        "stream": True,
+        "nvext": {
+            "session_control": {"session_id": sid, "action": "bind"},
+            "agent_hints": {"speculative_prefill": True},
+        },
+    }
+    async with http.post(f"{proxy.url}/v1/chat/completions", json=body) as resp:
+        assert resp.status == 200
+        assert resp.headers["Content-Type"].startswith("text/event-stream")
+        events, done_at = await _sse_lines(resp)
+    answer = "".join(
+        c["delta"].get("content") or "" for e in events for c in e["choices"] if "delta" in c
+    )
+    assert answer
+
+    def mine(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return [
+            orjson.loads(e["body"])
+            for e in entries
+            if e["path"] == "/v1/chat/completions" and sid in e["body"]
+        ]
+
+    turn, prefill = await _one_prefill_soon(proxy, http, owner, mine, done_at)
+    assert turn["stream"] is True
+    # The prefill carries the answer the client received, as a buffered turn's does.
+    assert prefill["messages"][-1] == {"role": "assistant", "content": answer}
+    assert prefill["max_tokens"] == 1 and prefill["session_id"] == sid
+    # Not streamed (the router writes its default, stream: false, into what it sends).
+    assert not prefill.get("stream") and "nvext" not in prefill and prefill["rid"] != turn["rid"]
+    await proxy.app[SESSIONS].close(sid, reason="test")
+
+
+async def test_a_streamed_generate_turn_gets_its_prefill_with_the_output_ids(
+    proxy: Proxy, http: aiohttp.ClientSession
+) -> None:
+    sid = f"spec-gen-{next(_ids)}"
+    owner = proxy.app[AGENTS]._owner(sid)
+    prompt = [7000 + i for i in range(24)]
+    body = _turn(prompt, f"{sid}-t0", sid, "bind")
+    body["nvext"]["agent_hints"] = {"speculative_prefill": True}
+    body["stream"] = True
+    async with http.post(f"{proxy.url}/generate", json=body) as resp:
+        assert resp.status == 200
+        events, done_at = await _sse_lines(resp)
+    state = StreamState()
+    for ev in events:
+        state.feed_generate(ev)
+    assert state.output_ids
+
+    def mine(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return [
+            orjson.loads(e["body"])
+            for e in entries
+            if e["path"] == "/generate" and sid in e["body"]
+        ]
+
+    _, prefill = await _one_prefill_soon(proxy, http, owner, mine, done_at)
+    assert prefill["input_ids"] == [*prompt, *state.output_ids]
+    assert prefill["sampling_params"]["max_new_tokens"] == 1
     await proxy.app[SESSIONS].close(sid, reason="test")
 
 

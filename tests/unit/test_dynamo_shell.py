@@ -15,6 +15,7 @@ from kvproxy.sessions import dynamo
 from kvproxy.sessions import streaming as st
 from kvproxy.sessions.agent_hints import parse_nvext
 from kvproxy.sessions.identity import ROUTING_KEY_HEADER
+from kvproxy.sessions.prefill import StreamAnswer
 
 W1, W2 = "http://127.0.0.1:1", "http://127.0.0.1:2"
 
@@ -124,6 +125,7 @@ BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
         ("closed", "session_end"),
         ("streaming", "streaming_session"),
         ("no_body", "no_response_body"),
+        ("stream_too_big", "answer_too_big"),
         ("pressure", "pressure"),
         ("unreadable", "unreadable"),
     ],
@@ -136,6 +138,10 @@ async def test_prefill_skip_reasons(control: Any, setup: str, reason: str) -> No
         control.slots.put(st.Slot("s", W1))
     if setup == "no_body":
         turn.response = None
+    if setup == "stream_too_big":  # a streamed answer past its bound
+        answer = StreamAnswer("/v1/chat/completions", limit=4)
+        answer.feed(b'data: {"choices": [{"index": 0, "delta": {"content": "too long"}}]}\n\n')
+        turn.keep_stream(answer)
     if setup == "pressure":
         control.test_state["pressure"] = True
     if setup == "unreadable":
@@ -155,6 +161,16 @@ async def test_no_hint_no_prefill(control: Any) -> None:
     turn.response = b"{}"
     assert control.after_response(turn, BODY, {}) is None
     assert not control._prefills
+
+
+async def test_only_a_hinted_turn_with_the_feature_on_keeps_its_answer(control: Any) -> None:
+    # wants_body decides whether the relay keeps (or accumulates, when streamed) the answer.
+    assert _spec_turn(control).wants_body
+    assert not control.begin("s", "/v1/chat/completions", _nv(), False)[0].wants_body
+    control.reconfigure(
+        from_mapping({"session_lifecycle": {"enabled": True, "speculative_prefill": False}})
+    )
+    assert not _spec_turn(control).wants_body
 
 
 async def test_streaming_plans_use_the_mirrored_ring(control: Any) -> None:
