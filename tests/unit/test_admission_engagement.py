@@ -1,0 +1,228 @@
+"""When program admission holds: the engagement rule, its load and cost measurements,
+and what a permissive or engaged engine does with a request (tables, injected clock)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from kvproxy.admission.decisions import Event, Held, Outcome
+from kvproxy.admission.engagement import Engagement, EngageRule, Load
+from kvproxy.admission.params import ProgramParams
+from kvproxy.admission.program import ProgramCore
+
+E1 = "http://e1:1"
+RULE = EngageRule(
+    engage_cost=0.3, engage_busy=0.75, release_busy=0.5, engage_windows=2, release_windows=3
+)
+
+
+# -- load ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("events", "window", "now", "busy"),
+    [
+        ([], (0.0, 10.0), 10.0, 0.0),
+        ([("start", 0.0)], (0.0, 10.0), 10.0, 1.0),
+        ([("start", 2.0), ("end", 7.0)], (0.0, 10.0), 10.0, 0.5),
+        # two overlapping turns count once
+        ([("start", 0.0), ("start", 1.0), ("end", 4.0), ("end", 5.0)], (0.0, 10.0), 10.0, 0.5),
+        # a turn running since before the window counts from the window's start
+        ([("start", 0.0)], (5.0, 10.0), 10.0, 1.0),
+        # an empty window: busy iff something is in flight
+        ([("start", 0.0)], (10.0, 10.0), 10.0, 1.0),
+    ],
+)
+def test_busy_fraction(events, window, now, busy) -> None:
+    load = Load()
+    for kind, at in events:
+        (load.started if kind == "start" else load.ended)(at)
+    start, _ = window
+    if start > 0:
+        load.new_window(start)
+    assert load.busy_fraction(start, now) == pytest.approx(busy)
+
+
+def test_an_unmatched_end_is_ignored() -> None:
+    load = Load()
+    load.ended(1.0)
+    assert load.inflight == 0 and load.busy_fraction(0.0, 2.0) == 0.0
+
+
+@pytest.mark.parametrize(
+    ("work", "weight", "min_turns", "cost"),
+    [
+        ([], 16.0, 1, None),  # nothing answered: no verdict
+        ([(100, 0, 10)] * 2, 16.0, 3, None),  # too few answers
+        ([(100, 0, 10)] * 3, 16.0, 3, 0.0),  # nothing recomputed
+        # W1-like: 20k recomputed of 20.5k computed, 150 decoded -> 20k / (20.5k + 2.4k)
+        ([(20_500, 20_000, 150)], 16.0, 1, 20_000 / (20_500 + 16 * 150)),
+        # decode-heavy: 500 recomputed, 1000 decoded -> cheap
+        ([(600, 500, 1000)], 16.0, 1, 500 / (600 + 16_000)),
+        ([(0, 0, 0)], 16.0, 1, 0.0),
+    ],
+)
+def test_recompute_cost(work, weight, min_turns, cost) -> None:
+    load = Load()
+    for computed, recomputed, decoded in work:
+        load.worked(computed, recomputed, decoded)
+    got = load.recompute_cost(weight, min_turns)
+    assert got == (None if cost is None else pytest.approx(cost))
+
+
+def test_a_new_window_forgets_the_work_and_the_busy_time() -> None:
+    load = Load()
+    load.started(0.0)
+    load.worked(10, 5, 1)
+    load.new_window(4.0)
+    assert load.recompute_cost(16.0, 1) is None
+    assert load.busy_fraction(4.0, 8.0) == 1.0  # still in flight
+
+
+# -- the rule ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("windows", "verdicts"),
+    [
+        # busy and costly twice in a row: engages on the second
+        ([(0.9, 0.5), (0.9, 0.5)], [None, True]),
+        # costly but not busy (spare engine time absorbs the recompute): never
+        ([(0.4, 0.9)] * 4, [None] * 4),
+        # busy but cheap (short contexts, long decodes): never
+        ([(1.0, 0.1)] * 4, [None] * 4),
+        # a window without answers neither counts nor resets
+        ([(0.9, 0.5), (0.9, None), (0.9, 0.5)], [None, None, True]),
+        # a quiet window resets the count
+        ([(0.9, 0.5), (0.9, 0.1), (0.9, 0.5), (0.9, 0.5)], [None, None, None, True]),
+        # engaged, then idle three windows in a row: released
+        (
+            [(0.9, 0.5), (0.9, 0.5), (0.2, None), (0.2, None), (0.2, None)],
+            [None, True, None, None, False],
+        ),
+        # engaged, busy again before the third idle window: stays
+        (
+            [(0.9, 0.5), (0.9, 0.5), (0.2, 0.0), (0.2, 0.0), (0.6, 0.0), (0.2, 0.0)],
+            [None, True, None, None, None, None],
+        ),
+    ],
+)
+def test_engagement_rule(windows, verdicts) -> None:
+    e = Engagement()
+    got = [e.judge(RULE, busy=busy, cost=cost) for busy, cost in windows]
+    assert got == verdicts
+
+
+# -- the core, permissive and engaged ----------------------------------------------------
+
+P = ProgramParams(
+    headroom=1.0,
+    target_start=0.9,
+    session_buffer_tokens=0,
+    idle_lease_s=5.0,
+    idle_half_life_s=10.0,
+    paused_max_wait_s=8.0,
+    new_session_max_wait_s=60.0,
+    staleness_s=5.0,
+    growth_reservation=False,
+    feedback_window_s=5.0,
+    engage_windows=1,
+    release_windows=2,
+)
+
+
+def core() -> ProgramCore:
+    c = ProgramCore(P)
+    c.ledger.observe_engine(E1, 0.0, max_total_num_tokens=1000)
+    return c
+
+
+def answer(c: ProgramCore, ticket: str, now: float, prompt: int, cached: int, out: int) -> None:
+    c.observe_response(
+        ticket, now, prompt_tokens=prompt, completion_tokens=out, cached_tokens=cached
+    )
+    c.turn_ended(ticket, now)
+
+
+def test_a_permissive_engine_holds_nothing_and_pauses_nobody() -> None:
+    c = core()
+    assert c.request("a1", "a", E1, 900, 0.0).outcome is Outcome.NEW_ADMITTED
+    # Far over capacity: an engaged gate would hold b; a permissive one does not.
+    assert c.request("b1", "b", E1, 900, 0.0).outcome is Outcome.NEW_ADMITTED
+    answer(c, "a1", 1.0, 900, 0, 10)
+    answer(c, "b1", 1.0, 900, 0, 10)
+    c.tick(20.0)  # both idle long past the lease, U = 1820 > 950: no pause
+    assert c.events[Event.PAUSED] == 0
+    assert c.engine_rows(20.0)[0]["engaged"] == 0.0
+
+
+def engaged_core() -> ProgramCore:
+    """An engine busy all window whose continuing turns found their context evicted."""
+    c = core()
+    for i, sid in enumerate("abc"):
+        c.request(f"{sid}1", sid, E1, 300, 0.0)
+        answer(c, f"{sid}1", 0.5, 300, 0, 10)
+        c.request(f"{sid}2", sid, E1, 320, 0.5 + i * 0.01)
+    for sid in "abc":  # each recomputed its 310-token context
+        answer(c, f"{sid}2", 5.0, 320, 0, 10)
+    c.request("keep", "a", E1, 330, 5.0)  # keeps the engine busy
+    c.tick(5.0)
+    return c
+
+
+def test_busy_and_recomputing_engages_and_then_the_gate_holds() -> None:
+    c = engaged_core()
+    assert c.events[Event.ENGAGED] == 1
+    assert c.engine_rows(5.0)[0]["engaged"] == 1.0
+    v = c.request("n1", "new", E1, 400, 5.5)  # U = 3 x 330 + 400 > theta x C
+    assert v.outcome is None and v.held is Held.NEW_SESSION_FIT
+
+
+def test_an_engaged_engine_with_nothing_in_flight_takes_the_next_waiting_turn() -> None:
+    c = engaged_core()
+    assert c.request("n1", "new", E1, 400, 5.5).outcome is None
+    c.observe_response("keep", 6.0, prompt_tokens=330, completion_tokens=10, cached_tokens=320)
+    c.turn_ended("keep", 6.0)  # nothing in flight now
+    (r,) = c.drain(6.0)
+    assert (r.ticket, r.outcome) == ("n1", Outcome.IDLE_ENGINE)
+    assert Outcome.IDLE_ENGINE.waited and not Outcome.IDLE_ENGINE.fail_open
+
+
+def test_an_engaged_engine_left_idle_goes_permissive_again() -> None:
+    c = engaged_core()
+    answer(c, "keep", 5.6, 330, 320, 10)  # nothing in flight from here on
+    c.tick(10.0)
+    assert c.events[Event.DISENGAGED] == 0  # one idle window is not enough
+    c.tick(15.0)
+    assert c.events[Event.DISENGAGED] == 1
+    assert c.request("n1", "new", E1, 900, 15.5).outcome is Outcome.NEW_ADMITTED
+
+
+def test_a_silent_engine_releases_its_waiters_one_per_tick() -> None:
+    c = engaged_core()
+    for i in range(3):
+        assert c.request(f"n{i}", f"new{i}", E1, 400, 5.5).outcome is None
+    # Neither /metrics nor answers for longer than staleness_s (5 s): stale.
+    assert not c.ledger.fresh(E1, 11.0)
+    first = c.drain(11.0)
+    assert [r.outcome for r in first] == [Outcome.BYPASS_NO_METRICS]
+    assert c.drain(11.5) == []  # the next one a tick later, not at once
+    assert len(c.drain(12.0)) == 1
+    assert c.events[Event.STALE_RELEASE] == 2
+
+
+def test_answers_keep_an_engine_fresh_without_metrics() -> None:
+    c = core()
+    c.request("a1", "a", E1, 10, 0.0)
+    assert not c.ledger.fresh(E1, 9.0)
+    answer(c, "a1", 8.0, 10, 0, 1)
+    assert c.ledger.fresh(E1, 9.0)  # the last scrape was at 0, the last answer at 8
+
+
+def test_switching_the_rule_off_engages_the_gate_from_the_start() -> None:
+    c = ProgramCore(dataclasses.replace(P, engage_on_thrash=False))
+    c.ledger.observe_engine(E1, 0.0, max_total_num_tokens=1000)
+    c.request("a1", "a", E1, 900, 0.0)
+    assert c.request("b1", "b", E1, 900, 0.0).outcome is None
