@@ -95,6 +95,22 @@ ENGINE_FAMILIES = (
         "The engine's admission target theta (fraction of capacity), set by feedback.",
     ),
     (
+        "engaged",
+        "agentic_kv_admission_engine_engaged",
+        "1 while the engine's gate holds work (busy and recomputing evicted context), 0 "
+        "while it is permissive (docs/admission.md#when-admission-holds).",
+    ),
+    (
+        "busy",
+        "agentic_kv_admission_engine_busy",
+        "Share of the current feedback window with a turn in flight on the engine.",
+    ),
+    (
+        "inflight",
+        "agentic_kv_admission_engine_inflight",
+        "Turns kvproxy has in flight on the engine.",
+    ),
+    (
         "waiting_new",
         "agentic_kv_admission_engine_waiting_new",
         "New sessions waiting in the engine's FIFO.",

@@ -42,6 +42,7 @@ class Load:
     recomputed: int = 0
     decoded: int = 0
     turns: int = 0
+    idled: int = 0  # work-conserving releases this window (held work, idle engine)
 
     def worked(self, computed: int, recomputed: int, decoded: int) -> None:
         self.computed += computed
@@ -87,7 +88,7 @@ class Load:
 
     def new_window(self, now: float) -> None:
         self.busy_s = 0.0
-        self.computed = self.recomputed = self.decoded = self.turns = 0
+        self.computed = self.recomputed = self.decoded = self.turns = self.idled = 0
         if self.busy_since is not None:
             self.busy_since = now
 
@@ -101,6 +102,11 @@ class EngageRule:
     release_busy: float = 0.5
     engage_windows: int = 2
     release_windows: int = 6
+    # Consecutive windows in which held work left the engine idle that release it.
+    starved_windows: int = 3
+    # Windows a starved release keeps the engine permissive (doubling each time).
+    backoff_windows: int = 12
+    max_backoff_windows: int = 192
 
 
 @dataclass(slots=True)
@@ -110,12 +116,21 @@ class Engagement:
     engaged: bool = False
     hot: int = 0  # consecutive windows busy and recomputing (while permissive)
     cool: int = 0  # consecutive windows not busy (while engaged)
+    starved: int = 0  # consecutive windows the held work left the engine idle
+    failures: int = 0  # starved releases so far
+    backoff: int = 0  # windows left before it may engage again
 
-    def judge(self, rule: EngageRule, *, busy: float, cost: float | None) -> bool | None:
+    def judge(
+        self, rule: EngageRule, *, busy: float, cost: float | None, idled: int = 0
+    ) -> bool | None:
         """One window's verdict: True when it engages now, False when it releases now,
         None when nothing changes. ``cost`` None (too few answers this window): a
-        permissive engine keeps its count, neither engaging nor forgetting."""
+        permissive engine keeps its count, neither engaging nor forgetting. ``idled``:
+        how often the engine ran out of work this window while turns were held."""
         if not self.engaged:
+            if self.backoff > 0:
+                self.backoff -= 1
+                return None
             if cost is None:
                 return None
             hot = cost >= rule.engage_cost and busy >= rule.engage_busy
@@ -124,8 +139,17 @@ class Engagement:
                 self.engaged, self.hot, self.cool = True, 0, 0
                 return True
             return None
+        self.starved = self.starved + 1 if idled > 0 else 0
+        if self.starved >= rule.starved_windows:
+            # Holding keeps starving the engine: it holds the wrong work here.
+            self.failures += 1
+            self.backoff = min(
+                rule.max_backoff_windows, rule.backoff_windows * 2 ** (self.failures - 1)
+            )
+            self.engaged, self.hot, self.cool, self.starved = False, 0, 0, 0
+            return False
         self.cool = self.cool + 1 if busy < rule.release_busy else 0
         if self.cool >= rule.release_windows:
-            self.engaged, self.hot, self.cool = False, 0, 0
+            self.engaged, self.hot, self.cool, self.starved = False, 0, 0, 0
             return False
         return None

@@ -324,6 +324,7 @@ class ProgramCore:
         if self.p.engage_on_thrash and self.ledger.engine(url, now).load.inflight == 0:
             which = "paused" if q.head("paused") is not None else "new"
             if q.head(which) is not None:
+                self.ledger.engine(url, now).load.idled += 1
                 out.append(self._release(url, which, Outcome.IDLE_ENGINE, now))
         return out
 
@@ -509,6 +510,7 @@ class ProgramCore:
             p.engage_rule,
             busy=eng.load.busy_fraction(eng.window_start, now),
             cost=eng.load.recompute_cost(p.decode_token_weight, p.min_feedback_turns),
+            idled=eng.load.idled,
         )
         if changed is not None and self.trace is not None:
             self.trace.append((now, url, changed))
