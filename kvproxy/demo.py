@@ -182,23 +182,19 @@ DEMO_W1 = Scenario(
     request_timeout_sim_s=AdmissionConfig().new_session_max_wait_s + 600.0,
 )
 DEMO_SEEDS: tuple[int, ...] = (0,)
+# The quick demo: a smaller W1 that is still KV-bound (the lab's no-eviction bound is
+# 1.65x off on seed 0, 1.32-1.86x on seeds 0-2): 32 live sessions per engine on a pool of
+# two thirds of their working set, 96 sessions (three waves, so that the run is not one
+# wave's longest session), at 0.02 wall seconds per simulated second. The lab gives
+# both / off 1.37x, 1.31x, 1.32x on seeds 0-2 (docs/benchmarks.md, "Quick demo").
 QUICK_W1 = dataclasses.replace(
     DEMO_W1,
     name="w1-swe-quick",
-    sessions_per_engine=4,
-    time_scale=0.2,
-    sessions=12,
-    workload_overrides={
-        "turns_median": 4,
-        "turns_lo": 3,
-        "turns_hi": 5,
-        "tool_latency_cap_s": 5,
-        "context_length": 5_120,
-    },
-    # Above a held first turn's wait (admission.new_session_max_wait_s bounds it).
-    run_timeout_sim_s=400.0,
-    request_timeout_sim_s=400.0,
-    record_requests=4000,
+    sessions_per_engine=32,
+    pool_ratio=1.5,
+    sessions=96,
+    time_scale=0.02,
+    record_requests=8000,
 )
 QUICK_SEEDS: tuple[int, ...] = (0,)
 
@@ -682,6 +678,9 @@ def verdict(name: str, med: Mapping[str, Any], base: Mapping[str, Any]) -> str:
         word = "faster"
     elif spm >= 1.05:
         word = "faster, with a worse tail"
+    elif spm <= 0.95 and name in ("admission", "both"):
+        # Admission is built never to cost throughput: this is a bug, not a verdict.
+        word = "slower: a defect, please report it with results.json (docs/admission.md)"
     elif spm <= 0.95:
         word = "slower"
     elif rec is not None and rec <= 0.9:

@@ -10,6 +10,7 @@ from typing import Any
 
 import yaml
 
+from kvproxy.lab.faults import FAULTS
 from kvproxy.lab.router import ROUTER_POLICIES
 from kvproxy.lab.runner import POLICIES, LabConfig, LabError, format_table, run_matrix
 from kvproxy.workload.driver import parse_sets
@@ -97,6 +98,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="KV pool per engine in (scaled) tokens (default: the preset's)",
     )
+    parser.add_argument(
+        "--signal-fault",
+        choices=tuple(FAULTS),
+        default="none",
+        help="a fault of kvproxy's /metrics scrapes: none, windows (two 8 s outages), "
+        "periodic (8 s a minute), quarter (a quarter of the time), lag (late readings)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -126,6 +134,7 @@ def run(args: argparse.Namespace) -> int:
         engine_overrides=overrides,
         workload_overrides=workload_overrides,
         admission_overrides=admission,
+        signal_fault=args.signal_fault,
     )
     try:
         results = run_matrix(cfg, args.policy, args.seeds)

@@ -115,6 +115,24 @@ def test_engagement_rule(windows, verdicts) -> None:
     assert got == verdicts
 
 
+def test_held_work_that_keeps_starving_the_engine_backs_off_doubling() -> None:
+    rule = dataclasses.replace(RULE, starved_windows=2, backoff_windows=3)
+    e = Engagement()
+    hot = {"busy": 0.9, "cost": 0.5}
+    assert [e.judge(rule, **hot) for _ in range(2)] == [None, True]
+    # one starved window, then a fed one: the count restarts
+    assert e.judge(rule, **hot, idled=1) is None
+    assert e.judge(rule, **hot, idled=0) is None
+    assert e.judge(rule, **hot, idled=2) is None
+    assert e.judge(rule, **hot, idled=1) is False  # two in a row: released
+    assert (e.failures, e.backoff) == (1, 3)
+    # three windows of back-off, however hot, then it may engage again
+    assert [e.judge(rule, **hot) for _ in range(3)] == [None, None, None]
+    assert [e.judge(rule, **hot) for _ in range(2)] == [None, True]
+    assert [e.judge(rule, **hot, idled=1) for _ in range(2)] == [None, False]
+    assert e.backoff == 6  # twice as long the second time
+
+
 # -- the core, permissive and engaged ----------------------------------------------------
 
 P = ProgramParams(
