@@ -206,3 +206,48 @@ def test_cli_refuses_an_override_without_a_name(
 ) -> None:
     assert main(["lab", "--sessions", "1", flag, "=3"]) == 2
     assert f"{flag} expects NAME=VALUE (got '=3')" in capsys.readouterr().err
+
+
+def test_a_scrape_outage_releases_nobody_at_once() -> None:
+    """/metrics failing 8 s of every minute while the gate holds work (engaged from the
+    start): the answers keep the engines fresh; an engine silent on both goes one held
+    turn per tick (1 s), never all at once."""
+    cfg = dataclasses.replace(
+        SMALL,
+        policy="both",
+        sessions=24,
+        engine_overrides={"max_total_tokens": 800},
+        signal_fault="periodic",
+        admission_overrides={"engage_on_thrash": False},
+        workload_overrides={**SMALL.workload_overrides, "turns_median": 8, "turns_hi": 12},
+    )
+    s = run_lab(cfg).summary
+    assert s["signal_fault"] == "periodic" and s["sessions_failed"] == 0, s["errors"]
+    assert s["simulated_s"] > 60.0  # an outage at least
+    counters = s["admission_counters"]
+    assert counters.get("decision_new_waited", 0) + counters.get("decision_resumed_waited", 0)
+    outages = int(s["simulated_s"] // 60) + 1
+    stale = counters.get("event_stale_release", 0)
+    assert stale <= 8 * cfg.engines * outages, counters
+    # Beyond those, as many went out for lack of a capacity reading as without the
+    # outage (the first requests, before the first scrape).
+    quiet = run_lab(dataclasses.replace(cfg, signal_fault="none")).summary["admission_counters"]
+    bypassed = "decision_bypass_no_metrics"
+    assert counters.get(bypassed, 0) - stale == quiet.get(bypassed, 0) <= 2, (counters, quiet)
+
+
+def test_admission_stays_permissive_where_the_engines_are_not_busy() -> None:
+    """A small fleet with a tiny pool recomputes a lot, but its engines idle most of
+    the time: admission never engages and every turn goes at once, as with it off."""
+    both = run_lab(dataclasses.replace(SMALL, policy="admission", engine_overrides=TINY_POOL))
+    off = run_lab(dataclasses.replace(SMALL, policy="off", engine_overrides=TINY_POOL))
+    counters = both.summary["admission_counters"]
+    assert counters.get("event_engaged", 0) == 0, counters
+    decisions = both.summary["admission_decisions"]
+    assert set(decisions) <= {"admit:new_admitted", "admit:continuing_forwarded"}, decisions
+    assert both.summary["sessions_per_min"] == pytest.approx(off.summary["sessions_per_min"])
+
+
+def test_a_bad_signal_fault_is_a_clear_error() -> None:
+    with pytest.raises(LabError, match="signal fault must be one of"):
+        run_lab(dataclasses.replace(SMALL, signal_fault="flaky"))
