@@ -250,7 +250,7 @@ class AdmissionConfig:
     # engage_busy of the time; permissive again after release_windows windows busy less
     # than release_busy. false: the gate is always engaged (earlier versions).
     engage_on_thrash: bool = True
-    engage_cost: float = 0.3
+    engage_cost: float = 0.4
     engage_busy: float = 0.75
     decode_token_weight: float = 16.0
     release_busy: float = 0.5

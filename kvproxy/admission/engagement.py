@@ -97,7 +97,7 @@ class Load:
 class EngageRule:
     """The rule's parameters (``admission.engage_*``; see the module docstring)."""
 
-    engage_cost: float = 0.3
+    engage_cost: float = 0.4
     engage_busy: float = 0.75
     release_busy: float = 0.5
     engage_windows: int = 2

@@ -52,7 +52,7 @@ class ProgramParams:
     growth_horizon_turns: float = 16.0
     # Hold only where holding is measured to pay (kvproxy.admission.engagement).
     engage_on_thrash: bool = True
-    engage_cost: float = 0.3
+    engage_cost: float = 0.4
     engage_busy: float = 0.75
     decode_token_weight: float = 16.0
     release_busy: float = 0.5
