@@ -148,6 +148,7 @@ P = ProgramParams(
     feedback_window_s=5.0,
     engage_windows=1,
     release_windows=2,
+    engage_cost=0.3,
 )
 
 
