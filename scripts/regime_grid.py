@@ -286,6 +286,36 @@ def markdown(cells: Mapping[str, Mapping[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def compact(cells: Mapping[str, Mapping[str, Any]]) -> str:
+    """One table per workload and context: both / off by fleet size (rows) and working
+    set / pool (columns), the no-eviction bound ceiling / off in brackets; ``=`` marks a
+    pool raised to the longest context (the cell to its left, run once)."""
+    out: list[str] = []
+    groups: dict[tuple[str, str], dict[tuple[int, float], Mapping[str, Any]]] = {}
+    for key, c in cells.items():
+        w, ctx, n, r = key.split("/")
+        groups.setdefault((w, ctx), {})[(int(n), float(r))] = c
+    for (w, ctx), g in sorted(groups.items(), key=lambda kv: _sort_key("/".join(kv[0]) + "/0/0")):
+        sizes = sorted({n for n, _ in g})
+        ratios = sorted({r for _, r in g} | set(RATIOS))
+        out.append(f"**{w}, {ctx} context** (both / off [ceiling / off])")
+        out.append("")
+        out.append("| per engine | " + " | ".join(f"ws/pool {r:g}" for r in ratios) + " |")
+        out.append("|---|" + "---|" * len(ratios))
+        for n in sizes:
+            row = []
+            for r in ratios:
+                c = g.get((n, r))
+                if c is None:
+                    row.append("=")
+                    continue
+                off, both, ceil = (c.get(p, {}).get("value") for p in ("off", "both", "ceiling"))
+                row.append(f"{_fmt(_ratio(both, off))} [{_fmt(_ratio(ceil, off))}]")
+            out.append(f"| {n} | " + " | ".join(row) + " |")
+        out.append("")
+    return "\n".join(out)
+
+
 def _sort_key(key: str) -> tuple[Any, ...]:
     w, c, n, r = key.split("/")
     return (WORKLOADS.index(w) if w in WORKLOADS else 9, c, int(n), float(r))
@@ -328,12 +358,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     ap.add_argument("--out", type=Path, default=Path("results/regime_grid.json"))
     ap.add_argument("--check", type=Path, default=None, help="judge a grid JSON and exit")
+    ap.add_argument(
+        "--compact", action="store_true", help="with --check: one table per workload and context"
+    )
     args = ap.parse_args(argv)
 
     if args.check is not None:
         doc = json.loads(args.check.read_text())
         cells = distinct(cell_rows(doc["rows"]), doc.get("pools", {}))
-        print(markdown(cells))
+        print(compact(cells) if args.compact else markdown(cells))
         print(json.dumps(judge(cells), indent=2))
         return 0
 
