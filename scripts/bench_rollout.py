@@ -10,7 +10,7 @@ Cells (live working set / fleet pool, per engine: live sessions x mean context p
   w3            W3 subagents on qwen3-8b-h100, ~2x the pool (main sessions' context)
   not-kv-bound  W1 swe at 0.5x the pool (every configuration should match off)
   w1-full, w2-full, w3-full, not-kv-bound-full
-                the lab's tables' shapes (docs/benchmarks.md, "Program admission (lab)"):
+                the lab's tables' shapes (docs/benchmarks.md, "Program admission: safe to leave on"):
                 each preset's sessions per engine and pool (W1 48, W2 64, W3 24, 10 for
                 not-kv-bound), compressed to time scale 0.05
 

@@ -3,7 +3,8 @@
 
 The one list of ablations: ``kvproxy demo --lab`` prints its table and
 ``scripts/bench_admission_lab.py --tables ablation`` measures it over seeds
-(docs/benchmarks.md, "What each mechanism adds").
+(`kvproxy demo --lab`; today's measurements: docs/benchmarks.md, "Program admission:
+safe to leave on").
 """
 
 from __future__ import annotations
