@@ -16,7 +16,7 @@ verdict per feature, and writes ``results.json`` and ``chart.png``.
 
 ``kvproxy demo --lab`` prints the lab's policy and ablation tables (virtual time, no
 processes, about two minutes);
-``kvproxy demo --quick`` is a smoke run of the real stack (about 20-30 s).
+``kvproxy demo --quick`` is a KV-bound smoke run of the real stack (about 1.5 minutes).
 
 Every process is started by :mod:`kvproxy.stack` and stopped by its PID in a
 ``finally`` (also on Ctrl-C and SIGTERM). The machinery (:class:`Scenario`,
@@ -870,7 +870,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from kvproxy.lab.cli import seed_list
 
     parser.add_argument(
-        "--quick", action="store_true", help="smoke run of the real stack (about 20-30 s)"
+        "--quick",
+        action="store_true",
+        help="a KV-bound smoke run of the real stack, off vs both (about 1.5 minutes)",
     )
     parser.add_argument(
         "--lab",
