@@ -95,13 +95,14 @@ class Load:
 
 @dataclass(frozen=True, slots=True)
 class EngageRule:
-    """The rule's parameters (``admission.engage_*``; see the module docstring)."""
+    """The rule's parameters: the first five are ``admission.*`` keys (their defaults live
+    in :class:`~kvproxy.config.AdmissionConfig`), the rest are the rule's own."""
 
-    engage_cost: float = 0.4
-    engage_busy: float = 0.75
-    release_busy: float = 0.5
-    engage_windows: int = 2
-    release_windows: int = 6
+    engage_cost: float
+    engage_busy: float
+    release_busy: float
+    engage_windows: int
+    release_windows: int
     # Consecutive windows in which held work left the engine idle that release it.
     starved_windows: int = 3
     # Windows a starved release keeps the engine permissive (doubling each time).
