@@ -19,7 +19,7 @@ class ProgramParams:
     hold_continuing: bool = False
     pause: bool = True
     paused_max_wait_s: float = 30.0
-    new_session_max_wait_s: float = 600.0
+    new_session_max_wait_s: float = 1800.0
     priority_steering: bool = False
     priority_unit_tokens: int = 4096
     priority_max: int = 9

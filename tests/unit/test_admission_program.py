@@ -447,7 +447,7 @@ def test_params_scale_every_duration_by_the_time_scale() -> None:
         2.5,
         5.0,
     )
-    assert p.new_session_max_wait_s == 300.0 and p.idle_ttl_s == 300.0
+    assert p.new_session_max_wait_s == 900.0 and p.idle_ttl_s == 300.0
 
 
 def test_the_token_scale_divides_every_token_valued_setting() -> None:
