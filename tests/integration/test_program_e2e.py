@@ -163,6 +163,9 @@ async def proxy(ch_router: stack.ManagedProcess, start_proxy: StartProxy) -> Any
                 "session_buffer_tokens": 0,
                 "new_session_max_wait_s": 30.0,
                 "max_wait_s": 30.0,
+                # The gate's mechanics, engaged from the start; when it engages is the
+                # lab's and the unit tables' (tests/unit/test_admission_engagement.py).
+                "engage_on_thrash": False,
                 **admission,
             },
         }
@@ -349,7 +352,8 @@ async def test_fail_open_paths(proxy, ch_engines, http) -> None:
     r = await gen(http, p, big, POOL + 10)
     assert r.headers[DECISION] == "bypass_oversized" and float(r.headers[WAIT_MS]) == 0.0
     await close(http, p, big)
-    # No fresh metrics from its engine: forwarded at once.
+    # Its /metrics failing: the engine goes stale, the last reading stands (a capacity does
+    # not change while the engine runs) and the turn is decided on it, at once here.
     await set_faults(http, [url], metrics="error")
 
     async def stale() -> bool:
@@ -360,10 +364,17 @@ async def test_fail_open_paths(proxy, ch_engines, http) -> None:
         )
 
     await wait_until(stale, what="the engine's reading going stale")
-    (sid,) = keys_on(p, url, 1, "nometrics")
+    (sid,) = keys_on(p, url, 1, "stale")
     r = await gen(http, p, sid, 100)
-    assert r.status == 200 and r.headers[DECISION] == "bypass_no_metrics"
+    assert r.status == 200 and r.headers[DECISION] == "new_admitted"
     await close(http, p, sid)
+    # An engine whose capacity was never read (its /metrics failing since kvproxy
+    # started): forwarded at once.
+    fresh_proxy = await proxy()
+    (sid,) = keys_on(fresh_proxy, url, 1, "nometrics")
+    r = await gen(http, fresh_proxy, sid, 100)
+    assert r.status == 200 and r.headers[DECISION] == "bypass_no_metrics"
+    await close(http, fresh_proxy, sid)
     # No session id: nothing to attribute, forwarded at once.
     body = {"input_ids": [1] * 10, "sampling_params": {"max_new_tokens": 1}}
     async with http.post(f"{p.url}/generate", json=body) as resp:
