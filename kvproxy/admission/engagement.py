@@ -3,22 +3,24 @@ Pure: no I/O, time injected.
 
 Holding a session back costs the engine the work that session would have given it; it
 pays only when the engine is saturated *and* eviction is making it recompute. Both are
-measured, per engine, from what kvproxy sees itself, so neither depends on ``/metrics``:
+measured per engine from what kvproxy sees itself, so neither depends on ``/metrics``:
 
-* **load** (:class:`Load`): the turns kvproxy has in flight on the engine, and the
-  fraction of each feedback window during which at least one was (``busy``). An engine
-  that is not busy has spare time: recomputing an evicted prefix uses it, and a held
-  session only leaves it idle longer;
-* **thrash**: the rule of the feedback step (continuing turns found less than
-  ``thrash_cached_fraction`` of their context cached, retractions, or more evicted than
-  paused or closed).
+* **load** (:class:`Load`): the turns kvproxy has in flight on the engine, and the share
+  of each feedback window during which at least one was (``busy``). An engine that is
+  not busy recomputes an evicted prefix in spare time, and a held session only leaves
+  it idle longer;
+* **recompute cost**: from the answers' usage, the evicted context that continuing turns
+  recomputed over the engine's work in the window, a decoded token weighing
+  ``decode_token_weight`` prefill tokens.
 
-An engine starts **permissive** (exactly what kvproxy does with admission off: nothing is
-held, nothing paused). It **engages** after ``engage_windows`` consecutive windows that
-were busy at least ``engage_busy`` *and* thrashed, and **releases** after
-``release_windows`` consecutive windows busy less than ``release_busy`` (holding is then
-starving it). While engaged, the gate is work-conserving: an engine with no turn in
-flight takes the head of its waiting queues whether or not it fits.
+An engine starts **permissive** (what kvproxy does with admission off: nothing held,
+nothing paused). It **engages** after ``engage_windows`` windows in a row busy at least
+``engage_busy`` with a cost at least ``engage_cost``. It goes permissive again after
+``release_windows`` windows in a row busy under ``release_busy``, or after
+``starved_windows`` windows in a row in which held work left it idle (then it may not
+engage again for a back-off that doubles each time). While engaged, the gate is
+work-conserving: an engine with no turn in flight takes the head of its waiting queues
+whether or not it fits (:mod:`kvproxy.admission.program`).
 """
 
 from __future__ import annotations

@@ -70,7 +70,6 @@ class ProgramCore:
         # ticket -> (sid, outcome, engine it was started on)
         self._inflight: dict[str, tuple[str, Outcome, str]] = {}
         self._last_tick = 0.0
-        self.trace: list[tuple[float, str, bool]] | None = None  # (lab) engagement changes
 
     def configure(self, params: ProgramParams) -> None:
         self.p = params
@@ -321,10 +320,11 @@ class ProgramCore:
         # Work-conserving: an engine with nothing in flight takes the next waiting turn
         # (a resume first) whether or not it fits (part of the measured rule: with
         # engage_on_thrash off the gate is the earlier versions' exactly).
-        if self.p.engage_on_thrash and self.ledger.engine(url, now).load.inflight == 0:
+        load = self.ledger.engine(url, now).load
+        if self.p.engage_on_thrash and load.inflight == 0:
             which = "paused" if q.head("paused") is not None else "new"
             if q.head(which) is not None:
-                self.ledger.engine(url, now).load.idled += 1
+                load.idled += 1
                 out.append(self._release(url, which, Outcome.IDLE_ENGINE, now))
         return out
 
@@ -405,19 +405,15 @@ class ProgramCore:
 
     def next_deadline(self, now: float) -> float | None:
         """When a waiting turn may next age. A hold past its bound whose engine has not
-        moved on yet is looked at again a tick later (an answer drains it sooner)."""
+        moved on yet is looked at again a tick later, or at twice its bound (an answer
+        drains it sooner)."""
         best: float | None = None
-        for q in self.queues.by_engine.values():
-            for which in ("paused", "new"):
-                e = q.head(which)
-                if e is None:
-                    continue
-                at = e.deadline
-                if at <= now:  # past its bound: a tick later, or at twice its bound
-                    at = min(now + self.p.tick_s, 2 * e.deadline - e.enqueued_at)
-                    at = max(at, now)
-                if best is None or at < best:
-                    best = at
+        for e in self.queues.heads():
+            at = e.deadline
+            if at <= now:
+                at = max(now, min(now + self.p.tick_s, 2 * e.deadline - e.enqueued_at))
+            if best is None or at < best:
+                best = at
         return best
 
     def tick(self, now: float) -> list[Release]:
@@ -512,8 +508,6 @@ class ProgramCore:
             cost=eng.load.recompute_cost(p.decode_token_weight, p.min_feedback_turns),
             idled=eng.load.idled,
         )
-        if changed is not None and self.trace is not None:
-            self.trace.append((now, url, changed))
         if changed is True:
             self.events[Event.ENGAGED] += 1
             eng.theta = p.target_start

@@ -122,14 +122,13 @@ class Queues:
         q = self.by_engine.get(url)
         return (0, 0) if q is None else (q.live_paused, q.live_new)
 
-    def earliest_deadline(self) -> float | None:
-        best: float | None = None
+    def heads(self) -> Iterator[Entry]:
+        """The live head of every engine's paused and new queue."""
         for q in self.by_engine.values():
             for which in ("paused", "new"):
                 h = q.head(which)
-                if h is not None and (best is None or h.deadline < best):
-                    best = h.deadline
-        return best
+                if h is not None:
+                    yield h
 
     def oldest(self) -> Entry | None:
         best: Entry | None = None
