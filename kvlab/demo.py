@@ -18,7 +18,7 @@ verdict per feature, and writes ``results.json`` and ``chart.png``.
 processes, about two minutes);
 ``kvproxy demo --quick`` is a KV-bound smoke run of the real stack (about 1.5 minutes).
 
-Every process is started by :mod:`kvproxy.stack` and stopped by its PID in a
+Every process is started by :mod:`kvlab.stack` and stopped by its PID in a
 ``finally`` (also on Ctrl-C and SIGTERM). The machinery (:class:`Scenario`,
 :class:`Variant`, :func:`run_config`, :func:`run_scenario`, :func:`report_lines`,
 :func:`write_chart`) is reused by ``scripts/bench_rollout.py``.
@@ -104,13 +104,13 @@ class Scenario:
         return self.sessions if self.sessions is not None else 2 * self.concurrency
 
     def spec(self) -> Any:
-        from kvproxy.workload.spec import workload_spec
+        from kvlab.workload.spec import workload_spec
 
         return workload_spec(self.workload, self.token_scale, **dict(self.workload_overrides))
 
     def mean_context_per_call(self, samples: int = 300) -> float:
         """Mean KV context of a request (scaled tokens), over ``samples`` seeded sessions."""
-        from kvproxy.workload.plan import session_plans
+        from kvlab.workload.plan import session_plans
 
         calls: list[int] = []
         for plan in itertools.islice(session_plans(self.spec(), 0), samples):
@@ -131,7 +131,7 @@ class Scenario:
             return self.pool_tokens
         if self.pool_ratio is not None:
             return max(64, math.ceil(self.live_working_set() / self.pool_ratio))
-        from kvproxy.sim.presets import scheduler_config
+        from kvlab.sim.presets import scheduler_config
 
         return int(scheduler_config(self.cost_model, self.token_scale).max_total_tokens)
 
@@ -386,7 +386,7 @@ def to_simulated(summary: Mapping[str, Any], time_scale: float) -> dict[str, Any
 
 def first_turn_wait_p99_s(result: Any, time_scale: float) -> float | None:
     """p99 of admission's wait of sessions' first requests, simulated seconds."""
-    from kvproxy.workload.report import percentile
+    from kvlab.workload.report import percentile
 
     waits = [
         t.admission_wait_ms / 1000.0 / time_scale
@@ -417,8 +417,8 @@ def run_config(
     """
     import asyncio
 
-    from kvproxy import stack as stk
-    from kvproxy.workload.driver import run_http
+    from kvlab import stack as stk
+    from kvlab.workload.driver import run_http
 
     tag = f"{variant.name}-s{seed}"
     log_dir = out_dir / "logs" / tag
@@ -548,7 +548,7 @@ def run_scenario(
 
     Returns ``{"scenario", "seeds", "runs": {variant: {seed: run}}, "medians"}``.
     """
-    from kvproxy import stack as stk
+    from kvlab import stack as stk
 
     say = progress or (lambda _line: None)
     runs: dict[str, dict[int, dict[str, Any]]] = {v.name: {} for v in variants}
@@ -595,7 +595,7 @@ def run_scenario(
 
 def medians(runs: Mapping[str, Mapping[Any, Mapping[str, Any]]]) -> dict[str, dict[str, Any]]:
     """Per configuration, the median over seeds of every numeric summary field."""
-    from kvproxy.lab.runner import median_row
+    from kvlab.lab.runner import median_row
 
     return {
         name: median_row([r["summary"] for r in per.values()]) for name, per in runs.items() if per
@@ -767,8 +767,8 @@ LAB_W1: dict[str, Any] = {
 
 
 def lab_policies() -> list[str]:
-    """Every policy the lab runs (its ablations are :mod:`kvproxy.lab.ablation`'s)."""
-    from kvproxy.lab import runner
+    """Every policy the lab runs (its ablations are :mod:`kvlab.lab.ablation`'s)."""
+    from kvlab.lab import runner
 
     return list(runner.POLICIES)
 
@@ -798,9 +798,9 @@ def run_lab_table(
 ) -> tuple[str, dict[str, Any]]:
     """The lab's policy table for W1 and, with ``ablation``, what each mechanism of
     program admission adds: (text, JSON document)."""
-    from kvproxy.lab.ablation import ABLATIONS, format_ablation, run_ablation
-    from kvproxy.lab.runner import LabConfig, run_matrix
-    from kvproxy.lab.runner import format_table as lab_table
+    from kvlab.lab.ablation import ABLATIONS, format_ablation, run_ablation
+    from kvlab.lab.runner import LabConfig, run_matrix
+    from kvlab.lab.runner import format_table as lab_table
 
     if quick:
         s = QUICK_W1
@@ -867,7 +867,7 @@ def parse_variants(text: str) -> list[Variant]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from kvproxy.lab.cli import seed_list
+    from kvlab.lab.cli import seed_list
 
     parser.add_argument(
         "--quick",
@@ -925,7 +925,7 @@ def sigterm_as_interrupt() -> Iterator[None]:
 
 
 def _run_lab(args: argparse.Namespace) -> int:
-    from kvproxy.lab.runner import LabError
+    from kvlab.lab.runner import LabError
 
     seeds = args.seeds or [0]
     started = time.monotonic()
@@ -1039,6 +1039,6 @@ def run(args: argparse.Namespace) -> int:
                 write_chart(meds, out_dir / "chart.png", title=f"kvproxy demo: {scenario.name}")
                 say(f"chart:   {out_dir / 'chart.png'}")
             except ImportError:
-                say("chart skipped: matplotlib is not installed (pip install -e '.[demo]')")
+                say("chart skipped: matplotlib is not installed (pip install 'kvproxy[lab]')")
     say(f"results: {out_dir / 'results.json'}  ({doc['elapsed_s']:.0f} s)")
     return status

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Program admission in the lab: the evidence tables of docs/benchmarks.md.
 
-Every cell is a lab run (``kvproxy.lab.runner.run_lab``: calibrated simulator engines
+Every cell is a lab run (``kvlab.lab.runner.run_lab``: calibrated simulator engines
 with the deployment contract's flags, smg's consistent-hashing placement keyed by the
 session id, kvproxy's own session and admission objects) over several seeds; every
 configuration, the baseline included, uses the same router policy and routing key.
@@ -30,9 +30,9 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from kvproxy.demo import git_revision
-from kvproxy.lab.ablation import ABLATIONS
-from kvproxy.lab.runner import LabConfig, run_lab
+from kvlab.demo import git_revision
+from kvlab.lab.ablation import ABLATIONS
+from kvlab.lab.runner import LabConfig, run_lab
 
 # Fields of a row kept in the JSON (the rest of the summary is dropped).
 KEEP = (

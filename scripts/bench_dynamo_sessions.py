@@ -22,7 +22,7 @@ import aiohttp
 import orjson
 from aiohttp.test_utils import TestServer
 
-from kvproxy import stack
+from kvlab import stack
 from kvproxy.app import create_app
 from kvproxy.config import from_mapping
 from kvproxy.keys import AGENTS

@@ -29,14 +29,14 @@ import aiohttp
 import orjson
 from aiohttp.test_utils import TestServer
 
-from kvproxy import stack
+from kvlab import stack
+from kvlab.demo import git_revision
+from kvlab.workload.driver import run_http
+from kvlab.workload.spec import workload_spec
 from kvproxy.app import create_app
 from kvproxy.config import from_mapping
-from kvproxy.demo import git_revision
 from kvproxy.fleet.engine_metrics import parse_engine_metrics
 from kvproxy.keys import AGENTS
-from kvproxy.workload.driver import run_http
-from kvproxy.workload.spec import workload_spec
 
 CONFIGS: dict[str, dict[str, Any]] = {
     "none": {"mode": "session-radix", "control": "none", "prefill": False},

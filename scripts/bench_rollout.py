@@ -20,7 +20,7 @@ Cells (live working set / fleet pool, per engine: live sessions x mean context p
 
 Writes ``<out>/bench.json`` (every run, with provenance: commit, command, seeds, host
 load, the engines' clock overrun) and ``<out>/bench.md`` (a table per cell), and prints
-the markdown. The machinery is kvproxy.demo's (the same code as ``kvproxy demo``).
+the markdown. The machinery is kvlab.demo's (the same code as ``kvproxy demo``).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from kvproxy.demo import (
+from kvlab.demo import (
     DEMO_W1,
     METRICS,
     VARIANTS_BY_NAME,
@@ -49,7 +49,7 @@ from kvproxy.demo import (
     sigterm_as_interrupt,
     verdict,
 )
-from kvproxy.lab.cli import seed_list
+from kvlab.lab.cli import seed_list
 
 # Concurrency is scaled down from the presets' (48, 64 and 24 sessions per engine) and
 # the pool with it, so the working set / pool ratio is the calibrated one and a run takes

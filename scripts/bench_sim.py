@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Throughput of the engine simulator's bookkeeping.
 
-Default mode drives the pure scheduler (``kvproxy.sim.scheduler``) with a fake
+Default mode drives the pure scheduler (``kvlab.sim.scheduler``) with a fake
 clock through an agentic workload: ``--sessions`` concurrent conversations of
 ``--turns`` turns; every turn resends the shared system prompt, the whole history
 (previous prompts and the engine's own output ids) and a new tool result, so the
@@ -29,9 +29,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kvproxy.sim.config import SimConfig
-from kvproxy.sim.presets import PRESET_NAMES, scheduler_config
-from kvproxy.sim.scheduler import Scheduler, SimRequest
+from kvlab.sim.config import SimConfig
+from kvlab.sim.presets import PRESET_NAMES, scheduler_config
+from kvlab.sim.scheduler import Scheduler, SimRequest
 
 
 def bench_core(args: argparse.Namespace) -> dict[str, float]:
@@ -123,7 +123,7 @@ async def bench_http(args: argparse.Namespace) -> dict[str, float]:
     import aiohttp
     from aiohttp import web
 
-    from kvproxy.sim.server import create_sim_app
+    from kvlab.sim.server import create_sim_app
 
     app = create_sim_app(
         SimConfig(max_total_tokens=args.max_total_tokens, time_scale=0.0, mode=args.mode)

@@ -8,8 +8,8 @@ Measures one **prefill step** (``n`` new tokens attending over ``p`` tokens alre
 KV: a prompt, or the uncached suffix of one whose prefix is cached) against ``n`` and
 ``p``, and one **decode step** (``B`` sequences of ``C`` tokens of context each) against
 ``B`` and ``C``, with warm-up, CUDA events and synchronisation. Writes the points as
-JSON, with :meth:`~kvproxy.sim.cost.CostModel.prefill_s` /
-:meth:`~kvproxy.sim.cost.CostModel.decode_s` of the preset (token scale 1) and the ratio
+JSON, with :meth:`~kvlab.sim.cost.CostModel.prefill_s` /
+:meth:`~kvlab.sim.cost.CostModel.decode_s` of the preset (token scale 1) and the ratio
 measured / predicted per point, the constants a least-squares fit of the measurements
 gives, and the same as a Markdown table next to the JSON (``.md``).
 
@@ -44,8 +44,8 @@ from typing import Any, Protocol
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kvproxy.sim.cost import CostModel
-from kvproxy.sim.presets import cost_model
+from kvlab.sim.cost import CostModel
+from kvlab.sim.presets import cost_model
 
 SCHEMA = 1
 
@@ -65,7 +65,7 @@ class Shape:
     eps: float = 1e-6  # rms_norm_eps
 
 
-# The presets (kvproxy/sim/presets.py) name the model and GPU but carry no shape: Qwen3-8B's
+# The presets (kvlab/sim/presets.py) name the model and GPU but carry no shape: Qwen3-8B's
 # is its public config.json (36 layers, hidden 4096, 32 query / 8 KV heads of 128,
 # intermediate 12288, vocab 151,936), the one the presets' tau_att_s is derived from
 # (4 x 36 x 32 x 128 FLOP per query-key pair).

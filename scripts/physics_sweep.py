@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvproxy.lab.runner import LabConfig, run_lab
+from kvlab.lab.runner import LabConfig, run_lab
 
 ROOT = Path(__file__).resolve().parent.parent
 SWEEP_SESSIONS_PER_ENGINE = (6, 12, 18, 24, 36, 48, 72, 96)

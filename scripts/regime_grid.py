@@ -33,9 +33,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvproxy.demo import Scenario, git_revision
-from kvproxy.lab.faults import FAULTS
-from kvproxy.lab.runner import LabConfig, run_lab
+from kvlab.demo import Scenario, git_revision
+from kvlab.lab.faults import FAULTS
+from kvlab.lab.runner import LabConfig, run_lab
 
 WORKLOADS = ("swe", "rl", "subagents")
 CONTEXTS = {"short": 5_120, "long": None}  # real tokens; None: the preset's

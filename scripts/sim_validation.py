@@ -15,7 +15,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kvproxy.sim.presets import PRESETS, cost_model
+from kvlab.sim.presets import PRESETS, cost_model
 
 CHUNK = 8192
 

@@ -13,7 +13,7 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from kvproxy.lab.runner import LabConfig, median_row, run_lab
+from kvlab.lab.runner import LabConfig, median_row, run_lab
 
 # name -> the admission.* keys it overrides on top of ``both``'s documented defaults.
 ABLATIONS: tuple[tuple[str, Mapping[str, Any]], ...] = (

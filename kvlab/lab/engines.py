@@ -1,7 +1,7 @@
 """Simulated engines of the lab: the pure scheduler driven on the virtual clock.
 
 One :class:`LabEngine` per engine URL. Its driver coroutine runs the same two-call
-step as the HTTP simulator's scheduler loop (``kvproxy.sim.rank.Rank``)::
+step as the HTTP simulator's scheduler loop (``kvlab.sim.rank.Rank``)::
 
     batch = sched.schedule(now)
     await asyncio.sleep(batch.duration)      # virtual seconds: nothing sleeps
@@ -9,7 +9,7 @@ step as the HTTP simulator's scheduler loop (``kvproxy.sim.rank.Rank``)::
 
 and resolves the futures of the requests that finished. A request body is parsed, and
 the scheduler's request built, by the simulator's own ``parse_generate`` and
-``scheduler_request`` (:mod:`kvproxy.sim.parse`), and ``/metrics`` is rendered by the
+``scheduler_request`` (:mod:`kvlab.sim.parse`), and ``/metrics`` is rendered by the
 simulator's own ``render_metrics``, so the lab sees exactly what an HTTP client of the
 simulator would see (minus the text and the JSON encoding).
 """
@@ -21,11 +21,11 @@ import contextlib
 from collections.abc import Mapping
 from typing import Any
 
-from kvproxy.sim.config import SchedulerConfig
-from kvproxy.sim.metrics import MetricsContext, render_metrics
-from kvproxy.sim.parse import BadRequest, parse_generate, scheduler_request
-from kvproxy.sim.responses import SGLANG_VERSION, cache_policy_info
-from kvproxy.sim.scheduler import Scheduler, SimError, SimRequest
+from kvlab.sim.config import SchedulerConfig
+from kvlab.sim.metrics import MetricsContext, render_metrics
+from kvlab.sim.parse import BadRequest, parse_generate, scheduler_request
+from kvlab.sim.responses import SGLANG_VERSION, cache_policy_info
+from kvlab.sim.scheduler import Scheduler, SimError, SimRequest
 
 MODEL_NAME = "kvproxy/sim-model"
 

@@ -38,14 +38,14 @@ from typing import Any
 import orjson
 from multidict import CIMultiDict
 
+from kvlab.lab.engines import EngineError, LabEngine
+from kvlab.lab.faults import FAULTS, ScrapeFailed, SignalFault
+from kvlab.lab.router import Placement
+from kvlab.sim.scheduler import SimRequest
 from kvproxy.admission.coordinator import AdmissionController, AdmissionRequest, Decision
 from kvproxy.config import Config
-from kvproxy.lab.engines import EngineError, LabEngine
-from kvproxy.lab.faults import FAULTS, ScrapeFailed, SignalFault
-from kvproxy.lab.router import Placement
 from kvproxy.proxy.pipeline import Plan, Refusal, final_fields, plan_request, with_turn_headers
 from kvproxy.sessions.lifecycle import SessionClosed, SessionManager, TrackedRequest
-from kvproxy.sim.scheduler import SimRequest
 
 
 class ProxyError(Exception):

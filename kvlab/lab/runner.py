@@ -1,10 +1,10 @@
 """``run_lab(LabConfig) -> LabResult``: engines, router, kvproxy and a workload in virtual time.
 
-One run builds N :class:`~kvproxy.lab.engines.LabEngine` (the pure scheduler,
+One run builds N :class:`~kvlab.lab.engines.LabEngine` (the pure scheduler,
 configured from a cost-model preset and a token scale), the router's placement, the
-proxy's own session and admission objects (:class:`~kvproxy.lab.proxy.LabProxy`) and
+proxy's own session and admission objects (:class:`~kvlab.lab.proxy.LabProxy`) and
 runs the workload branch's ``run_workload`` over an in-process transport, all on a
-:class:`~kvproxy.lab.vloop.VirtualTimeLoop`. Nothing sleeps and nothing reads the wall
+:class:`~kvlab.lab.vloop.VirtualTimeLoop`. Nothing sleeps and nothing reads the wall
 clock except the ``wall_s`` measurement. The same config and seed give the same
 result, exactly.
 
@@ -24,12 +24,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvlab.lab.engines import LabEngine
+from kvlab.lab.faults import FAULTS
+from kvlab.lab.proxy import LabProxy
+from kvlab.lab.router import ROUTER_POLICIES, Placement
+from kvlab.lab.vloop import run_virtual
 from kvproxy.config import AdmissionConfig, Config, ServerConfig, SessionLifecycleConfig
-from kvproxy.lab.engines import LabEngine
-from kvproxy.lab.faults import FAULTS
-from kvproxy.lab.proxy import LabProxy
-from kvproxy.lab.router import ROUTER_POLICIES, Placement
-from kvproxy.lab.vloop import run_virtual
 
 POLICIES = ("off", "lifecycle", "admission", "both", "ceiling")
 # The ceiling's pool per engine: far beyond any run's total KV (a pure counter).
@@ -88,7 +88,7 @@ class LabConfig:
     # Engine URLs as the router lists them (placement hashes these strings);
     # None: http://127.0.0.1:30001, :30002, ...
     engine_urls: tuple[str, ...] | None = None
-    # A fault of kvproxy's /metrics scrapes (kvproxy.lab.faults: none, windows,
+    # A fault of kvproxy's /metrics scrapes (kvlab.lab.faults: none, windows,
     # periodic, quarter, lag); off and ceiling do not scrape.
     signal_fault: str = "none"
     # Bound on simulated seconds; a run past it raises LabError.
@@ -169,8 +169,8 @@ def proxy_config(
 
 def build(cfg: LabConfig) -> tuple[Any, Any, int, int]:
     """(workload spec, scheduler config, sessions, concurrency) for ``cfg``."""
-    from kvproxy.sim.presets import scheduler_config
-    from kvproxy.workload.spec import WorkloadError, workload_spec
+    from kvlab.sim.presets import scheduler_config
+    from kvlab.workload.spec import WorkloadError, workload_spec
 
     _validate(cfg)
     try:
@@ -198,9 +198,9 @@ def build(cfg: LabConfig) -> tuple[Any, Any, int, int]:
 
 
 async def _run(cfg: LabConfig) -> LabResult:
-    from kvproxy.lab.transport import LabTransport
-    from kvproxy.workload.report import percentile, summarize
-    from kvproxy.workload.runner import run_workload
+    from kvlab.lab.transport import LabTransport
+    from kvlab.workload.report import percentile, summarize
+    from kvlab.workload.runner import run_workload
 
     spec, sched_cfg, sessions, concurrency = build(cfg)
     loop = asyncio.get_running_loop()

@@ -1,8 +1,8 @@
 """The workload's in-process Transport: what the HTTP driver sends, handed to the proxy.
 
 Each turn becomes the body and headers the workload's HTTP driver
-(:class:`kvproxy.workload.driver.HttpTransport`) posts to ``/generate``: the body of
-``kvproxy.workload.wire.generate_body`` (``input_ids``, ``max_new_tokens`` with
+(:class:`kvlab.workload.driver.HttpTransport`) posts to ``/generate``: the body of
+``kvlab.workload.wire.generate_body`` (``input_ids``, ``max_new_tokens`` with
 ``ignore_eos``, ``stream``), ``X-Session-ID`` and ``X-SMG-Routing-Key`` = the session
 id, and ``X-Session-Final`` on a session's last turn when ``send_final`` (off by
 default, as in the driver). The lab also names every request's rid (a fixed-length
@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import asyncio
 
-from kvproxy.lab.proxy import LabProxy, ProxyError
-from kvproxy.workload.runner import TurnOutcome
-from kvproxy.workload.wire import (
+from kvlab.lab.proxy import LabProxy, ProxyError
+from kvlab.workload.runner import TurnOutcome
+from kvlab.workload.wire import (
     FINAL_HEADER,
     ROUTING_KEY_HEADER,
     SESSION_HEADER,
@@ -28,7 +28,7 @@ from kvproxy.workload.wire import (
 
 
 class LabTransport:
-    """``kvproxy.workload.runner.Transport`` over a :class:`LabProxy`."""
+    """``kvlab.workload.runner.Transport`` over a :class:`LabProxy`."""
 
     def __init__(self, proxy: LabProxy, *, send_final: bool = False) -> None:
         self.proxy = proxy

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import argparse
 
-from kvproxy.sim.config import (
+from kvlab.sim.config import (
     EVICTION_POLICIES,
     METRICS_FAULTS,
     MODES,
@@ -15,8 +15,8 @@ from kvproxy.sim.config import (
     FaultConfig,
     SimConfig,
 )
-from kvproxy.sim.cost import CostModel
-from kvproxy.sim.presets import DEFAULT_PRESET, PRESET_NAMES, get_preset, scheduler_config
+from kvlab.sim.cost import CostModel
+from kvlab.sim.presets import DEFAULT_PRESET, PRESET_NAMES, get_preset, scheduler_config
 
 _D = SimConfig()
 _C = CostModel()
@@ -218,8 +218,8 @@ def run(args: argparse.Namespace) -> int:
 
     from aiohttp import web
 
-    from kvproxy.sim.config import validate_sim_config
-    from kvproxy.sim.server import create_sim_app
+    from kvlab.sim.config import validate_sim_config
+    from kvlab.sim.server import create_sim_app
 
     try:
         cfg = config_from_args(args)

@@ -2,7 +2,7 @@
 
 Pure: no I/O. :func:`validate_sim_config` raises :class:`ValueError` naming the
 offending field. The cost model lives in
-``kvproxy.sim.cost`` and the named presets in ``kvproxy.sim.presets``; both are
+``kvlab.sim.cost`` and the named presets in ``kvlab.sim.presets``; both are
 described in docs/simulator.md ("Cost model").
 """
 
@@ -12,7 +12,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvproxy.sim.cost import CostModel, validate_cost_model
+from kvlab.sim.cost import CostModel, validate_cost_model
 
 __all__ = [
     "CostModel",

@@ -6,10 +6,10 @@ import uuid
 
 from aiohttp import web
 
-from kvproxy.sim.parse import BadRequest, parse_int, parse_str, read_json
-from kvproxy.sim.responses import error_response, json_response
-from kvproxy.sim.scheduler import SimError
-from kvproxy.sim.state import SIM_STATE
+from kvlab.sim.parse import BadRequest, parse_int, parse_str, read_json
+from kvlab.sim.responses import error_response, json_response
+from kvlab.sim.scheduler import SimError
+from kvlab.sim.state import SIM_STATE
 
 
 async def handle_open_session(request: web.Request) -> web.Response:

@@ -1,8 +1,8 @@
 """Fault injection and request recording of the simulated engine (for tests).
 
-:func:`fault_middleware` applies the :class:`~kvproxy.sim.config.FaultConfig` knobs
+:func:`fault_middleware` applies the :class:`~kvlab.sim.config.FaultConfig` knobs
 (HTTP 503, added latency) and records requests for ``GET /sim/requests``; it also
-turns a :class:`~kvproxy.sim.parse.BadRequest` into SGLang's 400. ``/sim/faults``
+turns a :class:`~kvlab.sim.parse.BadRequest` into SGLang's 400. ``/sim/faults``
 reads and changes the knobs at run time.
 """
 
@@ -14,10 +14,10 @@ from typing import Any
 
 from aiohttp import web
 
-from kvproxy.sim.config import FaultConfig, validate_faults
-from kvproxy.sim.parse import BadRequest, read_json
-from kvproxy.sim.responses import error_response, json_response, validation_error_response
-from kvproxy.sim.state import SIM_STATE
+from kvlab.sim.config import FaultConfig, validate_faults
+from kvlab.sim.parse import BadRequest, read_json
+from kvlab.sim.responses import error_response, json_response, validation_error_response
+from kvlab.sim.state import SIM_STATE
 
 DATA_PLANE = frozenset({"/generate", "/v1/chat/completions", "/v1/completions"})
 HEALTH = frozenset({"/health", "/health_generate"})

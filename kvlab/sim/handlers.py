@@ -1,9 +1,9 @@
 """The simulated engine's data plane: ``/generate``, ``/v1/chat/completions``,
 ``/v1/completions``.
 
-A handler parses the body (:mod:`kvproxy.sim.parse`), submits the request to the
+A handler parses the body (:mod:`kvlab.sim.parse`), submits the request to the
 scheduler of a DP rank, and either waits for it to finish or streams it
-(:mod:`kvproxy.sim.streaming`); the bodies are :mod:`kvproxy.sim.responses`'.
+(:mod:`kvlab.sim.streaming`); the bodies are :mod:`kvlab.sim.responses`'.
 """
 
 from __future__ import annotations
@@ -14,24 +14,24 @@ from typing import Any
 
 from aiohttp import web
 
-from kvproxy.sim.parse import (
+from kvlab.sim.parse import (
     ParsedRequest,
     parse_generate,
     parse_openai,
     read_json,
     scheduler_request,
 )
-from kvproxy.sim.rank import Rank, Waiter
-from kvproxy.sim.responses import (
+from kvlab.sim.rank import Rank, Waiter
+from kvlab.sim.responses import (
     OpenAIChunks,
     error_response,
     generate_body,
     json_response,
     openai_body,
 )
-from kvproxy.sim.scheduler import SimError
-from kvproxy.sim.state import SIM_STATE, SimState
-from kvproxy.sim.streaming import stream, stream_error
+from kvlab.sim.scheduler import SimError
+from kvlab.sim.state import SIM_STATE, SimState
+from kvlab.sim.streaming import stream, stream_error
 
 _STOPPED = "The engine stopped before the request finished."
 

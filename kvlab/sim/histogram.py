@@ -1,6 +1,6 @@
 """Latency histograms the simulated engine keeps: SGLang's buckets, cumulative counts.
 
-Pure. The scheduler observes into them; :mod:`kvproxy.sim.metrics` renders them.
+Pure. The scheduler observes into them; :mod:`kvlab.sim.metrics` renders them.
 """
 
 from __future__ import annotations

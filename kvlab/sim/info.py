@@ -8,11 +8,11 @@ from typing import Any
 
 from aiohttp import web
 
-from kvproxy.sim.faults import faults_json
-from kvproxy.sim.metrics import GARBAGE_METRICS, render_metrics
-from kvproxy.sim.responses import SGLANG_VERSION, cache_policy_info, json_response
-from kvproxy.sim.scheduler import State
-from kvproxy.sim.state import SIM_STATE, SimState
+from kvlab.sim.faults import faults_json
+from kvlab.sim.metrics import GARBAGE_METRICS, render_metrics
+from kvlab.sim.responses import SGLANG_VERSION, cache_policy_info, json_response
+from kvlab.sim.scheduler import State
+from kvlab.sim.state import SIM_STATE, SimState
 
 
 def server_info(st: SimState, request: web.Request | None = None) -> dict[str, Any]:

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 from prometheus_client.utils import floatToGoString
 
 if TYPE_CHECKING:
-    from kvproxy.sim.scheduler import Scheduler
+    from kvlab.sim.scheduler import Scheduler
 
 
 @dataclass(frozen=True, slots=True)

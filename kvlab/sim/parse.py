@@ -4,7 +4,7 @@ Pure (no I/O) except :func:`read_json`. :func:`parse_generate` (SGLang's
 ``/generate``) and :func:`parse_openai` (``/v1/chat/completions``, ``/v1/completions``)
 turn a JSON body into a :class:`ParsedRequest`, raising :class:`BadRequest` with
 SGLang's message for what it rejects; :func:`scheduler_request` turns that into the
-scheduler's :class:`~kvproxy.sim.scheduler.SimRequest` and the keywords of
+scheduler's :class:`~kvlab.sim.scheduler.SimRequest` and the keywords of
 ``Scheduler.submit``. The HTTP simulator and the lab's in-process engines both build
 their requests here.
 """
@@ -19,8 +19,8 @@ from typing import Any, TypedDict
 import orjson
 from aiohttp import web
 
-from kvproxy.sim import tokenizer
-from kvproxy.sim.scheduler import SimRequest
+from kvlab.sim import tokenizer
+from kvlab.sim.scheduler import SimRequest
 
 
 class BadRequest(Exception):

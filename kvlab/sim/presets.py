@@ -18,8 +18,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from kvproxy.sim.config import SchedulerConfig, SimConfig
-from kvproxy.sim.cost import CostModel
+from kvlab.sim.config import SchedulerConfig, SimConfig
+from kvlab.sim.cost import CostModel
 
 # SGLang constants that are counted in real tokens or real decode steps.
 RETRACT_DECODE_STEPS = 20  # SGLANG_RETRACT_DECODE_STEPS

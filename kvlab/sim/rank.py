@@ -24,7 +24,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from kvproxy.sim.scheduler import Scheduler, SimRequest, State, StepEvents
+from kvlab.sim.scheduler import Scheduler, SimRequest, State, StepEvents
 
 log = logging.getLogger("kvproxy.sim")
 

@@ -11,9 +11,9 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from kvproxy.sim import tokenizer
-from kvproxy.sim.config import SchedulerConfig
-from kvproxy.sim.scheduler import SimRequest
+from kvlab.sim import tokenizer
+from kvlab.sim.config import SchedulerConfig
+from kvlab.sim.scheduler import SimRequest
 
 # The SGLang version the simulator reports (/server_info, /v1/loads).
 SGLANG_VERSION = "0.5.23"

@@ -1,7 +1,7 @@
 """Continuous-batching scheduler of the simulated engine (one DP rank).
 
 Pure Python, no asyncio, no I/O; time is injected (simulated seconds). The shell
-(``kvproxy.sim.rank.Rank``, one loop per DP rank) drives it with two calls per step::
+(``kvlab.sim.rank.Rank``, one loop per DP rank) drives it with two calls per step::
 
     batch = sched.schedule(now)          # decide the next batch, allocate its KV
     now += batch.duration                # the shell sleeps duration * time_scale
@@ -35,7 +35,7 @@ The model follows SGLang's ``Scheduler`` (non-overlap event loop):
 * With priority scheduling, a waiting request may preempt running ones when the
   batch is at max_running_requests (``_preempt_for``, SGLang's
   ``preempt_to_schedule``).
-* Step durations come from ``cfg.cost`` (``kvproxy.sim.cost``): a prefill batch
+* Step durations come from ``cfg.cost`` (``kvlab.sim.cost``): a prefill batch
   passes (new tokens, tokens already in KV) per request, a decode step the batch
   size and the running requests' total context.
 * Decode bookkeeping is O(1) per step: a request's output length is derived
@@ -51,10 +51,10 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from kvproxy.sim.config import SchedulerConfig
-from kvproxy.sim.histogram import E2E_BUCKETS, TTFT_BUCKETS, Histogram
-from kvproxy.sim.kvcache import KVCache, Node
-from kvproxy.sim.tokenizer import EOS_TOKEN_ID, OutputStream, rid_seed
+from kvlab.sim.config import SchedulerConfig
+from kvlab.sim.histogram import E2E_BUCKETS, TTFT_BUCKETS, Histogram
+from kvlab.sim.kvcache import KVCache, Node
+from kvlab.sim.tokenizer import EOS_TOKEN_ID, OutputStream, rid_seed
 
 CLOSED_SESSION_TOMBSTONES = 8192
 GEN_THROUGHPUT_LOG_STEPS = 40  # SGLang's default --decode-log-interval

@@ -1,17 +1,17 @@
 """The simulated SGLang engine as an aiohttp application: its one factory,
 :func:`create_sim_app`, with the route table and the scheduler loops' lifetime.
 
-The pure core (``kvproxy.sim.scheduler`` and ``kvproxy.sim.kvcache``) does all the
+The pure core (``kvlab.sim.scheduler`` and ``kvlab.sim.kvcache``) does all the
 bookkeeping. Around it, by concern:
 
-- ``kvproxy.sim.parse``: wire body to scheduler request (shared with the lab);
-- ``kvproxy.sim.responses``: response bodies (``meta_info``, OpenAI objects);
-- ``kvproxy.sim.rank``: one DP rank's scheduler loop and simulated clock;
-- ``kvproxy.sim.state``: what the handlers share (:data:`SIM_STATE`);
-- ``kvproxy.sim.handlers``: the data plane; ``kvproxy.sim.streaming``: its SSE;
-- ``kvproxy.sim.control``: sessions, aborts, flush, health;
-- ``kvproxy.sim.info``: ``/server_info``, ``/v1/loads``, ``/metrics``, ``/sim/state``;
-- ``kvproxy.sim.faults``: fault injection and request recording (tests).
+- ``kvlab.sim.parse``: wire body to scheduler request (shared with the lab);
+- ``kvlab.sim.responses``: response bodies (``meta_info``, OpenAI objects);
+- ``kvlab.sim.rank``: one DP rank's scheduler loop and simulated clock;
+- ``kvlab.sim.state``: what the handlers share (:data:`SIM_STATE`);
+- ``kvlab.sim.handlers``: the data plane; ``kvlab.sim.streaming``: its SSE;
+- ``kvlab.sim.control``: sessions, aborts, flush, health;
+- ``kvlab.sim.info``: ``/server_info``, ``/v1/loads``, ``/metrics``, ``/sim/state``;
+- ``kvlab.sim.faults``: fault injection and request recording (tests).
 
 One scheduler-loop task per DP rank is started and stopped in ``cleanup_ctx``.
 """
@@ -24,9 +24,9 @@ from collections.abc import AsyncIterator
 
 from aiohttp import web
 
-from kvproxy.sim import control, faults, handlers, info
-from kvproxy.sim.config import SimConfig
-from kvproxy.sim.state import SIM_STATE, SimState
+from kvlab.sim import control, faults, handlers, info
+from kvlab.sim.config import SimConfig
+from kvlab.sim.state import SIM_STATE, SimState
 
 __all__ = ["SIM_STATE", "create_sim_app"]
 

@@ -16,11 +16,11 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from kvproxy.sim import tokenizer
-from kvproxy.sim.config import FaultConfig, SimConfig, validate_sim_config
-from kvproxy.sim.metrics import MetricsContext
-from kvproxy.sim.rank import Rank
-from kvproxy.sim.scheduler import Scheduler, SimRequest
+from kvlab.sim import tokenizer
+from kvlab.sim.config import FaultConfig, SimConfig, validate_sim_config
+from kvlab.sim.metrics import MetricsContext
+from kvlab.sim.rank import Rank
+from kvlab.sim.scheduler import Scheduler, SimRequest
 
 
 class SimState:

@@ -1,6 +1,6 @@
 """Server-sent events of the simulated engine: a streamed request, chunk by chunk.
 
-:func:`stream` drives one SSE response from a request's :class:`~kvproxy.sim.rank.Waiter`
+:func:`stream` drives one SSE response from a request's :class:`~kvlab.sim.rank.Waiter`
 (woken by the scheduler loop on each step), applying the ``drop_stream_after_chunks``
 fault; :func:`stream_error` is SGLang's in-stream error for a request it refused.
 """
@@ -14,8 +14,8 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from kvproxy.sim.rank import Rank, Waiter
-from kvproxy.sim.state import SIM_STATE
+from kvlab.sim.rank import Rank, Waiter
+from kvlab.sim.state import SIM_STATE
 
 # ``make_chunks(n_out, finished)``: the chunks to send once ``n_out`` output tokens exist.
 ChunkMaker = Callable[[int, bool], list[dict[str, Any]]]

@@ -2,13 +2,13 @@
 
 Pure: :mod:`.spec` (parameters), :mod:`.plan` (sessions drawn from a seed),
 :mod:`.trace` (JSONL traces), :mod:`.report` (summary). Asyncio without I/O:
-:mod:`.runner` (closed loop against a :class:`~kvproxy.workload.runner.Transport`).
+:mod:`.runner` (closed loop against a :class:`~kvlab.workload.runner.Transport`).
 Shell: :mod:`.driver` (HTTP transport and ``kvproxy workload``).
 """
 
-from kvproxy.workload.plan import SessionPlan, TurnPlan, session_plans
-from kvproxy.workload.report import percentile, summarize
-from kvproxy.workload.runner import (
+from kvlab.workload.plan import SessionPlan, TurnPlan, session_plans
+from kvlab.workload.report import percentile, summarize
+from kvlab.workload.runner import (
     SessionRecord,
     Transport,
     TurnOutcome,
@@ -16,7 +16,7 @@ from kvproxy.workload.runner import (
     WorkloadResult,
     run_workload,
 )
-from kvproxy.workload.spec import PRESETS, Dist, WorkloadError, WorkloadSpec, workload_spec
+from kvlab.workload.spec import PRESETS, Dist, WorkloadError, WorkloadSpec, workload_spec
 
 __all__ = [
     "PRESETS",

@@ -1,5 +1,5 @@
 import sys
 
-from kvproxy.workload.driver import main
+from kvlab.workload.driver import main
 
 sys.exit(main())

@@ -21,10 +21,10 @@ from typing import Any
 import aiohttp
 import orjson
 
-from kvproxy.workload.plan import is_subagent_id
-from kvproxy.workload.report import summarize
-from kvproxy.workload.runner import ProgressFn, TurnOutcome, WorkloadResult, run_workload
-from kvproxy.workload.spec import (
+from kvlab.workload.plan import is_subagent_id
+from kvlab.workload.report import summarize
+from kvlab.workload.runner import ProgressFn, TurnOutcome, WorkloadResult, run_workload
+from kvlab.workload.spec import (
     PRESETS,
     WorkloadError,
     WorkloadSpec,
@@ -32,7 +32,7 @@ from kvproxy.workload.spec import (
     resolve_token_scale,
     workload_spec,
 )
-from kvproxy.workload.wire import (
+from kvlab.workload.wire import (
     _RETRACTION_COUNTERS,
     ADMISSION_WAIT_HEADER,
     FINAL_HEADER,
@@ -389,7 +389,7 @@ class HttpRun:
         }
 
     def summary(self) -> dict[str, Any]:
-        """:func:`~kvproxy.workload.report.summarize` plus the engines' counter deltas,
+        """:func:`~kvlab.workload.report.summarize` plus the engines' counter deltas,
         the wall time and kvproxy's stats (JSON-serialisable)."""
         out = summarize(self.result)
         delta = self.engine_delta

@@ -12,9 +12,9 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from kvproxy.workload.driver import HttpRun, run_http
-from kvproxy.workload.runner import ProgressFn
-from kvproxy.workload.spec import (
+from kvlab.workload.driver import HttpRun, run_http
+from kvlab.workload.runner import ProgressFn
+from kvlab.workload.spec import (
     WorkloadError,
     WorkloadSpec,
     fixed,

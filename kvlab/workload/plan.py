@@ -1,6 +1,6 @@
 """The pure session model: what every session of a workload sends, drawn from a seed.
 
-:func:`session_plans` turns a :class:`~kvproxy.workload.spec.WorkloadSpec` and a seed
+:func:`session_plans` turns a :class:`~kvlab.workload.spec.WorkloadSpec` and a seed
 into an endless, deterministic stream of :class:`SessionPlan` (or the trace's sessions,
 once each). A plan fixes every turn's new input ids, output length and the tool latency
 after it, and ends the session where its next request's input plus drawn output would
@@ -21,7 +21,7 @@ import random
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-from kvproxy.workload.spec import Dist, WorkloadSpec
+from kvlab.workload.spec import Dist, WorkloadSpec
 
 
 @dataclass(frozen=True, slots=True)
@@ -256,7 +256,7 @@ def session_plans(spec: WorkloadSpec, seed: int) -> Iterator[SessionPlan]:
     """Deterministic plans: endless for a preset, the trace's sessions once for a trace.
     Members of a GRPO group (``group_size`` > 1) come consecutively with one ``group``."""
     if spec.trace is not None:
-        from kvproxy.workload.trace import trace_plans
+        from kvlab.workload.trace import trace_plans
 
         yield from trace_plans(spec, seed)
         return

@@ -2,7 +2,7 @@
 
 No I/O and no wall clock of its own: the clock is ``asyncio.get_running_loop().time()``
 and every pause is ``asyncio.sleep``, so the same code drives real HTTP (the
-:class:`~kvproxy.workload.driver.HttpTransport`) and a virtual-time loop (the lab).
+:class:`~kvlab.workload.driver.HttpTransport`) and a virtual-time loop (the lab).
 
 Closed loop: ``concurrency`` sessions run at once and a new one starts when one ends.
 Grouped workloads (W2, ``group_size`` > 1) run whole groups: ``concurrency //
@@ -19,8 +19,8 @@ from collections.abc import Callable, Coroutine, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from kvproxy.workload.plan import SessionPlan, session_plans
-from kvproxy.workload.spec import WorkloadError, WorkloadSpec
+from kvlab.workload.plan import SessionPlan, session_plans
+from kvlab.workload.spec import WorkloadError, WorkloadSpec
 
 
 @dataclass(slots=True)
@@ -138,7 +138,7 @@ class WorkloadResult:
         return [s for s in self.sessions if s.role != "subagent"]
 
     def to_dict(self) -> dict[str, Any]:
-        from kvproxy.workload.report import summarize
+        from kvlab.workload.report import summarize
 
         return {
             "spec": self.spec.to_dict(),

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from kvproxy.workload.trace import Trace
+    from kvlab.workload.trace import Trace
 
 DIST_KINDS = ("lognormal", "uniform", "fixed")
 STEP_MODES = ("closed", "sync")
@@ -364,7 +364,7 @@ def resolve_token_scale(
     path = name_or_trace[len(TRACE_PREFIX) :]
     if given is not None or not name_or_trace.startswith(TRACE_PREFIX) or not path:
         return (default if given is None else given), None
-    from kvproxy.workload.trace import load_trace, run_token_scale
+    from kvlab.workload.trace import load_trace, run_token_scale
 
     return run_token_scale(load_trace(path), given, default)
 
@@ -381,7 +381,7 @@ def workload_spec(name_or_trace: str, token_scale: int = 1, **overrides: Any) ->
     if not isinstance(name_or_trace, str):
         raise WorkloadError(f"workload must be a name or trace:PATH (got {name_or_trace!r})")
     if name_or_trace.startswith(TRACE_PREFIX):
-        from kvproxy.workload.trace import load_trace
+        from kvlab.workload.trace import load_trace
 
         path = name_or_trace[len(TRACE_PREFIX) :]
         if not path:

@@ -29,8 +29,8 @@ from typing import Any
 
 import orjson
 
-from kvproxy.workload.plan import SessionPlan, TurnPlan, stochastic_round, token_ids
-from kvproxy.workload.spec import WorkloadError, WorkloadSpec
+from kvlab.workload.plan import SessionPlan, TurnPlan, stochastic_round, token_ids
+from kvlab.workload.spec import WorkloadError, WorkloadSpec
 
 TRACE_VERSION = 1
 MAX_TRACE_SESSIONS = 1_000_000

@@ -1,7 +1,7 @@
 """The intercepted request as data: what to do with it, decided without I/O.
 
 Pure: no sockets, no clock, no shared state. The handler (:mod:`kvproxy.proxy.handlers`)
-and the lab (:mod:`kvproxy.lab.proxy`) run the same steps:
+and the lab (:mod:`kvlab.lab.proxy`) run the same steps:
 
 1. :func:`plan_request` turns one intercepted request (path, the ``/sessions/{id}``
    prefix's id, headers, the body as :func:`read_body` reads it, the config) into a

@@ -106,7 +106,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--launcher",
         choices=("auto", "stack", "direct"),
         default="auto",
-        help="start proxies with kvproxy.stack when importable (auto), always (stack), or with "
+        help="start proxies with kvlab.stack when importable (auto), always (stack), or with "
         "`python -m kvproxy serve` (direct)",
     )
     parser.add_argument(

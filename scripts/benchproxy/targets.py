@@ -515,7 +515,7 @@ def start_proxy(
     label: str | None = None,
     python: str | None = None,
 ) -> Proc:
-    """Start kvproxy as target ``name`` (and ``server_keys``); through kvproxy.stack when
+    """Start kvproxy as target ``name`` (and ``server_keys``); through kvlab.stack when
     available. ``label`` names its files (default: ``name``); ``python`` serves it with
     that interpreter's kvproxy (a compiled build) instead of this one's."""
     if name in REFERENCES:
@@ -530,7 +530,7 @@ def start_proxy(
     proc: Proc | None = None
     if launcher in ("auto", "stack") and python is None:
         try:
-            from kvproxy.stack import start_kvproxy  # type: ignore[import-not-found,unused-ignore]
+            from kvlab.stack import start_kvproxy  # type: ignore[import-not-found,unused-ignore]
         except ImportError:
             if launcher == "stack":
                 raise

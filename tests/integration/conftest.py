@@ -9,7 +9,7 @@ Tests share the engines, so each one uses its own session ids / rids and reads b
 only the recorded requests that carry them.
 
 A module that needs engines of another kind starts its own with
-:func:`kvproxy.stack.sim_engines` and ``kvproxy.stack.start_router`` (a context
+:func:`kvlab.stack.sim_engines` and ``kvlab.stack.start_router`` (a context
 manager: stopped by PID on exit) in module-scoped fixtures, and its kvproxy with
 :func:`start_proxy` from a whole config document.
 """
@@ -27,7 +27,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from kvproxy import stack
+from kvlab import stack
 from kvproxy.app import create_app
 from kvproxy.config import from_mapping
 from kvproxy.keys import ADMISSION

@@ -20,7 +20,7 @@ import aiohttp
 import orjson
 import pytest
 
-from kvproxy import stack
+from kvlab import stack
 from kvproxy.keys import ADMISSION
 
 from .conftest import Proxy, StartProxy, program_ready, wait_until

@@ -15,8 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kvproxy.config import AdmissionConfig, SessionLifecycleConfig, from_mapping
-from kvproxy.demo import (
+from kvlab.demo import (
     DEMO_W1,
     QUICK_W1,
     VARIANTS,
@@ -31,7 +30,8 @@ from kvproxy.demo import (
     to_simulated,
     verdict,
 )
-from kvproxy.lab.runner import POLICIES
+from kvlab.lab.runner import POLICIES
+from kvproxy.config import AdmissionConfig, SessionLifecycleConfig, from_mapping
 
 needs_smg = pytest.mark.skipif(
     importlib.util.find_spec("smg") is None, reason="the real router (smg) is not installed"

@@ -18,7 +18,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from kvproxy import stack
+from kvlab import stack
 from kvproxy.doctor.checks import Line, Status
 from kvproxy.doctor.cli import diagnose
 

@@ -23,10 +23,10 @@ import aiohttp
 import orjson
 import pytest
 
-from kvproxy import stack
+from kvlab import stack
+from kvlab.workload.wire import StreamState, parse_sse_line
 from kvproxy.keys import AGENTS, FLEET, SESSIONS
 from kvproxy.sessions import dynamo
-from kvproxy.workload.wire import StreamState, parse_sse_line
 
 from .conftest import Proxy, StartProxy, recorded, wait_until
 

@@ -20,7 +20,7 @@ import aiohttp
 import orjson
 import pytest
 
-from kvproxy import stack
+from kvlab import stack
 from kvproxy.keys import AGENTS
 from kvproxy.sessions import dynamo
 

@@ -20,15 +20,15 @@ import aiohttp
 import pytest
 from aiohttp.test_utils import TestServer
 
-from kvproxy import stack
+from kvlab import stack
+from kvlab.demo import sim_overrun_s
+from kvlab.lab.runner import LabConfig, run_lab
+from kvlab.workload.driver import HttpTransport, scrape_engine
+from kvlab.workload.report import summarize
+from kvlab.workload.runner import WorkloadResult, run_workload
+from kvlab.workload.spec import workload_spec
 from kvproxy.app import create_app
 from kvproxy.config import from_mapping
-from kvproxy.demo import sim_overrun_s
-from kvproxy.lab.runner import LabConfig, run_lab
-from kvproxy.workload.driver import HttpTransport, scrape_engine
-from kvproxy.workload.report import summarize
-from kvproxy.workload.runner import WorkloadResult, run_workload
-from kvproxy.workload.spec import workload_spec
 
 TIME_SCALE = 0.35  # wall seconds per simulated second (engines and tool pauses alike)
 POOL = 800  # KV tokens per engine (scaled): the live sessions' KV does not fit

@@ -21,7 +21,7 @@ import aiohttp
 import orjson
 import pytest
 
-from kvproxy import stack
+from kvlab import stack
 from kvproxy.keys import ADMISSION, SESSIONS
 from kvproxy.sessions import lifecycle as lc
 from tests.helpers import header_of, new_marker

@@ -19,7 +19,7 @@ import aiohttp
 import orjson
 import pytest
 
-from kvproxy import stack
+from kvlab import stack
 from kvproxy.fleet.ring import HashRing
 from kvproxy.keys import ADMISSION
 

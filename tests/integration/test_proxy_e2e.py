@@ -12,7 +12,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from kvproxy import stack
+from kvlab import stack
 from kvproxy.config import RouterConfig
 from kvproxy.fleet.discovery import RouterFlavor
 from kvproxy.fleet.registry import Fleet

@@ -13,9 +13,9 @@ from typing import Any
 import orjson
 import pytest
 
-from kvproxy.sim.config import SimConfig
-from kvproxy.sim.presets import cost_model
-from kvproxy.sim.server import create_sim_app
+from kvlab.sim.config import SimConfig
+from kvlab.sim.presets import cost_model
+from kvlab.sim.server import create_sim_app
 
 PROMPT = 2000
 OUTPUT = 60

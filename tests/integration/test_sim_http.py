@@ -17,9 +17,9 @@ import orjson
 import pytest
 from aiohttp.test_utils import TestClient
 
-from kvproxy.sim.config import FaultConfig, SimConfig
-from kvproxy.sim.server import SIM_STATE, create_sim_app
-from kvproxy.sim.tokenizer import decode, encode
+from kvlab.sim.config import FaultConfig, SimConfig
+from kvlab.sim.server import SIM_STATE, create_sim_app
+from kvlab.sim.tokenizer import decode, encode
 
 ClientFactory = Callable[..., Awaitable[TestClient]]
 

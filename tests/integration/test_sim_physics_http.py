@@ -6,8 +6,8 @@ from typing import Any
 
 import orjson
 
-from kvproxy.sim.presets import sim_config
-from kvproxy.sim.server import SIM_STATE, create_sim_app
+from kvlab.sim.presets import sim_config
+from kvlab.sim.server import SIM_STATE, create_sim_app
 
 LABELS = 'engine_type="unified",model_name="test/model",moe_ep_rank="0",pp_rank="0",tp_rank="0"'
 

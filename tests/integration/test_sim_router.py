@@ -1,5 +1,5 @@
 """The real router (``smg``) in front of two simulated engines, all subprocesses on
-127.0.0.1 started by :mod:`kvproxy.stack` and stopped by PID."""
+127.0.0.1 started by :mod:`kvlab.stack` and stopped by PID."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from typing import Any
 import orjson
 import pytest
 
-from kvproxy import stack
+from kvlab import stack
 
 MODEL = "kvproxy/sim-model"
 

@@ -12,7 +12,8 @@ from pathlib import Path
 
 from aiohttp import web
 
-from kvproxy import __version__, stack
+from kvlab import stack
+from kvproxy import __version__
 
 
 async def _wait_for_log(

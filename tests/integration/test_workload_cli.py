@@ -13,7 +13,7 @@ import aiohttp
 import orjson
 import pytest
 
-from kvproxy import stack
+from kvlab import stack
 from tests.helpers import header_of
 
 from .conftest import MakeProxy, recorded, wait_until

@@ -1,4 +1,4 @@
-"""The ablation set of program admission (kvproxy.lab.ablation): every entry is a valid
+"""The ablation set of program admission (kvlab.lab.ablation): every entry is a valid
 admission override that changes the run, and the table reads as ratios to off."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import dataclasses
 
 import pytest
 
+from kvlab.lab.ablation import ABLATIONS, format_ablation, run_ablation
 from kvproxy.config import from_mapping
-from kvproxy.lab.ablation import ABLATIONS, format_ablation, run_ablation
 from tests.lab.test_lab import SMALL, TINY_POOL
 
 

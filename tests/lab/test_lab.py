@@ -9,8 +9,7 @@ from typing import Any
 
 import pytest
 
-from kvproxy.cli import main
-from kvproxy.lab.runner import (
+from kvlab.lab.runner import (
     POLICIES,
     LabConfig,
     LabError,
@@ -19,6 +18,7 @@ from kvproxy.lab.runner import (
     run_lab,
     run_matrix,
 )
+from kvproxy.cli import main
 
 # A short W1: 6 live sessions on 2 engines, 12 sessions of 3-8 turns, fast tools.
 SMALL = LabConfig(

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from kvproxy.lab.runner import LabConfig, run_lab
+from kvlab.lab.runner import LabConfig, run_lab
 
 
 def _r(s: dict) -> float:

@@ -6,12 +6,12 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from kvproxy.lab.engines import LabEngine
-from kvproxy.lab.proxy import LabProxy
-from kvproxy.lab.router import Placement
-from kvproxy.lab.runner import LabTuning, proxy_config
-from kvproxy.lab.vloop import run_virtual
-from kvproxy.sim.presets import scheduler_config
+from kvlab.lab.engines import LabEngine
+from kvlab.lab.proxy import LabProxy
+from kvlab.lab.router import Placement
+from kvlab.lab.runner import LabTuning, proxy_config
+from kvlab.lab.vloop import run_virtual
+from kvlab.sim.presets import scheduler_config
 
 URLS = ("http://127.0.0.1:30001", "http://127.0.0.1:30002")
 

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from kvproxy.lab.vloop import VirtualTimeDeadlock, VirtualTimeLoop, run_virtual
+from kvlab.lab.vloop import VirtualTimeDeadlock, VirtualTimeLoop, run_virtual
 
 
 def test_timers_fire_in_order_and_the_clock_jumps() -> None:

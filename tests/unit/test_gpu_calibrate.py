@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from kvproxy.sim.presets import cost_model
+from kvlab.sim.presets import cost_model
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "gpu_calibrate.py"
 

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from kvproxy.lab.faults import FAULTS, signal_fault
+from kvlab.lab.faults import FAULTS, signal_fault
 
 
 @pytest.mark.parametrize(

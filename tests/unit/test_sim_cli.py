@@ -6,10 +6,10 @@ import argparse
 
 import pytest
 
-from kvproxy.sim.cli import add_arguments, config_from_args
-from kvproxy.sim.config import SimConfig
-from kvproxy.sim.cost import CostModel
-from kvproxy.sim.presets import cost_model
+from kvlab.sim.cli import add_arguments, config_from_args
+from kvlab.sim.config import SimConfig
+from kvlab.sim.cost import CostModel
+from kvlab.sim.presets import cost_model
 
 
 def parse(*argv: str) -> SimConfig:
@@ -82,7 +82,7 @@ def test_bad_values_are_clear_errors(capsys: pytest.CaptureFixture[str]) -> None
 
 
 def test_run_reports_a_bad_flag_combination(capsys: pytest.CaptureFixture[str]) -> None:
-    from kvproxy.sim.cli import run
+    from kvlab.sim.cli import run
 
     p = argparse.ArgumentParser()
     add_arguments(p)
@@ -92,7 +92,7 @@ def test_run_reports_a_bad_flag_combination(capsys: pytest.CaptureFixture[str]) 
 
 
 def test_sim_config_is_composed_of_the_scheduler_config() -> None:
-    from kvproxy.sim.config import SchedulerConfig
+    from kvlab.sim.config import SchedulerConfig
 
     cfg = SimConfig(max_total_tokens=1234, mode="session-radix", time_scale=0.0)
     assert cfg.scheduler == SchedulerConfig(max_total_tokens=1234, mode="session-radix")

@@ -12,9 +12,9 @@ import random
 
 import pytest
 
-from kvproxy.sim.config import SchedulerConfig
-from kvproxy.sim.cost import CostModel
-from kvproxy.sim.presets import PRESET_NAMES, PRESETS, cost_model, scheduler_config
+from kvlab.sim.config import SchedulerConfig
+from kvlab.sim.cost import CostModel
+from kvlab.sim.presets import PRESET_NAMES, PRESETS, cost_model, scheduler_config
 
 CHUNK = 8192
 

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from kvproxy.sim.kvcache import KVCache
+from kvlab.sim.kvcache import KVCache
 from tests.helpers import seq
 
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvproxy.sim.config import SchedulerConfig
-from kvproxy.sim.metrics import MetricsContext, render_metrics, render_metrics_uncached
-from kvproxy.sim.scheduler import Scheduler, SimRequest
+from kvlab.sim.config import SchedulerConfig
+from kvlab.sim.metrics import MetricsContext, render_metrics, render_metrics_uncached
+from kvlab.sim.scheduler import Scheduler, SimRequest
 
 MAX_STEPS = 10_000
 

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from kvproxy.sim.parse import BadRequest, parse_generate, parse_openai, scheduler_request
+from kvlab.sim.parse import BadRequest, parse_generate, parse_openai, scheduler_request
 
 
 @pytest.mark.parametrize(

@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
-from kvproxy.sim.config import SchedulerConfig
-from kvproxy.sim.presets import cost_model, scheduler_config
-from kvproxy.sim.scheduler import Batch, Scheduler, SimRequest, State
+from kvlab.sim.config import SchedulerConfig
+from kvlab.sim.presets import cost_model, scheduler_config
+from kvlab.sim.scheduler import Batch, Scheduler, SimRequest, State
 from tests.helpers import seq
 
 MAX_STEPS = 200_000

@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
-from kvproxy.sim.config import CostModel, SchedulerConfig
-from kvproxy.sim.scheduler import Scheduler, SimError, SimRequest, State
-from kvproxy.sim.tokenizer import EOS_TOKEN_ID, OutputStream
+from kvlab.sim.config import CostModel, SchedulerConfig
+from kvlab.sim.scheduler import Scheduler, SimError, SimRequest, State
+from kvlab.sim.tokenizer import EOS_TOKEN_ID, OutputStream
 from tests.helpers import seq
 
 MAX_STEPS = 100_000

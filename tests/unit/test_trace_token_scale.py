@@ -13,9 +13,9 @@ from pathlib import Path
 import orjson
 import pytest
 
+from kvlab.workload.spec import resolve_token_scale
+from kvlab.workload.trace import parse_trace, run_token_scale
 from kvproxy.cli import main
-from kvproxy.workload.spec import resolve_token_scale
-from kvproxy.workload.trace import parse_trace, run_token_scale
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "workloads.md"
 

@@ -12,20 +12,20 @@ import orjson
 import pytest
 from aiohttp import web
 
-from kvproxy.workload import legacy
-from kvproxy.workload.driver import HttpRun, HttpTransport, nvext_for, parse_sets
-from kvproxy.workload.legacy import WorkloadConfig, run_legacy
-from kvproxy.workload.plan import session_plans
-from kvproxy.workload.report import percentile, summarize
-from kvproxy.workload.runner import (
+from kvlab.workload import legacy
+from kvlab.workload.driver import HttpRun, HttpTransport, nvext_for, parse_sets
+from kvlab.workload.legacy import WorkloadConfig, run_legacy
+from kvlab.workload.plan import session_plans
+from kvlab.workload.report import percentile, summarize
+from kvlab.workload.runner import (
     SessionRecord,
     TurnRecord,
     WorkloadResult,
     context_after_turn,
     recomputed_tokens,
 )
-from kvproxy.workload.spec import WorkloadError, workload_spec
-from kvproxy.workload.wire import (
+from kvlab.workload.spec import WorkloadError, workload_spec
+from kvlab.workload.wire import (
     ADMISSION_WAIT_HEADER,
     ROUTING_KEY_HEADER,
     SESSION_HEADER,

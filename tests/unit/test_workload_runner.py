@@ -7,8 +7,8 @@ import dataclasses
 
 import pytest
 
-from kvproxy.workload import TurnOutcome, WorkloadError, run_workload, summarize, workload_spec
-from kvproxy.workload.plan import session_plans
+from kvlab.workload import TurnOutcome, WorkloadError, run_workload, summarize, workload_spec
+from kvlab.workload.plan import session_plans
 
 
 class FakeTransport:

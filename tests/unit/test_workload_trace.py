@@ -8,8 +8,8 @@ from pathlib import Path
 import orjson
 import pytest
 
-from kvproxy.workload import WorkloadError, session_plans, workload_spec
-from kvproxy.workload.trace import SAMPLE_TRACE, load_trace, parse_trace
+from kvlab.workload import WorkloadError, session_plans, workload_spec
+from kvlab.workload.trace import SAMPLE_TRACE, load_trace, parse_trace
 
 HEADER = {"kvproxy_trace": 1, "token_scale": 1, "context_length": 4096}
 SYS = {"prefix": "sys", "tokens": 32}
