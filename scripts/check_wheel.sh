@@ -3,6 +3,8 @@
 #   - the build prints no setuptools warning (licence metadata in the current form);
 #   - in a fresh virtualenv, from a directory outside the checkout, `kvproxy --version`
 #     and `kvproxy serve --help` work and the installed package (not the checkout) is used;
+#   - the tools' package kvlab is in the wheel too, with its packaged trace, and the tools'
+#     commands (`kvproxy sim-engine | workload | lab`, `python -m kvproxy.workload`) load;
 #   - `kvproxy serve` from that install serves the dashboard and its static files.
 # Fast: the fresh venv gets no pip of its own (the checkout's pip installs into it) and
 # reuses the dependencies already in .venv through a .pth line (they are not reinstalled),
@@ -39,16 +41,25 @@ version="$("$WORK/venv/bin/kvproxy" --version)" || fail "kvproxy --version exite
 expected="kvproxy $("$WORK/venv/bin/python" -c 'import kvproxy; print(kvproxy.__version__)')"
 [ "$version" = "$expected" ] || fail "kvproxy --version printed '$version', expected '$expected'"
 "$WORK/venv/bin/kvproxy" serve --help | grep -q -- "--router-url" || fail "kvproxy serve --help"
+"$WORK/venv/bin/kvproxy" sim-engine --help | grep -q -- "--max-total-tokens" || fail "kvproxy sim-engine --help"
+"$WORK/venv/bin/kvproxy" workload --help | grep -q -- "--base-url" || fail "kvproxy workload --help"
+"$WORK/venv/bin/kvproxy" lab --help | grep -q -- "--policy" || fail "kvproxy lab --help"
+"$WORK/venv/bin/python" -m kvproxy.workload --help | grep -q -- "--base-url" \
+    || fail "python -m kvproxy.workload --help"
 "$WORK/venv/bin/python" - "$FRESH_SITE" <<'PY' || fail "the installed package is incomplete"
 import sys
 from importlib import resources
 from pathlib import Path
 
+import kvlab
 import kvproxy
 
 site = Path(sys.argv[1]).resolve()
-where = Path(kvproxy.__file__).resolve()
-assert site in where.parents, f"kvproxy imported from {where}, not from the wheel in {site}"
+for package in (kvproxy, kvlab):
+    where = Path(package.__file__).resolve()
+    assert site in where.parents, f"{package.__name__} imported from {where}, not the wheel in {site}"
+trace = resources.files("kvlab.workload").joinpath("traces", "sample.jsonl")
+assert trace.is_file(), "kvlab/workload/traces/sample.jsonl missing from the wheel"
 static = resources.files("kvproxy.admin").joinpath("static")
 names = sorted(p.name for p in static.iterdir())
 for needed in ("dashboard.html", "dashboard.js", "dashboard.css", "sign-in.html"):

@@ -19,8 +19,8 @@ if [ ! -x .venv/bin/python ]; then
     "$PYTHON" -m venv .venv
 fi
 if ! .venv/bin/python -c 'import kvproxy, matplotlib, smg' >/dev/null 2>&1; then
-    echo "installing kvproxy[demo] into .venv"
+    echo "installing kvproxy[lab] into .venv"
     .venv/bin/python -m pip install --quiet --upgrade pip
-    .venv/bin/python -m pip install --quiet -e '.[demo]'
+    .venv/bin/python -m pip install --quiet -e '.[lab]'
 fi
 exec .venv/bin/kvproxy demo "$@"

@@ -29,8 +29,8 @@ fi
 KVPROXY_CHROMIUM="$(bash scripts/ensure_chromium.sh)"
 if [ -n "$KVPROXY_CHROMIUM" ]; then export KVPROXY_CHROMIUM; else unset KVPROXY_CHROMIUM; fi
 
-.venv/bin/ruff check kvproxy tests scripts
-.venv/bin/ruff format --check kvproxy tests scripts
+.venv/bin/ruff check kvproxy kvlab tests scripts
+.venv/bin/ruff format --check kvproxy kvlab tests scripts
 .venv/bin/mypy
 KVPROXY_EXPECT_COMPILED="${KVPROXY_EXPECT_COMPILED:-0}" .venv/bin/python -m pytest -q "$@"
 if [ "$#" -eq 0 ]; then

@@ -1,7 +1,7 @@
-"""The package's import graph: no cycles between packages, the product never imports tools.
+"""The import graph of kvproxy and kvlab: no cycles, the product never imports the tools.
 
-Parses every module of ``kvproxy`` with :mod:`ast` (nothing is imported). A node of
-the graph is a *unit*: a subpackage (``kvproxy.sim``) or a top-level module
+Parses every module of both packages with :mod:`ast` (nothing is imported). A node of
+the graph is a *unit*: a subpackage (``kvlab.sim``) or a top-level module
 (``kvproxy.config``). Every import counts, including ones inside functions and under
 ``TYPE_CHECKING``: a deferred import hides a cycle from Python, not from a reader.
 """
@@ -9,36 +9,47 @@ the graph is a *unit*: a subpackage (``kvproxy.sim``) or a top-level module
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import kvlab
 import kvproxy
 
-ROOT = Path(kvproxy.__file__).parent
-
-# The shipped proxy: what ``kvproxy serve`` runs.
-PRODUCT = {"proxy", "sessions", "admission", "fleet", "admin"}
-# Tools around it: simulator, workload driver, lab, demo, stack launcher.
-TOOLS = {"sim", "workload", "lab", "demo", "stack"}
+# The shipped proxy (what ``kvproxy serve`` runs) and the tools around it.
+PACKAGES = {"kvproxy": Path(kvproxy.__file__).parent, "kvlab": Path(kvlab.__file__).parent}
+# The product's modules that may name kvlab: the command line's lazy dispatch (by name,
+# through importlib) and the ``python -m kvproxy.workload`` shim (through the former).
+REACHES_THE_TOOLS = {"kvproxy.cli", "kvproxy.workload.__main__"}
 # Edges left out of the cycle check, each with the change that removes it.
 KNOWN_EDGES: set[tuple[str, str]] = set()
 # Subpackages left out of the per-module check, likewise. The workload driver's modules
-# reach each other through deferred imports (spec/plan -> trace, report <-> runner); the
-# driver is being moved out of kvproxy/ by the physics issue, which untangles them.
-KNOWN_MODULE_CYCLES = {"workload"}
+# reach each other through deferred imports (spec/plan -> trace, report <-> runner).
+KNOWN_MODULE_CYCLES = {"kvlab.workload"}
 # Module edges left out of the per-module check (none at present).
 KNOWN_MODULE_EDGES: set[tuple[str, str]] = set()
 
 
+def _root(name: str) -> Path | None:
+    return PACKAGES.get(name.partition(".")[0])
+
+
+def _files() -> Iterator[Path]:
+    for root in PACKAGES.values():
+        yield from sorted(root.rglob("*.py"))
+
+
 def _module_name(path: Path) -> str:
-    parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+    root = next(r for r in PACKAGES.values() if r == path or r in path.parents)
+    parts = list(path.relative_to(root.parent).with_suffix("").parts)
     if parts[-1] == "__init__":
         parts.pop()
     return ".".join(parts)
 
 
 def _imports(path: Path) -> Iterator[str]:
-    """Absolute names of the kvproxy modules ``path`` imports."""
+    """Absolute names of the modules ``path`` imports."""
     module = _module_name(path)
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
@@ -58,24 +69,27 @@ def _imports(path: Path) -> Iterator[str]:
 
 
 def _unit(name: str) -> str | None:
-    """``kvproxy.sim.scheduler`` -> ``sim``; ``kvproxy.config`` -> ``config``."""
+    """``kvlab.sim.scheduler`` -> ``kvlab.sim``; ``kvproxy.config`` -> ``kvproxy.config``."""
     parts = name.split(".")
-    if parts[0] != "kvproxy" or len(parts) < 2:
+    root = _root(name)
+    if root is None or len(parts) < 2:
         return None
-    unit = parts[1]
-    if (ROOT / unit).is_dir() or (ROOT / f"{unit}.py").is_file():
-        return unit
+    if (root / parts[1]).is_dir() or (root / f"{parts[1]}.py").is_file():
+        return f"{parts[0]}.{parts[1]}"
     return None
 
 
 def _module_exists(name: str) -> bool:
+    root = _root(name)
+    if root is None:
+        return False
     rel = Path(*name.split(".")[1:])
-    return (ROOT / rel).with_suffix(".py").is_file() or (ROOT / rel / "__init__.py").is_file()
+    return (root / rel).with_suffix(".py").is_file() or (root / rel / "__init__.py").is_file()
 
 
 def unit_graph() -> dict[str, set[str]]:
     graph: dict[str, set[str]] = {}
-    for path in sorted(ROOT.rglob("*.py")):
+    for path in _files():
         src = _unit(_module_name(path))
         if src is None:
             continue
@@ -88,14 +102,15 @@ def unit_graph() -> dict[str, set[str]]:
 
 
 def module_graph(unit: str) -> dict[str, set[str]]:
-    """Imports between the modules of one subpackage."""
+    """Imports between the modules of one subpackage (``kvlab.workload``)."""
     graph: dict[str, set[str]] = {}
-    for path in sorted((ROOT / unit).rglob("*.py")):
+    package, _, sub = unit.partition(".")
+    for path in sorted((PACKAGES[package] / sub).rglob("*.py")):
         src = _module_name(path)
         deps = graph.setdefault(src, set())
         for name in _imports(path):
             if (
-                name.startswith(f"kvproxy.{unit}.")
+                name.startswith(f"{unit}.")
                 and _module_exists(name)
                 and name != src
                 and (src, name) not in KNOWN_MODULE_EDGES
@@ -134,30 +149,69 @@ def test_find_cycle_finds_a_cycle_and_accepts_a_dag() -> None:
 
 def test_the_package_level_import_graph_is_acyclic() -> None:
     graph = unit_graph()
-    assert {"proxy", "sessions", "admission", "sim"} <= graph.keys()
+    assert {"kvproxy.proxy", "kvproxy.admission", "kvlab.sim", "kvlab.lab"} <= graph.keys()
     assert find_cycle(graph) is None
 
 
 def test_no_import_cycle_between_the_modules_of_a_subpackage() -> None:
-    units = sorted(p.name for p in ROOT.iterdir() if (p / "__init__.py").is_file())
+    units = sorted(
+        f"{package}.{p.name}"
+        for package, root in PACKAGES.items()
+        for p in root.iterdir()
+        if (p / "__init__.py").is_file()
+    )
+    assert "kvlab.workload" in units
     for unit in units:
         if unit in KNOWN_MODULE_CYCLES:
             continue
         assert find_cycle(module_graph(unit)) is None, unit
 
 
-def test_the_shipped_proxy_never_imports_the_tools() -> None:
+def _names_kvlab(path: Path) -> bool:
+    """Whether ``path`` imports kvlab or names one of its modules in a string (which
+    ``importlib.import_module`` could load)."""
+    if any(n.partition(".")[0] == "kvlab" for n in _imports(path)):
+        return True
+    tree = ast.parse(path.read_text(), str(path))
+    return any(
+        isinstance(node, ast.Constant)
+        and isinstance(node.value, str)
+        and (node.value == "kvlab" or node.value.startswith("kvlab."))
+        for node in ast.walk(tree)
+    )
+
+
+def test_the_product_never_imports_the_tools() -> None:
+    product = sorted(PACKAGES["kvproxy"].rglob("*.py"))
+    naming = {_module_name(p) for p in product if _names_kvlab(p)}
+    assert naming <= REACHES_THE_TOOLS, sorted(naming - REACHES_THE_TOOLS)
+    # Nor through another module: what the product's units reach holds no kvlab unit.
     graph = unit_graph()
-    # Everything the product packages reach, through top-level modules too.
     reached: set[str] = set()
-    todo = [u for u in PRODUCT if u in graph]
+    todo = [u for u in graph if u.startswith("kvproxy.")]
     while todo:
         unit = todo.pop()
-        if unit in reached:
-            continue
-        reached.add(unit)
-        todo.extend(graph.get(unit, ()))
-    assert not reached & TOOLS, sorted(reached & TOOLS)
+        if unit not in reached:
+            reached.add(unit)
+            todo.extend(graph.get(unit, ()))
+    assert not {u for u in reached if u.startswith("kvlab.")}
+
+
+def test_the_dispatch_names_the_tools_lazily() -> None:
+    """The check above sees the command line's names of kvlab (it is not vacuous)."""
+    assert _names_kvlab(PACKAGES["kvproxy"] / "cli.py")
+
+
+def test_importing_the_proxy_loads_no_kvlab_module() -> None:
+    code = (
+        "import sys\n"
+        "import kvproxy.app, kvproxy.serve, kvproxy.cli, kvproxy.doctor.cli\n"
+        "print(sorted(m for m in sys.modules if m.partition('.')[0] == 'kvlab'))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert out.stdout.strip() == "[]"
 
 
 # Modules described as pure: none of them may import aiohttp, directly or through others.
@@ -171,14 +225,19 @@ PURE_MODULES = [
     "kvproxy.admission.classify",
     "kvproxy.admission.reservation",
     "kvproxy.admission.ledger",
-    "kvproxy.sim.histogram",
+    "kvlab.sim.histogram",
 ]
 
 
-def _kvproxy_imports_of(module: str) -> set[str]:
-    path = ROOT.parent / Path(*module.split("."))
-    file = path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
-    names = {n for n in _imports(file) if n.startswith("kvproxy") and _module_exists(n)}
+def _path_of(module: str) -> Path:
+    root = _root(module)
+    assert root is not None, module
+    path = root.parent / Path(*module.split("."))
+    return path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
+
+
+def _own_imports_of(module: str) -> set[str]:
+    names = {n for n in _imports(_path_of(module)) if _module_exists(n)}
     return {n for n in names if (module, n) not in KNOWN_MODULE_EDGES}
 
 
@@ -192,14 +251,12 @@ def _closure(module: str) -> set[str]:
         seen.add(name)
         parts = name.split(".")
         todo.extend(".".join(parts[:i]) for i in range(2, len(parts)))  # parent packages
-        todo.extend(_kvproxy_imports_of(name))
+        todo.extend(_own_imports_of(name))
     return seen
 
 
 def _third_party(module: str) -> set[str]:
-    path = ROOT.parent / Path(*module.split("."))
-    file = path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
-    return {n.split(".")[0] for n in _imports(file) if not n.startswith("kvproxy")}
+    return {n.split(".")[0] for n in _imports(_path_of(module)) if _root(n) is None}
 
 
 def test_the_pure_modules_do_not_import_aiohttp() -> None:
