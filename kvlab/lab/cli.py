@@ -14,7 +14,8 @@ from kvlab.lab.faults import FAULTS
 from kvlab.lab.router import ROUTER_POLICIES
 from kvlab.lab.runner import POLICIES, LabConfig, LabError, format_table, run_matrix
 from kvlab.workload.driver import parse_sets
-from kvlab.workload.spec import WorkloadError, resolve_token_scale
+from kvlab.workload.model import WorkloadError
+from kvlab.workload.spec import resolve_token_scale
 
 # --token-scale left out: presets and traces of counts run at 16; a trace with explicit
 # token ids at its own scale.

@@ -170,7 +170,8 @@ def proxy_config(
 def build(cfg: LabConfig) -> tuple[Any, Any, int, int]:
     """(workload spec, scheduler config, sessions, concurrency) for ``cfg``."""
     from kvlab.sim.presets import scheduler_config
-    from kvlab.workload.spec import WorkloadError, workload_spec
+    from kvlab.workload.model import WorkloadError
+    from kvlab.workload.spec import workload_spec
 
     _validate(cfg)
     try:

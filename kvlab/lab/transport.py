@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 
 from kvlab.lab.proxy import LabProxy, ProxyError
-from kvlab.workload.runner import TurnOutcome
+from kvlab.workload.model import TurnOutcome
 from kvlab.workload.wire import (
     FINAL_HEADER,
     ROUTING_KEY_HEADER,

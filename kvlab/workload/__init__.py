@@ -1,22 +1,28 @@
 """Agentic workloads: presets (calibration.md §4), trace replay and the driver.
 
-Pure: :mod:`.spec` (parameters), :mod:`.plan` (sessions drawn from a seed),
-:mod:`.trace` (JSONL traces), :mod:`.report` (summary). Asyncio without I/O:
-:mod:`.runner` (closed loop against a :class:`~kvlab.workload.runner.Transport`).
-Shell: :mod:`.driver` (HTTP transport and ``kvproxy workload``).
+Pure: :mod:`.model` (the records every other module shares, importing none of them),
+:mod:`.spec` (parameters and presets), :mod:`.draw` (seeded draws), :mod:`.plan`
+(sessions drawn from a seed), :mod:`.trace` (JSONL traces), :mod:`.report` (summary).
+Asyncio without I/O: :mod:`.runner` (closed loop against a
+:class:`~kvlab.workload.runner.Transport`). Shell: :mod:`.driver` (HTTP transport and
+``kvproxy workload``).
 """
 
-from kvlab.workload.plan import SessionPlan, TurnPlan, session_plans
-from kvlab.workload.report import percentile, summarize
-from kvlab.workload.runner import (
+from kvlab.workload.model import (
+    Dist,
+    SessionPlan,
     SessionRecord,
-    Transport,
     TurnOutcome,
+    TurnPlan,
     TurnRecord,
+    WorkloadError,
     WorkloadResult,
-    run_workload,
+    WorkloadSpec,
 )
-from kvlab.workload.spec import PRESETS, Dist, WorkloadError, WorkloadSpec, workload_spec
+from kvlab.workload.plan import session_plans
+from kvlab.workload.report import percentile, summarize
+from kvlab.workload.runner import Transport, run_workload
+from kvlab.workload.spec import PRESETS, workload_spec
 
 __all__ = [
     "PRESETS",

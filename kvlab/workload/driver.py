@@ -21,17 +21,11 @@ from typing import Any
 import aiohttp
 import orjson
 
+from kvlab.workload.model import TurnOutcome, WorkloadError, WorkloadResult, WorkloadSpec
 from kvlab.workload.plan import is_subagent_id
 from kvlab.workload.report import summarize
-from kvlab.workload.runner import ProgressFn, TurnOutcome, WorkloadResult, run_workload
-from kvlab.workload.spec import (
-    PRESETS,
-    WorkloadError,
-    WorkloadSpec,
-    override_names,
-    resolve_token_scale,
-    workload_spec,
-)
+from kvlab.workload.runner import ProgressFn, run_workload
+from kvlab.workload.spec import PRESETS, override_names, resolve_token_scale, workload_spec
 from kvlab.workload.wire import (
     _RETRACTION_COUNTERS,
     ADMISSION_WAIT_HEADER,

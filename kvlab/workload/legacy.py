@@ -13,15 +13,9 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from kvlab.workload.driver import HttpRun, run_http
+from kvlab.workload.model import WorkloadError, WorkloadSpec, fixed, lognormal, uniform
 from kvlab.workload.runner import ProgressFn
-from kvlab.workload.spec import (
-    WorkloadError,
-    WorkloadSpec,
-    fixed,
-    lognormal,
-    uniform,
-    workload_spec,
-)
+from kvlab.workload.spec import workload_spec
 
 TOOL_LATENCY_KINDS = ("lognormal", "uniform", "fixed")
 

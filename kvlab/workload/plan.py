@@ -16,89 +16,13 @@ survives the token scale) and are at least 1.
 from __future__ import annotations
 
 import itertools
-import math
 import random
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-from kvlab.workload.spec import Dist, WorkloadSpec
-
-
-@dataclass(frozen=True, slots=True)
-class TurnPlan:
-    """One request of a session.
-
-    ``new_input_ids``: tokens appended after the previous turn's output (its tool
-    output; the first turn's are the whole first prompt). ``tool_latency_s``: the pause
-    after this turn's response. ``subagents``: spawned after this turn; the session
-    waits for all of them and their summaries are the next turn's new input.
-    """
-
-    new_input_ids: list[int]
-    max_new_tokens: int
-    tool_latency_s: float
-    subagents: tuple[SessionPlan, ...] = ()
-
-
-@dataclass(frozen=True, slots=True)
-class SessionPlan:
-    session_id: str
-    turns: tuple[TurnPlan, ...]
-    group: str | None = None
-    role: str = "main"  # main | subagent
-    parent: str | None = None
-    # True: the plan stopped early because the next turn would pass the context length.
-    exit_context: bool = False
-    # Turns drawn before the context limit cut them.
-    turns_drawn: int = 0
-
-    @property
-    def planned_context(self) -> int:
-        """KV tokens at the end of the session if every turn returns its full output."""
-        return sum(len(t.new_input_ids) + t.max_new_tokens for t in self.turns)
-
-
-# ------------------------------------------------------------------------- drawing
-
-
-def stochastic_round(x: float, rng: random.Random) -> int:
-    """``floor(x)`` or ``floor(x) + 1`` with the probability of the fraction: keeps
-    the mean of a scaled-down value."""
-    f = math.floor(x)
-    return f + (1 if rng.random() < x - f else 0)
-
-
-def draw_real(dist: Dist, rng: random.Random) -> float:
-    if dist.kind == "fixed":
-        return dist.median
-    if dist.kind == "uniform":
-        return rng.uniform(dist.lo, dist.hi)
-    x = dist.median * math.exp(rng.gauss(0.0, dist.sigma)) if dist.sigma > 0 else dist.median
-    return min(dist.hi, max(dist.lo, x))
-
-
-def draw_tokens(dist: Dist, rng: random.Random) -> int:
-    """A token count (already scaled): stochastic rounding, at least 1."""
-    return max(1, stochastic_round(draw_real(dist, rng), rng))
-
-
-def draw_count(dist: Dist, rng: random.Random) -> int:
-    """An unscaled count (turns): uniform draws integers in [lo, hi]; else rounded."""
-    if dist.kind == "uniform":
-        return rng.randint(math.ceil(dist.lo), math.floor(dist.hi))
-    return max(1, math.floor(draw_real(dist, rng) + 0.5))
-
-
-def draw_latency(
-    fast: Dist, slow: Dist, slow_share: float, cap_s: float, rng: random.Random
-) -> float:
-    """Tool latency (s) from the two-part mixture, capped."""
-    part = slow if slow_share > 0 and rng.random() < slow_share else fast
-    return min(cap_s, draw_real(part, rng))
-
-
-def token_ids(rng: random.Random, n: int, spec: WorkloadSpec) -> list[int]:
-    return rng.choices(range(spec.min_token_id, spec.vocab_size), k=n)
+from kvlab.workload.draw import draw_count, draw_latency, draw_tokens, token_ids
+from kvlab.workload.model import Dist, SessionPlan, TurnPlan, WorkloadSpec
+from kvlab.workload.trace import trace_plans
 
 
 def _rng(seed: int, *parts: object) -> random.Random:
@@ -256,8 +180,6 @@ def session_plans(spec: WorkloadSpec, seed: int) -> Iterator[SessionPlan]:
     """Deterministic plans: endless for a preset, the trace's sessions once for a trace.
     Members of a GRPO group (``group_size`` > 1) come consecutively with one ``group``."""
     if spec.trace is not None:
-        from kvlab.workload.trace import trace_plans
-
         yield from trace_plans(spec, seed)
         return
     system = _system_ids(spec, seed, "system")

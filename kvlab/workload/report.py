@@ -6,7 +6,7 @@ import math
 from collections.abc import Iterable
 from typing import Any
 
-from kvlab.workload.runner import TurnRecord, WorkloadResult
+from kvlab.workload.model import TurnRecord, WorkloadResult
 
 
 def percentile(values: Iterable[float], q: float) -> float | None:

@@ -16,28 +16,19 @@ from __future__ import annotations
 import asyncio
 import itertools
 from collections.abc import Callable, Coroutine, Iterable, Iterator
-from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from kvlab.workload.plan import SessionPlan, session_plans
-from kvlab.workload.spec import WorkloadError, WorkloadSpec
-
-
-@dataclass(slots=True)
-class TurnOutcome:
-    """What one request returned. ``output_ids`` continue the conversation."""
-
-    output_ids: list[int]
-    prompt_tokens: int
-    cached_tokens: int
-    completion_tokens: int
-    ttft_s: float
-    latency_s: float
-    ok: bool = True
-    error: str | None = None
-    finish_reason: str | None = None
-    # kvproxy's X-KVProxy-Admission-Wait-Ms response header, where present.
-    admission_wait_ms: float | None = None
+from kvlab.workload.model import (
+    SessionPlan,
+    SessionRecord,
+    TurnOutcome,
+    TurnRecord,
+    WorkloadError,
+    WorkloadResult,
+    WorkloadSpec,
+    context_after_turn,
+)
+from kvlab.workload.plan import session_plans
 
 
 class Transport(Protocol):
@@ -46,108 +37,6 @@ class Transport(Protocol):
     ) -> TurnOutcome: ...
 
     async def close(self, session_id: str) -> None: ...
-
-
-def context_after_turn(prompt_tokens: int, completion_tokens: int) -> int:
-    """Tokens whose KV exists after a turn: the prompt plus every generated token but
-    the last (the last sampled token is never fed back, so it has no KV)."""
-    return prompt_tokens + max(0, completion_tokens - 1)
-
-
-def recomputed_tokens(previous_context_len: int, cached_tokens: int) -> int:
-    """Prompt tokens an earlier turn of the session already prefilled but that the
-    engine did not serve from cache this turn."""
-    return max(0, previous_context_len - cached_tokens)
-
-
-@dataclass(slots=True)
-class TurnRecord:
-    session_id: str
-    turn: int
-    role: str = "main"
-    group: str | None = None
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    completion_tokens: int = 0
-    # KV context the session's previous turn left (see context_after_turn); 0 on turn 0.
-    previous_context_len: int = 0
-    ttft_s: float | None = None
-    latency_s: float | None = None
-    start_s: float = 0.0
-    end_s: float = 0.0
-    ok: bool = False
-    error: str | None = None
-    finish_reason: str | None = None
-    admission_wait_ms: float | None = None
-
-    @property
-    def first(self) -> bool:
-        """The session's first request (nothing of it can be cached but shared prefixes)."""
-        return self.turn == 0
-
-    @property
-    def continuing(self) -> bool:
-        return self.turn > 0
-
-    @property
-    def recomputed_tokens(self) -> int:
-        return recomputed_tokens(self.previous_context_len, self.cached_tokens) if self.ok else 0
-
-    @property
-    def prefill_tokens(self) -> int:
-        return max(0, self.prompt_tokens - self.cached_tokens) if self.ok else 0
-
-
-@dataclass(slots=True)
-class SessionRecord:
-    session_id: str
-    role: str
-    group: str | None
-    parent: str | None
-    turns_planned: int
-    start_s: float = 0.0
-    end_s: float | None = None
-    turns_done: int = 0
-    ok: bool = False
-    # done | context (ended on the context length) | error | cancelled
-    exit: str = "running"
-    error: str | None = None
-
-    @property
-    def duration_s(self) -> float | None:
-        return None if self.end_s is None else self.end_s - self.start_s
-
-
-@dataclass(slots=True)
-class WorkloadResult:
-    """Every request and session of one run; times are loop time relative to the start."""
-
-    spec: WorkloadSpec
-    seed: int
-    sessions_requested: int
-    concurrency: int
-    time_scale: float
-    turns: list[TurnRecord] = field(default_factory=list)
-    sessions: list[SessionRecord] = field(default_factory=list)
-    makespan_s: float = 0.0
-    # True: the run hit its deadline and the sessions still running were cancelled.
-    timed_out: bool = False
-
-    @property
-    def main_sessions(self) -> list[SessionRecord]:
-        return [s for s in self.sessions if s.role != "subagent"]
-
-    def to_dict(self) -> dict[str, Any]:
-        from kvlab.workload.report import summarize
-
-        return {
-            "spec": self.spec.to_dict(),
-            "seed": self.seed,
-            "sessions_requested": self.sessions_requested,
-            "concurrency": self.concurrency,
-            "time_scale": self.time_scale,
-            "summary": summarize(self),
-        }
 
 
 ProgressFn = Callable[[int, int, int], None]  # (completed, failed, total) main sessions

@@ -23,14 +23,23 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import orjson
 
-from kvlab.workload.plan import SessionPlan, TurnPlan, stochastic_round, token_ids
-from kvlab.workload.spec import WorkloadError, WorkloadSpec
+from kvlab.workload.draw import stochastic_round, token_ids
+from kvlab.workload.model import (
+    SessionPlan,
+    Trace,
+    TracePrefix,
+    TraceSession,
+    TraceTurn,
+    TurnPlan,
+    WorkloadError,
+    WorkloadSpec,
+    trace_error,
+)
 
 TRACE_VERSION = 1
 MAX_TRACE_SESSIONS = 1_000_000
@@ -49,87 +58,6 @@ _HEADER_KEYS = {
 _PREFIX_KEYS = {"prefix", "tokens", "ids"}
 _SESSION_KEYS = {"session", "prefix", "group", "turns"}
 _TURN_KEYS = {"input", "input_ids", "output", "tool_latency_s"}
-
-
-@dataclass(frozen=True, slots=True)
-class TraceTurn:
-    input_tokens: int  # count in trace units (len(input_ids) where ids are given)
-    input_ids: tuple[int, ...] | None
-    output_tokens: int
-    tool_latency_s: float
-
-
-@dataclass(frozen=True, slots=True)
-class TracePrefix:
-    name: str
-    line: int
-    tokens: int
-    ids: tuple[int, ...] | None
-
-
-@dataclass(frozen=True, slots=True)
-class TraceSession:
-    line: int
-    name: str
-    prefix: str | None
-    group: str | None
-    turns: tuple[TraceTurn, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class Trace:
-    path: str
-    token_scale: int
-    # Real (unscaled) tokens; None: not given.
-    context_length: int | None
-    name: str | None
-    cost_model: str | None
-    sessions_per_engine: int | None
-    prefixes: Mapping[str, TracePrefix]
-    sessions: tuple[TraceSession, ...]
-
-    @property
-    def max_group_size(self) -> int:
-        sizes: dict[str, int] = {}
-        for s in self.sessions:
-            if s.group is not None:
-                sizes[s.group] = sizes.get(s.group, 0) + 1
-        return max(sizes.values(), default=1)
-
-    @property
-    def has_ids(self) -> bool:
-        """Whether any prefix or turn gives explicit token ids (which fix the scale)."""
-        return any(p.ids is not None for p in self.prefixes.values()) or any(
-            t.input_ids is not None for s in self.sessions for t in s.turns
-        )
-
-    def check_scale(self, token_scale: int) -> None:
-        """Explicit ids cannot be rescaled: refuse a run at another token scale."""
-        if token_scale == self.token_scale:
-            return
-        fix = (
-            f"run at --token-scale {self.token_scale} (or leave --token-scale out: a trace "
-            f"with ids runs at its own scale by default)"
-        )
-        for p in self.prefixes.values():
-            if p.ids is not None:
-                raise _error(
-                    self.path,
-                    p.line,
-                    "ids",
-                    f"explicit ids cannot be rescaled from the trace's token_scale "
-                    f"{self.token_scale} to {token_scale}; give a count ('tokens') or {fix}",
-                )
-        for s in self.sessions:
-            for i, t in enumerate(s.turns):
-                if t.input_ids is not None:
-                    raise _error(
-                        self.path,
-                        s.line,
-                        f"turns[{i}].input_ids",
-                        f"explicit ids cannot be rescaled from the trace's token_scale "
-                        f"{self.token_scale} to {token_scale}; give a count ('input') or {fix}",
-                    )
 
 
 def run_token_scale(trace: Trace, given: int | None, default: int) -> tuple[int, str | None]:
@@ -151,39 +79,35 @@ def run_token_scale(trace: Trace, given: int | None, default: int) -> tuple[int,
     )
 
 
-def _error(path: str, line: int, field: str, message: str) -> WorkloadError:
-    return WorkloadError(f"{path}:{line}: {field}: {message}")
-
-
 def _int(path: str, line: int, field: str, value: Any, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise _error(path, line, field, f"expected an integer (got {value!r})")
+        raise trace_error(path, line, field, f"expected an integer (got {value!r})")
     if value < minimum:
-        raise _error(path, line, field, f"must be >= {minimum} (got {value})")
+        raise trace_error(path, line, field, f"must be >= {minimum} (got {value})")
     return value
 
 
 def _ids(path: str, line: int, field: str, value: Any) -> tuple[int, ...]:
     if not isinstance(value, list):
-        raise _error(
+        raise trace_error(
             path, line, field, f"expected a list of token ids (got {type(value).__name__})"
         )
     for j, t in enumerate(value):
         if isinstance(t, bool) or not isinstance(t, int) or t < 0:
-            raise _error(path, line, f"{field}[{j}]", f"expected a token id >= 0 (got {t!r})")
+            raise trace_error(path, line, f"{field}[{j}]", f"expected a token id >= 0 (got {t!r})")
     return tuple(value)
 
 
 def _str(path: str, line: int, field: str, value: Any) -> str:
     if not isinstance(value, str) or not value:
-        raise _error(path, line, field, f"expected a non-empty string (got {value!r})")
+        raise trace_error(path, line, field, f"expected a non-empty string (got {value!r})")
     return value
 
 
 def _unknown(path: str, line: int, obj: Mapping[str, Any], allowed: set[str], what: str) -> None:
     extra = sorted(set(obj) - allowed)
     if extra:
-        raise _error(
+        raise trace_error(
             path, line, extra[0], f"unknown field in a {what} (allowed: {sorted(allowed)})"
         )
 
@@ -191,17 +115,17 @@ def _unknown(path: str, line: int, obj: Mapping[str, Any], allowed: set[str], wh
 def _turn(path: str, line: int, i: int, obj: Any) -> TraceTurn:
     where = f"turns[{i}]"
     if not isinstance(obj, dict):
-        raise _error(path, line, where, "expected an object")
+        raise trace_error(path, line, where, "expected an object")
     _unknown(path, line, obj, _TURN_KEYS, "turn")
     has_count, has_ids = "input" in obj, "input_ids" in obj
     if has_count == has_ids:
-        raise _error(
+        raise trace_error(
             path, line, f"{where}.input", "give exactly one of 'input' (a count) or 'input_ids'"
         )
     ids = _ids(path, line, f"{where}.input_ids", obj["input_ids"]) if has_ids else None
     count = len(ids) if ids is not None else _int(path, line, f"{where}.input", obj["input"], 0)
     if "output" not in obj:
-        raise _error(path, line, f"{where}.output", "missing (the turn's output length)")
+        raise trace_error(path, line, f"{where}.output", "missing (the turn's output length)")
     output = _int(path, line, f"{where}.output", obj["output"], 1)
     latency = obj.get("tool_latency_s", 0.0)
     if (
@@ -210,7 +134,7 @@ def _turn(path: str, line: int, i: int, obj: Any) -> TraceTurn:
         or not math.isfinite(latency)
         or latency < 0
     ):
-        raise _error(
+        raise trace_error(
             path, line, f"{where}.tool_latency_s", f"expected seconds >= 0 (got {latency!r})"
         )
     return TraceTurn(count, ids, output, float(latency))
@@ -220,9 +144,9 @@ def _json_line(path: str, line_no: int, raw: str) -> dict[str, Any]:
     try:
         obj = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
-        raise _error(path, line_no, "json", f"not valid JSON ({exc})") from None
+        raise trace_error(path, line_no, "json", f"not valid JSON ({exc})") from None
     if not isinstance(obj, dict):
-        raise _error(path, line_no, "json", "expected a JSON object per line")
+        raise trace_error(path, line_no, "json", "expected a JSON object per line")
     return obj
 
 
@@ -230,7 +154,7 @@ def _header(path: str, line_no: int, obj: dict[str, Any]) -> dict[str, Any]:
     """The checked header line (the caller checks that it is the first)."""
     _unknown(path, line_no, obj, _HEADER_KEYS, "header")
     if obj["kvproxy_trace"] != TRACE_VERSION:
-        raise _error(
+        raise trace_error(
             path,
             line_no,
             "kvproxy_trace",
@@ -256,18 +180,20 @@ def _prefix(
     _unknown(path, line_no, obj, _PREFIX_KEYS, "prefix")
     name = _str(path, line_no, "prefix", obj["prefix"])
     if name in prefixes:
-        raise _error(
+        raise trace_error(
             path,
             line_no,
             "prefix",
             f"prefix {name!r} is already declared on line {prefixes[name].line}",
         )
     if ("tokens" in obj) == ("ids" in obj):
-        raise _error(path, line_no, "tokens", "give exactly one of 'tokens' (a count) or 'ids'")
+        raise trace_error(
+            path, line_no, "tokens", "give exactly one of 'tokens' (a count) or 'ids'"
+        )
     ids = _ids(path, line_no, "ids", obj["ids"]) if "ids" in obj else None
     count = len(ids) if ids is not None else _int(path, line_no, "tokens", obj["tokens"], 1)
     if len(prefixes) >= MAX_PREFIXES:
-        raise _error(path, line_no, "prefix", f"more than {MAX_PREFIXES} prefixes")
+        raise trace_error(path, line_no, "prefix", f"more than {MAX_PREFIXES} prefixes")
     return TracePrefix(name, line_no, count, ids)
 
 
@@ -287,10 +213,10 @@ def _session(
     _unknown(path, line_no, obj, _SESSION_KEYS, "session")
     name = _str(path, line_no, "session", obj["session"])
     if name in names:
-        raise _error(path, line_no, "session", f"duplicate session {name!r}")
+        raise trace_error(path, line_no, "session", f"duplicate session {name!r}")
     prefix = _optional_str(path, line_no, obj, "prefix")
     if prefix is not None and prefix not in prefixes:
-        raise _error(
+        raise trace_error(
             path,
             line_no,
             "prefix",
@@ -299,12 +225,12 @@ def _session(
     group = _optional_str(path, line_no, obj, "group")
     turns_raw = obj.get("turns")
     if not isinstance(turns_raw, list) or not turns_raw:
-        raise _error(path, line_no, "turns", "expected a non-empty list of turns")
+        raise trace_error(path, line_no, "turns", "expected a non-empty list of turns")
     if len(turns_raw) > MAX_TURNS_PER_SESSION:
-        raise _error(path, line_no, "turns", f"more than {MAX_TURNS_PER_SESSION} turns")
+        raise trace_error(path, line_no, "turns", f"more than {MAX_TURNS_PER_SESSION} turns")
     turns = tuple(_turn(path, line_no, i, t) for i, t in enumerate(turns_raw))
     if prefix is None and turns[0].input_tokens == 0:
-        raise _error(
+        raise trace_error(
             path, line_no, "turns[0].input", "the first prompt is empty (no prefix, no input)"
         )
     return TraceSession(line_no, name, prefix, group, turns)
@@ -323,19 +249,23 @@ def parse_trace(text: str, path: str = "<trace>") -> Trace:
         obj = _json_line(path, line_no, raw)
         if "kvproxy_trace" in obj:
             if seen_object:
-                raise _error(path, line_no, "kvproxy_trace", "the header must be the first line")
+                raise trace_error(
+                    path, line_no, "kvproxy_trace", "the header must be the first line"
+                )
             header = _header(path, line_no, obj)
         elif "prefix" in obj and "session" not in obj:
             p = _prefix(path, line_no, obj, prefixes)
             prefixes[p.name] = p
         elif "session" not in obj:
-            raise _error(
+            raise trace_error(
                 path, line_no, "session", "missing (a line is a header, a prefix or a session)"
             )
         else:
             session = _session(path, line_no, obj, prefixes, names)
             if len(sessions) >= MAX_TRACE_SESSIONS:
-                raise _error(path, line_no, "session", f"more than {MAX_TRACE_SESSIONS} sessions")
+                raise trace_error(
+                    path, line_no, "session", f"more than {MAX_TRACE_SESSIONS} sessions"
+                )
             names.add(session.name)
             sessions.append(session)
         seen_object = True

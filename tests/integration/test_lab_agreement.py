@@ -24,8 +24,9 @@ from kvlab import stack
 from kvlab.demo import sim_overrun_s
 from kvlab.lab.runner import LabConfig, run_lab
 from kvlab.workload.driver import HttpTransport, scrape_engine
+from kvlab.workload.model import WorkloadResult
 from kvlab.workload.report import summarize
-from kvlab.workload.runner import WorkloadResult, run_workload
+from kvlab.workload.runner import run_workload
 from kvlab.workload.spec import workload_spec
 from kvproxy.app import create_app
 from kvproxy.config import from_mapping

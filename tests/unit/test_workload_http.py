@@ -15,16 +15,17 @@ from aiohttp import web
 from kvlab.workload import legacy
 from kvlab.workload.driver import HttpRun, HttpTransport, nvext_for, parse_sets
 from kvlab.workload.legacy import WorkloadConfig, run_legacy
-from kvlab.workload.plan import session_plans
-from kvlab.workload.report import percentile, summarize
-from kvlab.workload.runner import (
+from kvlab.workload.model import (
     SessionRecord,
     TurnRecord,
+    WorkloadError,
     WorkloadResult,
     context_after_turn,
     recomputed_tokens,
 )
-from kvlab.workload.spec import WorkloadError, workload_spec
+from kvlab.workload.plan import session_plans
+from kvlab.workload.report import percentile, summarize
+from kvlab.workload.spec import workload_spec
 from kvlab.workload.wire import (
     ADMISSION_WAIT_HEADER,
     ROUTING_KEY_HEADER,

@@ -9,8 +9,9 @@ import statistics
 import pytest
 
 from kvlab.workload import PRESETS, WorkloadError, percentile, session_plans, workload_spec
-from kvlab.workload.plan import SessionPlan, draw_tokens, stochastic_round
-from kvlab.workload.spec import Dist, lognormal, override_names
+from kvlab.workload.draw import draw_tokens, stochastic_round
+from kvlab.workload.model import Dist, SessionPlan, lognormal
+from kvlab.workload.spec import override_names
 
 
 def _plans(name: str, n: int, k: int = 16, seed: int = 0, **over: object) -> list[SessionPlan]:
