@@ -6,8 +6,8 @@ import uuid
 
 from aiohttp import web
 
-from kvlab.sim.parse import BadRequest, parse_int, parse_str, read_json
-from kvlab.sim.responses import error_response, json_response
+from kvlab.sim.httpio import error_response, json_response, read_json
+from kvlab.sim.parse import BadRequest, parse_int, parse_str
 from kvlab.sim.scheduler import SimError
 from kvlab.sim.state import SIM_STATE
 

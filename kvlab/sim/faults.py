@@ -15,8 +15,8 @@ from typing import Any
 from aiohttp import web
 
 from kvlab.sim.config import FaultConfig, validate_faults
-from kvlab.sim.parse import BadRequest, read_json
-from kvlab.sim.responses import error_response, json_response, validation_error_response
+from kvlab.sim.httpio import error_response, json_response, read_json, validation_error_response
+from kvlab.sim.parse import BadRequest
 from kvlab.sim.state import SIM_STATE
 
 DATA_PLANE = frozenset({"/generate", "/v1/chat/completions", "/v1/completions"})

@@ -14,21 +14,10 @@ from typing import Any
 
 from aiohttp import web
 
-from kvlab.sim.parse import (
-    ParsedRequest,
-    parse_generate,
-    parse_openai,
-    read_json,
-    scheduler_request,
-)
+from kvlab.sim.httpio import error_response, json_response, read_json
+from kvlab.sim.parse import ParsedRequest, parse_generate, parse_openai, scheduler_request
 from kvlab.sim.rank import Rank, Waiter
-from kvlab.sim.responses import (
-    OpenAIChunks,
-    error_response,
-    generate_body,
-    json_response,
-    openai_body,
-)
+from kvlab.sim.responses import OpenAIChunks, generate_body, openai_body
 from kvlab.sim.scheduler import SimError
 from kvlab.sim.state import SIM_STATE, SimState
 from kvlab.sim.streaming import stream, stream_error

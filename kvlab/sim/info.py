@@ -9,8 +9,9 @@ from typing import Any
 from aiohttp import web
 
 from kvlab.sim.faults import faults_json
+from kvlab.sim.httpio import json_response
 from kvlab.sim.metrics import GARBAGE_METRICS, render_metrics
-from kvlab.sim.responses import SGLANG_VERSION, cache_policy_info, json_response
+from kvlab.sim.responses import SGLANG_VERSION, cache_policy_info
 from kvlab.sim.scheduler import State
 from kvlab.sim.state import SIM_STATE, SimState
 

@@ -1,6 +1,7 @@
 """Wire body to scheduler request: what the simulated engine accepts, and how.
 
-Pure (no I/O) except :func:`read_json`. :func:`parse_generate` (SGLang's
+Pure (no I/O; reading a request is :func:`kvlab.sim.httpio.read_json`'s).
+:func:`parse_json_object` decodes a body, :func:`parse_generate` (SGLang's
 ``/generate``) and :func:`parse_openai` (``/v1/chat/completions``, ``/v1/completions``)
 turn a JSON body into a :class:`ParsedRequest`, raising :class:`BadRequest` with
 SGLang's message for what it rejects; :func:`scheduler_request` turns that into the
@@ -17,7 +18,6 @@ from dataclasses import dataclass
 from typing import Any, TypedDict
 
 import orjson
-from aiohttp import web
 
 from kvlab.sim import tokenizer
 from kvlab.sim.scheduler import SimRequest
@@ -33,9 +33,8 @@ class BadRequest(Exception):
         self.validation = validation
 
 
-async def read_json(request: web.Request) -> dict[str, Any]:
-    """The request's JSON object (``{}`` for an empty body)."""
-    raw = await request.read()
+def parse_json_object(raw: bytes) -> dict[str, Any]:
+    """A request body's JSON object (``{}`` for an empty body)."""
     if not raw:
         return {}
     try:

@@ -1,15 +1,13 @@
 """Response bodies of the simulated engine, as SGLang 0.5.23 writes them.
 
 Pure functions of a finished (or streaming) request: ``/generate``'s ``meta_info``,
-the OpenAI objects and chunks, and the JSON/error responses every handler returns.
+the OpenAI objects and chunks, and SGLang's error bodies. The shell
+(:mod:`kvlab.sim.httpio`) turns them into HTTP responses.
 """
 
 from __future__ import annotations
 
 from typing import Any
-
-import orjson
-from aiohttp import web
 
 from kvlab.sim import tokenizer
 from kvlab.sim.config import SchedulerConfig
@@ -32,21 +30,20 @@ def cache_policy_info(cfg: SchedulerConfig) -> dict[str, Any]:
     }
 
 
-def json_response(data: Any, status: int = 200) -> web.Response:
-    return web.Response(body=orjson.dumps(data), status=status, content_type="application/json")
-
-
-def error_response(message: str, status: int = 400) -> web.Response:
+def error_body(message: str) -> dict[str, Any]:
     """SGLang's ``_create_error_response``: ``{"error": {"message": ...}}``."""
-    return json_response({"error": {"message": message}}, status)
+    return {"error": {"message": message}}
 
 
-def validation_error_response(message: str) -> web.Response:
-    """SGLang's handler for request-validation errors (HTTP 400)."""
-    return json_response(
-        {"object": "error", "message": message, "type": "Bad Request", "param": None, "code": 400},
-        400,
-    )
+def validation_error_body(message: str) -> dict[str, Any]:
+    """SGLang's body for request-validation errors (HTTP 400)."""
+    return {
+        "object": "error",
+        "message": message,
+        "type": "Bad Request",
+        "param": None,
+        "code": 400,
+    }
 
 
 def fake_logprob(token_id: int) -> float:

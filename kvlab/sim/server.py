@@ -5,7 +5,8 @@ The pure core (``kvlab.sim.scheduler`` and ``kvlab.sim.kvcache``) does all the
 bookkeeping. Around it, by concern:
 
 - ``kvlab.sim.parse``: wire body to scheduler request (shared with the lab);
-- ``kvlab.sim.responses``: response bodies (``meta_info``, OpenAI objects);
+- ``kvlab.sim.responses``: response bodies (``meta_info``, OpenAI objects, errors);
+- ``kvlab.sim.httpio``: reading a JSON body, writing JSON and error responses;
 - ``kvlab.sim.rank``: one DP rank's scheduler loop and simulated clock;
 - ``kvlab.sim.state``: what the handlers share (:data:`SIM_STATE`);
 - ``kvlab.sim.handlers``: the data plane; ``kvlab.sim.streaming``: its SSE;

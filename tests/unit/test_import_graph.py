@@ -225,6 +225,8 @@ PURE_MODULES = [
     "kvproxy.admission.reservation",
     "kvproxy.admission.ledger",
     "kvlab.sim.histogram",
+    "kvlab.sim.parse",
+    "kvlab.sim.responses",
     "kvlab.workload.model",
     "kvlab.workload.draw",
     "kvlab.workload.spec",
