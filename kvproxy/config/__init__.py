@@ -14,6 +14,14 @@ and a comment) and its validator: :mod:`~kvproxy.config.server`,
 together (:class:`Config`, :func:`validate`), :mod:`~kvproxy.config.loading` reads
 YAML into them, :mod:`~kvproxy.config.overrides` applies the CLI flags. Everything is
 imported from here (``from kvproxy.config import ...``).
+
+Adding a key: a field with its default and a comment in its section's dataclass, its
+range in that module's validator (checked only when the feature is enabled), and a line
+in ``configs/kvproxy.yaml`` and a row in ``docs/configuration.md`` (a test,
+tests/unit/test_config_reference.py, fails until both state the default). A program
+admission key is also a field of :class:`~kvproxy.admission.params.ProgramParams`
+(default ``_D.<key>``) and a line of its ``from_config`` (times the time scale when it
+is a duration).
 """
 
 from __future__ import annotations
