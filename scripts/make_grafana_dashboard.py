@@ -29,7 +29,7 @@ DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
 INSTANCE = 'instance=~"$instance"'
 RATE_WINDOW = "1m"
 GRID_WIDTH = 24
-# Default of admission.pressure_threshold (kvproxy/config.py).
+# Default of admission.pressure_threshold (kvproxy/config/admission.py).
 PRESSURE_THRESHOLD = 0.92
 
 A = "agentic_kv_admission_"

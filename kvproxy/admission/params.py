@@ -3,6 +3,12 @@
 Built from :class:`~kvproxy.config.AdmissionConfig` and ``server.time_scale``: every
 duration is multiplied by the time scale (wall seconds per simulated second), so a
 run against engines simulated faster than real time keeps the same dynamics.
+
+The defaults are not written here: a parameter that is a config key takes its default
+from :class:`~kvproxy.config.AdmissionConfig` (``ProgramParams()`` is
+``ProgramParams.from_config(AdmissionConfig())``); only the controller's own constants
+(``target_cut``, ``target_step``, ``quiet_windows``, ``min_feedback_turns``,
+``growth_alpha``) are set here.
 """
 
 from __future__ import annotations
@@ -12,55 +18,58 @@ from dataclasses import dataclass
 from kvproxy.admission.engagement import EngageRule
 from kvproxy.config import AdmissionConfig
 
+# The one place program admission's defaults are written (kvproxy/config/admission.py).
+_D = AdmissionConfig()
+
 
 @dataclass(frozen=True, slots=True)
 class ProgramParams:
-    headroom: float = 0.90
-    hold_continuing: bool = False
-    pause: bool = True
-    paused_max_wait_s: float = 30.0
-    new_session_max_wait_s: float = 1800.0
-    priority_steering: bool = False
-    priority_unit_tokens: int = 4096
-    priority_max: int = 9
-    feedback: bool = True
-    tick_s: float = 1.0
-    idle_lease_s: float = 5.0
-    idle_half_life_s: float = 10.0
-    idle_ttl_s: float = 600.0
-    pause_high: float = 0.95
-    pause_low: float = 0.85
-    target_start: float = 0.92
-    target_min: float = 0.60
-    target_max: float = 0.95
+    headroom: float = _D.headroom
+    hold_continuing: bool = _D.hold_continuing
+    pause: bool = _D.pause
+    paused_max_wait_s: float = _D.paused_max_wait_s
+    new_session_max_wait_s: float = _D.new_session_max_wait_s
+    priority_steering: bool = _D.priority_steering
+    priority_unit_tokens: int = _D.priority_unit_tokens
+    priority_max: int = _D.priority_max
+    feedback: bool = _D.feedback
+    tick_s: float = _D.tick_s
+    idle_lease_s: float = _D.idle_lease_s
+    idle_half_life_s: float = _D.idle_half_life_s
+    idle_ttl_s: float = _D.idle_ttl_s
+    pause_high: float = _D.pause_high
+    pause_low: float = _D.pause_low
+    target_start: float = _D.target_start
+    target_min: float = _D.target_min
+    target_max: float = _D.target_max
     target_cut: float = 0.8  # multiplicative decrease on thrash
     target_step: float = 0.02  # additive increase after quiet windows
     quiet_windows: int = 3
-    gate_off_below: float = 0.75
-    thrash_cached_fraction: float = 0.85
+    gate_off_below: float = _D.gate_off_below
+    thrash_cached_fraction: float = _D.thrash_cached_fraction
     min_feedback_turns: int = 3  # continuing turns a window needs to judge its cached fraction
-    feedback_window_s: float = 5.0
-    cut_interval_s: float = 10.0  # at most one cut per this long
-    session_buffer_tokens: int = 100
+    feedback_window_s: float = _D.feedback_window_s
+    cut_interval_s: float = 2 * _D.feedback_window_s  # at most one cut per this long
+    session_buffer_tokens: int = _D.session_buffer_tokens
     growth_alpha: float = 0.5  # EMA weight of the newest per-turn growth
     # Growth-aware admission of new sessions (docs/admission.md#growth-aware-admission-of-new-sessions).
-    growth_reservation: bool = True
-    growth_target: float = 0.92
-    growth_quantile: float = 0.25
-    growth_window: int = 256
-    growth_min_closed: int = 16
-    growth_horizon_turns: float = 16.0
+    growth_reservation: bool = _D.growth_reservation
+    growth_target: float = _D.growth_target
+    growth_quantile: float = _D.growth_quantile
+    growth_window: int = _D.growth_window
+    growth_min_closed: int = _D.growth_min_closed
+    growth_horizon_turns: float = _D.growth_horizon_turns
     # Hold only where holding is measured to pay (kvproxy.admission.engagement).
-    engage_on_thrash: bool = True
-    engage_cost: float = 0.4
-    engage_busy: float = 0.75
-    decode_token_weight: float = 16.0
-    release_busy: float = 0.5
-    engage_windows: int = 2
-    release_windows: int = 6
-    staleness_s: float = 6.0
-    max_queue: int = 10_000
-    max_sessions: int = 100_000
+    engage_on_thrash: bool = _D.engage_on_thrash
+    engage_cost: float = _D.engage_cost
+    engage_busy: float = _D.engage_busy
+    decode_token_weight: float = _D.decode_token_weight
+    release_busy: float = _D.release_busy
+    engage_windows: int = _D.engage_windows
+    release_windows: int = _D.release_windows
+    staleness_s: float = _D.effective_staleness_s
+    max_queue: int = _D.max_queue
+    max_sessions: int = _D.max_sessions
 
     @property
     def engage_rule(self) -> EngageRule:

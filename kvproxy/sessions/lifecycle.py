@@ -16,6 +16,11 @@ wraps each intercepted request of a session in :meth:`SessionManager.track` and 
 One task per session runs the sequence; concurrent and repeated closes await that
 task (shielded, so a caller that goes away does not cancel it). Engine failures are
 counted and logged (rate-limited), never raised.
+
+The shell: its pure parts are :mod:`kvproxy.sessions.lifecycle_core` (close results,
+the health view, task plans, the warning throttle) and
+:mod:`kvproxy.sessions.lifecycle_metrics` (metric names, gauges); the request handle is
+:mod:`kvproxy.sessions.tracked`. Their public names are importable from here too.
 """
 
 from __future__ import annotations
@@ -24,333 +29,98 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import (
-    Awaitable,
-    Callable,
-    Coroutine,
-    Iterator,
-    Mapping,
-    Sequence,
-)
+from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
-from dataclasses import dataclass, field
-from types import TracebackType
-from typing import Any, ClassVar, TypeVar
+from typing import Any
 
 import aiohttp
 from prometheus_client.core import Metric
 
 from kvproxy.config import SessionLifecycleConfig
-from kvproxy.fleet.discovery import base_url
 from kvproxy.fleet.engine_info import EngineSessionMode, mode_warnings, probe
 from kvproxy.fleet.fanout import post_to_all
 from kvproxy.observability import WindowedCounters, counter_families, gauge_families
 from kvproxy.sessions.identity import SKIP_SESSION_PARAMS, InjectionPlan
+from kvproxy.sessions.lifecycle_core import (
+    CloseResult,
+    SessionClosed,
+    SessionsHealth,
+    WarnThrottle,
+    base_urls,
+    check_delays,
+    reap_interval_s,
+    reconfigure_plan,
+    sessions_health,
+    wants_checker,
+    wants_reaper,
+)
+from kvproxy.sessions.lifecycle_metrics import (
+    ABORT_FAILURE,
+    ABORTED_REQUESTS,
+    CLOSE,
+    CLOSE_FAILURE,
+    CLOSED_FINAL,
+    CLOSED_IDLE,
+    CLOSED_REMEMBERED,
+    CLOSING,
+    COUNTER_HELP,
+    DISCONNECT_ABORTS,
+    EVICTED,
+    FORWARDED_REQUESTS,
+    GAUGE_HELP,
+    INJECTED,
+    INJECTION_SKIPPED,
+    LIFECYCLE_ENABLED,
+    OPEN,
+    QUEUED_REQUESTS,
+    REJECTED_CLOSING,
+    REJECTED_QUEUED,
+    REOPENED,
+    STARTED,
+    table_gauges,
+)
 from kvproxy.sessions.table import CloseStatus, SessionTable
+from kvproxy.sessions.tracked import TrackedRequest, Tracking
+
+# Names the proxy, the admin views and the tests import from here.
+__all__ = [
+    "ABORTED_REQUESTS",
+    "ABORT_FAILURE",
+    "CLOSE",
+    "CLOSED_FINAL",
+    "CLOSED_IDLE",
+    "CLOSED_REMEMBERED",
+    "CLOSE_FAILURE",
+    "CLOSING",
+    "COUNTER_HELP",
+    "DISCONNECT_ABORTS",
+    "EVICTED",
+    "FORWARDED_REQUESTS",
+    "GAUGE_HELP",
+    "INJECTED",
+    "INJECTION_SKIPPED",
+    "LIFECYCLE_ENABLED",
+    "OPEN",
+    "QUEUED_REQUESTS",
+    "REJECTED_CLOSING",
+    "REJECTED_QUEUED",
+    "REOPENED",
+    "STARTED",
+    "CloseResult",
+    "SessionClosed",
+    "SessionManager",
+    "SessionsHealth",
+    "TrackedRequest",
+]
 
 log = logging.getLogger(__name__)
 
-T = TypeVar("T")
-
-_P = "agentic_kv/session/"
-LIFECYCLE_ENABLED = _P + "lifecycle_enabled"
-# Counters (window semantics in /kvproxy/stats; cumulative *_total in /metrics).
-CLOSE = _P + "close"
-CLOSE_FAILURE = _P + "close_failure"
-CLOSED_IDLE = _P + "closed_idle"
-CLOSED_FINAL = _P + "closed_final"
-STARTED = _P + "started"
-REOPENED = _P + "reopened"
-EVICTED = _P + "evicted"
-ABORTED_REQUESTS = _P + "aborted_requests"
-ABORT_FAILURE = _P + "abort_failure"
-DISCONNECT_ABORTS = _P + "disconnect_aborts"
-REJECTED_QUEUED = _P + "rejected_queued"
-REJECTED_CLOSING = _P + "rejected_closing"
-INJECTED = _P + "injected"
-INJECTION_SKIPPED = _P + "injection_skipped"
-# Gauges.
-OPEN = _P + "open"
-CLOSING = _P + "closing"
-CLOSED_REMEMBERED = _P + "closed_remembered"
-QUEUED_REQUESTS = _P + "queued_requests"
-FORWARDED_REQUESTS = _P + "forwarded_requests"
-
-COUNTER_HELP: dict[str, str] = {
-    CLOSE: "Session closes run (fan-out of /close_session to every engine).",
-    CLOSE_FAILURE: "Session closes where at least one engine failed or timed out.",
-    CLOSED_IDLE: "Sessions closed by the idle timeout.",
-    CLOSED_FINAL: "Sessions closed after a request marked as the final turn.",
-    STARTED: "Sessions started (first request of an id, or of an id closed earlier).",
-    REOPENED: "Sessions started with the id of a session closed earlier.",
-    EVICTED: "Idle sessions forgotten (not closed) to keep the session table bounded.",
-    ABORTED_REQUESTS: "Forwarded requests aborted on the engines (close or client disconnect).",
-    ABORT_FAILURE: "Abort fan-outs where at least one engine failed or timed out.",
-    DISCONNECT_ABORTS: "Forwarded requests aborted because the client disconnected.",
-    REJECTED_QUEUED: "Requests queued in the proxy answered session_closed by a close.",
-    REJECTED_CLOSING: "Requests that arrived for a session while it was closing.",
-    INJECTED: "Requests given a top-level session_id.",
-    INJECTION_SKIPPED: "Requests of a session not given a session_id (they carry session_params).",
-}
-GAUGE_HELP: dict[str, str] = {
-    LIFECYCLE_ENABLED: "1 when session lifecycle is enabled.",
-    OPEN: "Open sessions in the session table.",
-    CLOSING: "Sessions whose close is in progress.",
-    CLOSED_REMEMBERED: "Closed session ids remembered (tombstones).",
-    QUEUED_REQUESTS: "Requests of a session queued in the proxy.",
-    FORWARDED_REQUESTS: "Requests of a session forwarded upstream and not finished.",
-}
-
 # Start-up check of the engines' session mode.
 _PROBE_TIMEOUT_S = 5.0
-_CHECK_ROUNDS = 12
-_CHECK_FIRST_DELAY_S = 0.5
-_CHECK_MAX_DELAY_S = 30.0
+_CHECK_DELAYS_S = check_delays(rounds=12, first_s=0.5, max_s=30.0)
 # At most one WARNING per (engine, operation) in this many seconds.
 _WARN_INTERVAL_S = 30.0
 _WARN_KEYS_MAX = 1024
-
-
-class SessionClosed(Exception):
-    """The request's session is closing or closed; it is not forwarded (HTTP 409)."""
-
-    error_type: ClassVar[str] = "session_closed"
-
-    def __init__(self, session_id: str, message: str | None = None) -> None:
-        self.session_id = session_id
-        super().__init__(
-            message or f"session {session_id!r} is closing; the request was not forwarded"
-        )
-
-    def to_json(self) -> dict[str, Any]:
-        return {"error": {"type": self.error_type, "message": str(self)}}
-
-
-@dataclass(slots=True)
-class CloseResult:
-    session_id: str
-    engines_told: int = 0  # engines that answered /close_session with 2xx
-    engines_failed: int = 0  # engines that did not (error, non-2xx, timeout)
-    aborted: int = 0  # forwarded requests aborted on the engines
-    awaited: int = 0  # forwarded requests that finished on their own (on_close=wait)
-    rejected_queued: int = 0  # requests queued in the proxy answered session_closed
-    already_closed: bool = False  # closed earlier: nothing was sent
-    reason: str = ""
-    failures: dict[str, str] = field(default_factory=dict)  # engine url -> error
-    note: str | None = None
-
-    def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {
-            "session_id": self.session_id,
-            "engines_told": self.engines_told,
-            "engines_failed": self.engines_failed,
-            "aborted": self.aborted,
-            "awaited": self.awaited,
-            "rejected_queued": self.rejected_queued,
-            "already_closed": self.already_closed,
-            "reason": self.reason,
-        }
-        if self.failures:
-            out["failures"] = dict(self.failures)
-        if self.note:
-            out["note"] = self.note
-        return out
-
-
-class TrackedRequest:
-    """One request of a session, from entering the proxy until it leaves."""
-
-    __slots__ = (
-        "_abort_sent",
-        "_finished",
-        "_forwarded",
-        "_left",
-        "_manager",
-        "_rejected",
-        "_rejection",
-        "abort_rids",
-        "close_after",
-        "rid",
-        "session_id",
-        "token",
-    )
-
-    def __init__(
-        self,
-        manager: SessionManager,
-        session_id: str,
-        token: int,
-        rid: str,
-        abort_rids: tuple[str, ...],
-        close_after: bool,
-    ) -> None:
-        self._manager = manager
-        self.session_id = session_id
-        self.token = token
-        self.rid = rid
-        self.abort_rids = abort_rids
-        self.close_after = close_after
-        self._forwarded = False
-        self._rejected = False
-        self._abort_sent = False
-        self._rejection: asyncio.Future[None] | None = None
-        self._left = False  # it has left the proxy (SessionManager.leave)
-        # Made only when a close waits for the request to leave: not on every request.
-        self._finished: asyncio.Future[None] | None = None
-
-    @property
-    def is_forwarded(self) -> bool:
-        return self._forwarded
-
-    @property
-    def rejected(self) -> bool:
-        return self._rejected
-
-    async def until_forwarded(self, aw: Awaitable[T]) -> T:
-        """Await ``aw`` (e.g. the admission wait) unless the session starts closing first.
-
-        If the close comes first, ``aw`` is cancelled and :class:`SessionClosed` is
-        raised. If ``aw`` has completed, its result is returned even when a close has
-        just begun (a granted lease is not lost); :meth:`forwarded` then raises.
-        """
-        if self._rejected:
-            _discard(aw)
-            raise SessionClosed(self.session_id)
-        task = asyncio.ensure_future(aw)
-        if self._rejection is None:
-            self._rejection = asyncio.get_running_loop().create_future()
-        rejection = self._rejection
-        try:
-            await asyncio.wait((task, rejection), return_when=asyncio.FIRST_COMPLETED)
-        except asyncio.CancelledError:
-            task.cancel()
-            with contextlib.suppress(BaseException):
-                await task
-            raise
-        if task.done():
-            return task.result()
-        task.cancel()
-        with contextlib.suppress(BaseException):
-            await task
-        raise SessionClosed(self.session_id)
-
-    def forwarded(self) -> None:
-        """The request is about to go upstream with its rid.
-
-        Raises :class:`SessionClosed` if the session started closing while the
-        request was queued (it must not reach the engines after the close began).
-        """
-        if self._rejected:
-            raise SessionClosed(self.session_id)
-        if self._forwarded:
-            return
-        self._forwarded = True
-        self._manager._mark_forwarded(self)
-
-    def disconnected(self) -> None:
-        """The client went away. If forwarded, abort the request on every engine.
-
-        Fire-and-forget (bounded by close_timeout_s); idempotent.
-        """
-        if not self._forwarded or self._abort_sent or self._left:
-            return
-        self._abort_sent = True
-        self._manager._abort_on_disconnect(self)
-
-    def _until_left(self) -> asyncio.Future[None]:
-        """A future done once the request has left the proxy."""
-        if self._finished is None:
-            self._finished = asyncio.get_running_loop().create_future()
-            if self._left:
-                self._finished.set_result(None)
-        return self._finished
-
-    def _reject(self) -> None:
-        self._rejected = True
-        if self._rejection is not None and not self._rejection.done():
-            self._rejection.set_result(None)
-
-
-def _discard(aw: Awaitable[Any]) -> None:
-    """Dispose of an awaitable that will never be awaited."""
-    if asyncio.iscoroutine(aw):
-        aw.close()
-    elif isinstance(aw, asyncio.Future):
-        aw.cancel()
-
-
-def _base_urls(urls: Sequence[str]) -> list[str]:
-    out: dict[str, None] = {}
-    for url in urls:
-        base = base_url(url)
-        if base:
-            out.setdefault(base, None)
-    return list(out)
-
-
-@dataclass(frozen=True, slots=True)
-class SessionsHealth:
-    """The session lifecycle at one moment, as ``GET /kvproxy/health`` shows it
-    (``sessions``); with the feature off only ``enabled`` is shown."""
-
-    enabled: bool
-    on_close: str = ""
-    sticky_routing: bool = False
-    idle_timeout_s: float | None = None
-    engine_check: str = ""
-    # Engine base URL -> its session mode document (or the error reading it).
-    engines: Mapping[str, Any] = field(default_factory=dict)
-    warnings: tuple[str, ...] = ()
-    open: int = 0
-    closing: int = 0
-
-    def to_json(self) -> dict[str, Any]:
-        if not self.enabled:
-            return {"enabled": False}
-        return {
-            "enabled": True,
-            "on_close": self.on_close,
-            "sticky_routing": self.sticky_routing,
-            "idle_timeout_s": self.idle_timeout_s,
-            "engine_check": self.engine_check,
-            "engines": dict(self.engines),
-            "warnings": list(self.warnings),
-            "open": self.open,
-            "closing": self.closing,
-        }
-
-
-class _Tracking(AbstractAsyncContextManager[TrackedRequest]):
-    """What :meth:`SessionManager.track` returns: a plain class, not a generator-based
-    context manager (it is entered on every request of a session)."""
-
-    __slots__ = ("_args", "_manager", "_req")
-
-    def __init__(
-        self,
-        manager: SessionManager,
-        session_id: str,
-        rid: str,
-        rids: tuple[str, ...],
-        close_after: bool,
-    ) -> None:
-        self._manager = manager
-        self._args = (session_id, rid, rids, close_after)
-        self._req: TrackedRequest | None = None
-
-    async def __aenter__(self) -> TrackedRequest:
-        self._req = self._manager.enter(*self._args)
-        return self._req
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        req, self._req = self._req, None
-        if req is not None:
-            self._manager.leave(req)
 
 
 class SessionManager:
@@ -388,7 +158,7 @@ class SessionManager:
         self._modes: dict[str, EngineSessionMode] = {}
         self._probe_errors: dict[str, str] = {}
         self._logged_warnings: set[str] = set()
-        self._warned_at: dict[tuple[str, str], tuple[float, int]] = {}
+        self._warnings = WarnThrottle(_WARN_INTERVAL_S, _WARN_KEYS_MAX)
 
     # -- configuration and background tasks -----------------------------------
 
@@ -428,23 +198,18 @@ class SessionManager:
         )
         if not self._started:
             return
-        restart_reaper = (old.enabled, old.idle_timeout_s) != (cfg.enabled, cfg.idle_timeout_s)
-        restart_checker = (
-            cfg.enabled and cfg.check_engines and not (old.enabled and old.check_engines)
-        )
-        if restart_reaper:
+        plan = reconfigure_plan(old, cfg)
+        if plan.stop_reaper:
             await self._stop_task("_reaper")
-        if not cfg.enabled or not cfg.check_engines:
+        if plan.stop_checker:
             await self._stop_task("_checker")
-        self._start_tasks(reaper=restart_reaper, checker=restart_checker)
+        self._start_tasks(reaper=plan.start_reaper, checker=plan.start_checker)
 
     def _start_tasks(self, *, reaper: bool, checker: bool) -> None:
         cfg = self._cfg
-        if not cfg.enabled:
-            return
-        if reaper and cfg.idle_timeout_s is not None and self._reaper is None:
+        if reaper and wants_reaper(cfg) and self._reaper is None:
             self._reaper = asyncio.create_task(self._reap_loop(), name="kvproxy-session-reaper")
-        if checker and cfg.check_engines and self._checker is None:
+        if checker and wants_checker(cfg) and self._checker is None:
             self._check_state = "pending"
             self._checker = asyncio.create_task(
                 self._check_loop(), name="kvproxy-session-engine-check"
@@ -460,7 +225,7 @@ class SessionManager:
 
     def _engines(self) -> list[str]:
         try:
-            return _base_urls(self._all_engines())
+            return base_urls(self._all_engines())
         except Exception:
             log.exception("listing engines failed")
             return []
@@ -502,7 +267,7 @@ class SessionManager:
         ``abort_rids`` (default ``(rid,)``) are the rids an abort must name.
         """
         rids = tuple(abort_rids) if abort_rids else (rid,)
-        return _Tracking(self, session_id, rid, rids, close_after)
+        return Tracking(self, session_id, rid, rids, close_after)
 
     def enter(
         self,
@@ -738,7 +503,7 @@ class SessionManager:
             idle = self._cfg.idle_timeout_s
             if idle is None or not self._cfg.enabled:
                 return
-            await asyncio.sleep(max(0.01, min(idle / 4.0, 5.0)))
+            await asyncio.sleep(reap_interval_s(idle))
             try:
                 self.reap_idle()
             except Exception:
@@ -770,9 +535,8 @@ class SessionManager:
         return bool(urls) and all(u in self._modes for u in urls)
 
     async def _check_loop(self) -> None:
-        delay = _CHECK_FIRST_DELAY_S
         try:
-            for _ in range(_CHECK_ROUNDS):
+            for delay in _CHECK_DELAYS_S:
                 try:
                     if await self.check_engines():
                         self._check_state = "done"
@@ -780,7 +544,6 @@ class SessionManager:
                 except Exception:
                     log.exception("engine session-mode check failed")
                 await asyncio.sleep(delay)
-                delay = min(delay * 2, _CHECK_MAX_DELAY_S)
             self._check_state = "incomplete"
             if self._probe_errors:
                 log.warning(
@@ -797,44 +560,21 @@ class SessionManager:
         cfg = self._cfg
         if not cfg.enabled:
             return SessionsHealth(enabled=False)
-        engines: dict[str, Any] = {u: m.to_json() for u, m in self._modes.items()}
-        for url, error in self._probe_errors.items():
-            if url not in engines:
-                engines[url] = {"mode": "unknown", "error": error}
-        if cfg.check_engines:
-            for url in self._engines():
-                engines.setdefault(url, {"mode": "unchecked"})
-        warnings = mode_warnings(list(self._modes.values()))
-        if self._check_state in ("done", "incomplete") and not self._modes:
-            warnings.append("no engine answered /server_info: session modes unknown")
-        elif self._probe_errors:
-            warnings.append(
-                f"{len(self._probe_errors)} engine(s) did not answer /server_info: "
-                "their session mode is unknown"
-            )
-        return SessionsHealth(
-            enabled=True,
-            on_close=cfg.on_close,
-            sticky_routing=cfg.sticky_routing,
-            idle_timeout_s=cfg.idle_timeout_s,
-            engine_check=self._check_state,
-            engines=engines,
-            warnings=tuple(warnings),
-            open=self._table.open_count,
-            closing=self._table.closing_count,
+        return sessions_health(
+            cfg,
+            mode_docs={u: m.to_json() for u, m in self._modes.items()},
+            mode_warnings=mode_warnings(list(self._modes.values())),
+            probe_errors=self._probe_errors,
+            engines=self._engines() if cfg.check_engines else (),
+            check_state=self._check_state,
+            open_count=self._table.open_count,
+            closing_count=self._table.closing_count,
         )
 
     # -- metrics ---------------------------------------------------------------
 
     def _gauges(self) -> dict[str, float]:
-        t = self._table
-        return {
-            OPEN: float(t.open_count),
-            CLOSING: float(t.closing_count),
-            CLOSED_REMEMBERED: float(t.closed_count),
-            QUEUED_REQUESTS: float(t.queued_count),
-            FORWARDED_REQUESTS: float(t.forwarded_count),
-        }
+        return table_gauges(self._table)
 
     def totals(self) -> Mapping[str, float]:
         """Cumulative counters since start (never reset by the stats window)."""
@@ -866,16 +606,9 @@ class SessionManager:
 
     def _warn_engine(self, url: str, operation: str, error: str) -> None:
         """WARNING about an engine failure, at most once per engine and operation per 30 s."""
-        now = time.monotonic()
-        key = (url, operation)
-        last = self._warned_at.get(key)
-        if last is not None and now - last[0] < _WARN_INTERVAL_S:
-            self._warned_at[key] = (last[0], last[1] + 1)
+        suppressed = self._warnings.admit((url, operation), time.monotonic())
+        if suppressed is None:
             return
-        suppressed = last[1] if last is not None else 0
-        if len(self._warned_at) >= _WARN_KEYS_MAX and key not in self._warned_at:
-            self._warned_at.clear()
-        self._warned_at[key] = (now, 0)
         log.warning(
             "session lifecycle: %s on engine %s failed: %s%s",
             operation,

@@ -522,6 +522,6 @@ def test_streaming_held_kv_counts_as_committed_and_never_decays() -> None:
 
 
 def test_program_params_defaults_are_the_configs_defaults() -> None:
-    # ProgramParams repeats AdmissionConfig's defaults (so the pure core can be built
-    # without a config); the two must never drift apart.
+    # ProgramParams takes its defaults from AdmissionConfig (so the pure core can be built
+    # without a config); from_config must carry every key over, unscaled at time scale 1.
     assert ProgramParams() == ProgramParams.from_config(AdmissionConfig())
