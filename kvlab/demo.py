@@ -397,6 +397,84 @@ def first_turn_wait_p99_s(result: Any, time_scale: float) -> float | None:
     return None if p99 is None else round(p99, 4)
 
 
+@dataclass(frozen=True)
+class _Stack:
+    """The processes of one run: engines, smg and kvproxy, with kvproxy's config."""
+
+    engine_urls: list[str]
+    proxy_url: str
+    proxy_config: dict[str, Any]
+
+
+def _start_stack(
+    variant: Variant,
+    scenario: Scenario,
+    *,
+    tag: str,
+    out_dir: Path,
+    log_dir: Path,
+    engine_ports: Sequence[int] | None,
+    track: Callable[[Any], Any],
+) -> _Stack:
+    """Start the engines (in parallel), smg over them and kvproxy over smg; ``track``
+    registers each process for stopping as soon as it is started."""
+    from kvlab import stack as stk
+
+    ts = scenario.time_scale
+    engine_extra = ["--enable-priority-scheduling", "--time-scale", f"{ts:g}"]
+    if scenario.record_requests:
+        engine_extra += ["--record-requests", str(scenario.record_requests)]
+    ports: Sequence[int | None] = engine_ports or [None] * scenario.engines
+
+    def engine_starter(port: int | None) -> Any:
+        return stk.start_sim_engine(
+            port=port,
+            max_total_tokens=scenario.pool(),
+            mode="session-radix",
+            eviction_policy="priority",
+            cost_model=scenario.cost_model,
+            token_scale=scenario.token_scale,
+            extra_args=engine_extra,
+            log_dir=log_dir,
+        )
+
+    starters = [functools.partial(engine_starter, port) for port in ports]
+    engines = [track(p) for p in _start_parallel(starters)]
+    engine_urls = [e.url for e in engines]
+    router = track(stk.start_router(engine_urls, policy=scenario.router_policy, log_dir=log_dir))
+    port = stk.free_port()
+    doc = proxy_config(
+        variant,
+        port=port,
+        router_url=router.url,
+        engine_urls=engine_urls,
+        router_policy=scenario.router_policy,
+        time_scale=ts,
+        token_scale=scenario.token_scale,
+    )
+    cfg_path = out_dir / f"kvproxy-{tag}.yaml"
+    _write_yaml(cfg_path, doc)
+    proxy = track(
+        stk.start_kvproxy(config_path=cfg_path, router_url=router.url, port=port, log_dir=log_dir)
+    )
+    return _Stack(engine_urls=engine_urls, proxy_url=proxy.url, proxy_config=doc)
+
+
+def _session_progress(tag: str, progress: ProgressFn | None) -> Callable[[int, int, int], None]:
+    """The driver's per-session callback: a progress line at most every 5 s, and at the end."""
+    t0 = time.monotonic()
+    last = [0.0]
+
+    def on_session(done: int, failed: int, total: int) -> None:
+        now = time.monotonic()
+        if progress is not None and (now - last[0] >= 5.0 or done + failed == total):
+            last[0] = now
+            fail = f", {failed} failed" if failed else ""
+            progress(f"  [{tag}] {done + failed}/{total} sessions{fail}, {now - t0:.0f} s")
+
+    return on_session
+
+
 def run_config(
     variant: Variant,
     scenario: Scenario,
@@ -417,18 +495,12 @@ def run_config(
     """
     import asyncio
 
-    from kvlab import stack as stk
     from kvlab.workload.driver import run_http
 
     tag = f"{variant.name}-s{seed}"
     log_dir = out_dir / "logs" / tag
     log_dir.mkdir(parents=True, exist_ok=True)
     ts = scenario.time_scale
-    pool = scenario.pool()
-    engine_extra = ["--enable-priority-scheduling", "--time-scale", f"{ts:g}"]
-    if scenario.record_requests:
-        engine_extra += ["--record-requests", str(scenario.record_requests)]
-    spec = scenario.spec()
     my_pids: list[int] = []
     load_before = os.getloadavg()
     with contextlib.ExitStack() as es:
@@ -439,63 +511,26 @@ def run_config(
             my_pids.append(proc.pid)
             return proc
 
-        ports: Sequence[int | None] = engine_ports or [None] * scenario.engines
-
-        def engine_starter(port: int | None) -> Any:
-            return stk.start_sim_engine(
-                port=port,
-                max_total_tokens=pool,
-                mode="session-radix",
-                eviction_policy="priority",
-                cost_model=scenario.cost_model,
-                token_scale=scenario.token_scale,
-                extra_args=engine_extra,
-                log_dir=log_dir,
-            )
-
-        starters = [functools.partial(engine_starter, port) for port in ports]
-        engines = [track(p) for p in _start_parallel(starters)]
-        engine_urls = [e.url for e in engines]
-        router = track(
-            stk.start_router(engine_urls, policy=scenario.router_policy, log_dir=log_dir)
-        )
-        port = stk.free_port()
-        doc = proxy_config(
+        stack = _start_stack(
             variant,
-            port=port,
-            router_url=router.url,
-            engine_urls=engine_urls,
-            router_policy=scenario.router_policy,
-            time_scale=ts,
-            token_scale=scenario.token_scale,
+            scenario,
+            tag=tag,
+            out_dir=out_dir,
+            log_dir=log_dir,
+            engine_ports=engine_ports,
+            track=track,
         )
-        cfg_path = out_dir / f"kvproxy-{tag}.yaml"
-        _write_yaml(cfg_path, doc)
-        proxy = track(
-            stk.start_kvproxy(
-                config_path=cfg_path, router_url=router.url, port=port, log_dir=log_dir
-            )
-        )
-        t0 = time.monotonic()
-        last = [0.0]
-
-        def on_session(done: int, failed: int, total: int) -> None:
-            now = time.monotonic()
-            if progress is not None and (now - last[0] >= 5.0 or done + failed == total):
-                last[0] = now
-                fail = f", {failed} failed" if failed else ""
-                progress(f"  [{tag}] {done + failed}/{total} sessions{fail}, {now - t0:.0f} s")
-
+        engine_urls = stack.engine_urls
         run = asyncio.run(
             run_http(
-                spec,
-                proxy.url,
+                scenario.spec(),
+                stack.proxy_url,
                 sessions=scenario.total_sessions,
                 concurrency=scenario.concurrency,
                 seed=seed,
                 time_scale=ts,
                 engine_urls=engine_urls,
-                progress=on_session,
+                progress=_session_progress(tag, progress),
                 request_timeout_s=scenario.request_timeout_sim_s * ts,
                 run_timeout_s=scenario.run_timeout_sim_s * ts,
             )
@@ -503,16 +538,15 @@ def run_config(
         wall = run.summary()
         summary = to_simulated(wall, ts)
         summary["first_turn_wait_p99_s"] = first_turn_wait_p99_s(run.result, ts)
-        clocks = [engine_clock(u) for u in engine_urls]
         result: dict[str, Any] = {
             "variant": variant.name,
             "seed": seed,
             "summary": summary,
             "wall_summary": {k: wall[k] for k in ("wall_s", "makespan_s") if k in wall},
             "engine_deltas": run.engine_deltas,
-            "engine_clock": clocks,
+            "engine_clock": [engine_clock(u) for u in engine_urls],
             "reached_engines": reached_engines(engine_urls) if scenario.record_requests else None,
-            "proxy_config": doc,
+            "proxy_config": stack.proxy_config,
             "load": {"before": [round(x, 2) for x in load_before]},
             "pids": my_pids,
         }

@@ -23,6 +23,14 @@ _C = CostModel()
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Every flag of ``kvproxy sim-engine``, one argument group at a time."""
+    _add_server(parser)
+    _add_kv_and_scheduling(parser)
+    _add_time_and_cost(parser)
+    _add_faults(parser)
+
+
+def _add_server(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("server")
     g.add_argument("--host", default=_D.host, help="bind address (default: %(default)s)")
     g.add_argument("--port", type=int, default=_D.port, help="port (default: %(default)s)")
@@ -37,6 +45,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--log-level", default=_D.log_level, help="default: %(default)s")
 
+
+def _add_kv_and_scheduling(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("KV cache and scheduling")
     g.add_argument(
         "--max-total-tokens",
@@ -90,6 +100,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="idle seconds after which a streaming session is reaped (default: never)",
     )
 
+
+def _add_time_and_cost(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("time and cost model (simulated seconds)")
     g.add_argument(
         "--cost-model",
@@ -128,6 +140,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--decode-per-req-s", type=float, default=None, help=legacy_help % _C.decode_per_req_s
     )
 
+
+def _add_faults(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("fault injection (also POST /sim/faults at run time)")
     g.add_argument("--fault-metrics", choices=METRICS_FAULTS, default="ok")
     g.add_argument("--fault-latency-s", type=float, default=0.0)

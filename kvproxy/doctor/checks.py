@@ -22,7 +22,12 @@ from typing import Any
 import orjson
 
 from kvproxy.fleet.discovery import EngineList, RouterFlavor
-from kvproxy.fleet.engine_info import SESSION_ID_MIN_VERSION, parse_server_info, parse_version
+from kvproxy.fleet.engine_info import (
+    SESSION_ID_MIN_VERSION,
+    EngineSessionMode,
+    parse_server_info,
+    parse_version,
+)
 from kvproxy.fleet.engine_metrics import parse_engine_metrics
 from kvproxy.urls import base_url
 
@@ -375,68 +380,68 @@ def engine_lines(f: EngineFacts, intent: Intent) -> list[Line]:
 
 def _info_lines(subject: str, info: Mapping[str, Any], intent: Intent) -> list[Line]:
     mode = parse_server_info(subject, info)
-    out: list[Line] = []
+    return [
+        _version_line(subject, mode, intent),
+        _cache_line(subject, mode, intent),
+        *_scheduling_lines(subject, mode, info, intent),
+        _pool_line(subject, info),
+    ]
+
+
+def _version_line(subject: str, mode: EngineSessionMode, intent: Intent) -> Line:
     ver = parse_version(mode.version)
     if ver is None:
-        out.append(
-            Line(Status.WARN, subject, "SGLang version not reported", "use SGLang >= 0.5.16")
+        return Line(Status.WARN, subject, "SGLang version not reported", "use SGLang >= 0.5.16")
+    if ver < SESSION_ID_MIN_VERSION:
+        return Line(
+            _sev(intent.lifecycle),
+            subject,
+            f"SGLang {mode.version} (< 0.5.16 ignores a top-level session_id)",
+            "upgrade the engine to SGLang >= 0.5.16",
         )
-    elif ver < SESSION_ID_MIN_VERSION:
-        out.append(
-            Line(
-                _sev(intent.lifecycle),
-                subject,
-                f"SGLang {mode.version} (< 0.5.16 ignores a top-level session_id)",
-                "upgrade the engine to SGLang >= 0.5.16",
-            )
-        )
-    else:
-        out.append(Line(Status.OK, subject, f"SGLang {mode.version}"))
+    return Line(Status.OK, subject, f"SGLang {mode.version}")
 
-    radix_fix = (
-        "start the engine with --enable-session-radix-cache --radix-eviction-policy priority"
-    )
+
+_RADIX_FIX = "start the engine with --enable-session-radix-cache --radix-eviction-policy priority"
+
+
+def _cache_line(subject: str, mode: EngineSessionMode, intent: Intent) -> Line:
     if not mode.recognised:
-        out.append(
-            Line(
-                Status.WARN,
-                subject,
-                "/server_info names no session settings (not SGLang, or too old)",
-                radix_fix,
-            )
+        return Line(
+            Status.WARN,
+            subject,
+            "/server_info names no session settings (not SGLang, or too old)",
+            _RADIX_FIX,
         )
-    elif mode.radix_disabled:
-        out.append(
-            Line(
-                _sev(intent.lifecycle),
-                subject,
-                "--disable-radix-cache: session ids cannot tag its KV",
-                "drop --disable-radix-cache; " + radix_fix.removeprefix("start the engine "),
-            )
+    if mode.radix_disabled:
+        return Line(
+            _sev(intent.lifecycle),
+            subject,
+            "--disable-radix-cache: session ids cannot tag its KV",
+            "drop --disable-radix-cache; " + _RADIX_FIX.removeprefix("start the engine "),
         )
-    elif mode.session_radix:
-        out.append(Line(Status.OK, subject, "session radix cache on"))
-    elif mode.streaming:
-        out.append(
-            Line(
-                Status.WARN,
-                subject,
-                "streaming sessions only: close frees only sessions the client opened "
-                "itself; the injected session_id does not tag KV",
-                radix_fix,
-            )
+    if mode.session_radix:
+        return Line(Status.OK, subject, "session radix cache on")
+    if mode.streaming:
+        return Line(
+            Status.WARN,
+            subject,
+            "streaming sessions only: close frees only sessions the client opened "
+            "itself; the injected session_id does not tag KV",
+            _RADIX_FIX,
         )
-    else:
-        out.append(
-            Line(
-                _sev(intent.lifecycle),
-                subject,
-                "neither the session radix cache nor streaming sessions: close_session "
-                "frees no KV there",
-                radix_fix,
-            )
-        )
+    return Line(
+        _sev(intent.lifecycle),
+        subject,
+        "neither the session radix cache nor streaming sessions: close_session frees no KV there",
+        _RADIX_FIX,
+    )
 
+
+def _scheduling_lines(
+    subject: str, mode: EngineSessionMode, info: Mapping[str, Any], intent: Intent
+) -> list[Line]:
+    out: list[Line] = []
     if mode.eviction_policy == "priority":
         out.append(Line(Status.OK, subject, "radix eviction policy priority"))
     else:
@@ -469,6 +474,10 @@ def _info_lines(subject: str, info: Mapping[str, Any], intent: Intent) -> list[L
                 "start the engine with --enable-metrics",
             )
         )
+    return out
+
+
+def _pool_line(subject: str, info: Mapping[str, Any]) -> Line:
     pool = _int_field(info, "max_total_num_tokens")
     tp = _int_field(info, "tp_size")
     dp = _int_field(info, "dp_size")
@@ -476,8 +485,7 @@ def _info_lines(subject: str, info: Mapping[str, Any], intent: Intent) -> list[L
         f"{name} {value if value is not None else 'not reported'}"
         for name, value in (("KV pool tokens", pool), ("tp", tp), ("dp", dp))
     )
-    out.append(Line(Status.OK, subject, shown))
-    return out
+    return Line(Status.OK, subject, shown)
 
 
 def _metrics_line(subject: str, f: EngineFacts, intent: Intent) -> Line:
