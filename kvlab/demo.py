@@ -168,9 +168,9 @@ class Scenario:
 # The demo's W1: the calibrated swe workload (qwen3-8b-h100, K=16, 2 engines) at its
 # calibrated size, 48 live sessions per engine (192 sessions a run, two waves) on a pool
 # sized for twice their working set, compressed in time (0.05 wall seconds per simulated
-# second) so that off and both take about three minutes together. Smaller fleets were
-# tried and do not show the gain: at 8 sessions per engine with 8-turn sessions the
-# no-eviction bound itself is 1.27x of off and the demo measured 0.80x (docs/benchmarks.md).
+# second) so that off and both take about three minutes together. A smaller fleet has
+# less to win: off comes close to the no-eviction bound (docs/benchmarks.md, the regime
+# grid).
 # The client's request timeout is above admission.new_session_max_wait_s plus a turn
 # (docs/operations.md, "Client timeouts").
 DEMO_W1 = Scenario(
@@ -186,8 +186,9 @@ DEMO_SEEDS: tuple[int, ...] = (0,)
 # 1.65x off on seed 0, 1.32-1.86x on seeds 0-2): 32 live sessions per engine on a pool of
 # two thirds of their working set, 96 sessions (three waves, so that the run is not one
 # wave's longest session), at 0.03 wall seconds per simulated second (at 0.02 the engines
-# fell up to 9% behind their clock on a 2-core host). The lab gives both / off 1.37x,
-# 1.31x, 1.32x on seeds 0-2 (docs/benchmarks.md, "The quick demo").
+# fell up to 9% behind their clock on a 2-core host). Through the real stack both / off
+# was 1.47x, 1.76x, 1.23x on seeds 0-2 (docs/benchmarks.md, "Rollout through the real
+# stack").
 QUICK_W1 = dataclasses.replace(
     DEMO_W1,
     name="w1-swe-quick",
