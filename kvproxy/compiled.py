@@ -29,7 +29,7 @@ MODULES: tuple[str, ...] = (
     "kvproxy.proxy.body",
     "kvproxy.proxy.scan",
     "kvproxy.sessions.identity",
-    "kvproxy.sessions.agent_hints",
+    "kvproxy.dynamo.nvext",
     "kvproxy.sessions.table",
     "kvproxy.proxy.pipeline",
     "kvproxy.admission.decisions",
@@ -41,12 +41,12 @@ MODULES: tuple[str, ...] = (
     "kvproxy.admission.engine_ledger",
     "kvproxy.admission.program",
     "kvproxy.admission.coordinator",
-    "kvproxy.sessions.streaming",
+    "kvproxy.dynamo.streaming",
     "kvproxy.sessions.lifecycle",
     "kvproxy.proxy.usage",
     "kvproxy.proxy.upstream",
     "kvproxy.proxy.responses",
-    "kvproxy.proxy.session_relay",
+    "kvproxy.dynamo.relay",
     "kvproxy.proxy.handlers",
 )
 

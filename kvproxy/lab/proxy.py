@@ -202,7 +202,7 @@ class LabProxy:
         finished engine request and the admission wait (None: admission did not act).
 
         The decisions are the proxy's own pure pipeline (:mod:`kvproxy.proxy.pipeline`);
-        only the Dynamo turn (session control over HTTP) is not run in the lab."""
+        only the Dynamo turn (engine calls over HTTP) is not run in the lab."""
         sessions, admission = self.sessions, self.admission
         assert sessions is not None and admission is not None
         hdrs = CIMultiDict(headers)

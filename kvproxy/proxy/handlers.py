@@ -41,6 +41,10 @@ from kvproxy.admission.coordinator import (
     Decision,
 )
 from kvproxy.config import LiveConfig
+from kvproxy.dynamo import streaming
+from kvproxy.dynamo.control import Dynamo, Turn
+from kvproxy.dynamo.prefill import StreamAnswer
+from kvproxy.dynamo.relay import serve_streaming
 from kvproxy.proxy.body import BodyParts, parse_object, unjoined
 from kvproxy.proxy.errors import ErrorType
 from kvproxy.proxy.metrics import ProxyMetrics
@@ -57,7 +61,6 @@ from kvproxy.proxy.pipeline import (
 from kvproxy.proxy.refusals import Refused, refusal_response
 from kvproxy.proxy.responses import error_response
 from kvproxy.proxy.scan import validated
-from kvproxy.proxy.session_relay import serve_streaming
 from kvproxy.proxy.upstream import (
     PartsPayload,
     forward_request_headers,
@@ -70,8 +73,6 @@ from kvproxy.proxy.usage import (
     search_usage,
     usage_from_body,
 )
-from kvproxy.sessions import streaming
-from kvproxy.sessions.dynamo import AgentControl, Turn
 from kvproxy.sessions.identity import (
     ROUTING_KEY_HEADER,
     InvalidSessionId,
@@ -79,7 +80,6 @@ from kvproxy.sessions.identity import (
     validate_session_id,
 )
 from kvproxy.sessions.lifecycle import SessionClosed, SessionManager, TrackedRequest
-from kvproxy.sessions.prefill import StreamAnswer
 
 log = logging.getLogger(__name__)
 
@@ -204,7 +204,7 @@ class ProxyHandlers:
         http: aiohttp.ClientSession,
         sessions: SessionManager,
         admission: AdmissionController,
-        agents: AgentControl,
+        dynamo: Dynamo,
         metrics: ProxyMetrics,
         shutdown: Shutdown,
     ) -> None:
@@ -212,7 +212,7 @@ class ProxyHandlers:
         self.http = http
         self.sessions = sessions
         self.admission = admission
-        self.agents = agents
+        self.dynamo = dynamo
         self.metrics = metrics
         self.shutdown = shutdown
 
@@ -347,7 +347,7 @@ class ProxyHandlers:
             if tracked is not None:
                 self.sessions.leave(tracked)
             if turn is not None:
-                self.agents.end(turn)
+                self.dynamo.end(turn)
 
     def _enter(self, attempt: Attempt, plan: Plan) -> TrackedRequest | None:
         """Track the request in its session (None: no session, or not tracked), and say
@@ -373,8 +373,8 @@ class ProxyHandlers:
         the turn's routing headers and program admission's routing key folded in."""
         turn: Turn | None = None
         turn_headers: Mapping[str, str] = _NO_HEADERS
-        if not self.agents.quiet(sid, plan.nvext):
-            turn, turn_headers = self.agents.begin(sid, attempt.path, plan.nvext, plan.close_after)
+        if not self.dynamo.quiet(sid, plan.nvext):
+            turn, turn_headers = self.dynamo.begin(sid, attempt.path, plan.nvext, plan.close_after)
         elif not plan.admit:
             return None, plan  # no headers to fold in, no routing key to derive
         headers = attempt.request.headers
@@ -391,11 +391,11 @@ class ProxyHandlers:
         returning the forward's coroutine on the common path: one coroutine fewer."""
         fields, source = final_fields(plan, steering)
         if source is not None and self.live.config.session_lifecycle.enabled:
-            self.agents.note_priority(source)
+            self.dynamo.note_priority(source)
         assert isinstance(attempt.body, bytes)
         attempt.body = render_body(attempt.body, plan, fields)
         attempt.extra_headers = plan.headers or None
-        if turn is not None and (self.agents.involved(turn) or turn.wants_body):
+        if turn is not None and (self.dynamo.involved(turn) or turn.wants_body):
             return self._send_turn(attempt, plan, turn, fields)
         return self.forward(attempt)
 
@@ -404,7 +404,7 @@ class ProxyHandlers:
     ) -> web.StreamResponse:
         """:meth:`_send` for a turn session control is involved in or that keeps its
         answer (the speculative prefill)."""
-        if self.agents.involved(turn):
+        if self.dynamo.involved(turn):
             # Session control relays it from the plan's body and fields (the bytes
             # rendered for the ordinary request are not sent then).
             served = await self._serve_turn(attempt, plan, turn, fields)
@@ -468,26 +468,26 @@ class ProxyHandlers:
         """A Dynamo streaming-session turn (open / extend), relayed by session control;
         None: forward it as an ordinary request."""
         assert plan.body is not None
-        agents = self.agents
+        dynamo = self.dynamo
         key = attempt.request.headers.get(ROUTING_KEY_HEADER) or plan.headers.get(
             ROUTING_KEY_HEADER, turn.session_id
         )
         body = plan.body
         if not validated(body):
             return None  # a deferred token array is not JSON: the engine answers 400
-        route = agents.plan(turn, body, key)
+        route = dynamo.plan(turn, body, key)
         if route.kind in (streaming.OPEN, streaming.EXTEND):
             headers = forward_request_headers(attempt.request, plan.headers or None)
             observe_tail = _tail_observer(attempt.observe_usage)
             served = await serve_streaming(
-                agents, attempt.request, turn, body, dict(fields), headers, observe_tail
+                dynamo, attempt.request, turn, body, dict(fields), headers, observe_tail
             )
             if served is not None:
                 self._after_turn(attempt, plan, turn)
                 return served
         # The ordinary request follows: a refused slot is closed first, and idle slots on
         # its engine are released until it fits.
-        await agents.settle(turn, body, key)
+        await dynamo.settle(turn, body, key)
         return None
 
     def _after_turn(self, attempt: Attempt, plan: Plan, turn: Turn) -> None:
@@ -495,7 +495,7 @@ class ProxyHandlers:
         headers = attempt.sent_headers  # forward()'s, unless session control served it
         if headers is None:
             headers = forward_request_headers(attempt.request, plan.headers or None)
-        self.agents.after_response(turn, plan.body, headers)
+        self.dynamo.after_response(turn, plan.body, headers)
 
     # ------------------------------------------------------------------- forward
     async def forward(self, attempt: Attempt) -> web.StreamResponse:

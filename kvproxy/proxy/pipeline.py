@@ -28,12 +28,12 @@ from typing import Any, Final
 import orjson
 
 from kvproxy.config import Config, SessionLifecycleConfig
+from kvproxy.dynamo.nvext import NO_NVEXT, InvalidNvext, Nvext, parse_nvext
+from kvproxy.dynamo.nvext import combine_priority as _combine_priority
 from kvproxy.proxy.body import BodyParts, inject_fields, splice_parts
 from kvproxy.proxy.errors import STATUS, ErrorType
 from kvproxy.proxy.scan import BodyScan, counted_keys_for, members, scan_object, validated
 from kvproxy.record import Record
-from kvproxy.sessions.agent_hints import NO_NVEXT, InvalidNvext, Nvext, parse_nvext
-from kvproxy.sessions.agent_hints import combine_priority as _combine_priority
 from kvproxy.sessions.identity import (
     ROUTING_KEY_HEADER,
     InjectionPlan,
@@ -323,7 +323,7 @@ def with_turn_headers(
 
 def final_fields(plan: Plan, steering: int | None) -> tuple[Mapping[str, Any], str | None]:
     """The fields to add once admission has answered, and the priority's source when a
-    ``priority`` is added (the combination rule: sessions/agent_hints.py)."""
+    ``priority`` is added (the combination rule: dynamo/nvext.py)."""
     assert plan.body is not None
     if steering is None and plan.priority_hint is None:
         return plan.fields, None  # no priority to add (the common case): nothing to copy
