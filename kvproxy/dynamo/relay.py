@@ -21,7 +21,7 @@ from aiohttp import web
 
 from kvproxy.dynamo import streaming as st
 from kvproxy.dynamo.control import Dynamo, Turn
-from kvproxy.proxy.upstream import forward_response_headers
+from kvproxy.headers import forward_response_headers
 from kvproxy.sse import StreamState, parse_sse_line
 
 log = logging.getLogger(__name__)

@@ -45,6 +45,7 @@ from kvproxy.dynamo import streaming
 from kvproxy.dynamo.control import Dynamo, Turn
 from kvproxy.dynamo.prefill import StreamAnswer
 from kvproxy.dynamo.relay import serve_streaming
+from kvproxy.headers import forward_request_headers, forward_response_headers
 from kvproxy.proxy.body import BodyParts, parse_object, unjoined
 from kvproxy.proxy.errors import ErrorType
 from kvproxy.proxy.metrics import ProxyMetrics
@@ -61,11 +62,7 @@ from kvproxy.proxy.pipeline import (
 from kvproxy.proxy.refusals import Refused, refusal_response
 from kvproxy.proxy.responses import error_response
 from kvproxy.proxy.scan import validated
-from kvproxy.proxy.upstream import (
-    PartsPayload,
-    forward_request_headers,
-    forward_response_headers,
-)
+from kvproxy.proxy.upstream import PartsPayload
 from kvproxy.proxy.usage import (
     StreamedBodyUsage,
     TailWindow,

@@ -17,7 +17,7 @@ import kvproxy
 ROOT = Path(kvproxy.__file__).parent
 
 # The shipped proxy: what ``kvproxy serve`` runs.
-PRODUCT = {"proxy", "sessions", "admission", "fleet", "admin"}
+PRODUCT = {"proxy", "sessions", "dynamo", "admission", "fleet", "admin"}
 # Tools around it: simulator, workload driver, lab, demo, stack launcher.
 TOOLS = {"sim", "workload", "lab", "demo", "stack"}
 # Edges left out of the cycle check, each with the change that removes it.
@@ -168,6 +168,10 @@ PURE_MODULES = [
     "kvproxy.admin.timeline",
     "kvproxy.sessions.identity",
     "kvproxy.sessions.table",
+    "kvproxy.dynamo.nvext",
+    "kvproxy.dynamo.binding",
+    "kvproxy.dynamo.streaming",
+    "kvproxy.dynamo.prefill",
     "kvproxy.admission.classify",
     "kvproxy.admission.reservation",
     "kvproxy.admission.ledger",
