@@ -37,10 +37,10 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, ClassVar, TypeVar
 
-import aiohttp
 from prometheus_client.core import Metric
 
 from kvproxy.config import SessionLifecycleConfig
+from kvproxy.fleet.client import EngineHttp
 from kvproxy.fleet.discovery import base_url
 from kvproxy.fleet.engine_info import EngineSessionMode, mode_warnings, probe
 from kvproxy.fleet.fanout import post_to_all
@@ -361,7 +361,7 @@ class SessionManager:
         cfg: SessionLifecycleConfig,
         *,
         all_engines: Callable[[], Sequence[str]],
-        http: aiohttp.ClientSession,
+        http: EngineHttp,
         clock: Callable[[], float] = time.monotonic,
         on_closed: Callable[[str], None] | None = None,
     ) -> None:
