@@ -44,6 +44,7 @@ MODULES: tuple[str, ...] = (
     "kvproxy.dynamo.streaming",
     "kvproxy.sessions.lifecycle",
     "kvproxy.proxy.usage",
+    "kvproxy.proxy.turn",
     "kvproxy.headers",
     "kvproxy.proxy.upstream",
     "kvproxy.proxy.responses",

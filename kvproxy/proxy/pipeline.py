@@ -369,11 +369,39 @@ def render_body(raw: bytes, plan: Plan, fields: Mapping[str, Any]) -> bytes | Bo
     return inject_fields(raw, fields)
 
 
+def close_target(raw: bytes, path_sid: str | None) -> str | Refusal:
+    """The session a ``/close_session`` call names (body, else the path's), or why not."""
+    sid: object = None
+    if raw.strip():
+        try:
+            doc = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            doc = None
+        if not isinstance(doc, dict):
+            return Refusal(
+                ErrorType.INVALID_REQUEST, "body must be a JSON object with a session_id"
+            )
+        sid = doc.get("session_id")
+    if path_sid is not None:
+        if sid is not None and sid != path_sid:
+            return Refusal(
+                ErrorType.INVALID_REQUEST,
+                f"body session_id {sid!r} does not match the path's session {path_sid!r}",
+            )
+        sid = path_sid
+    if not isinstance(sid, str):
+        return Refusal(
+            ErrorType.INVALID_REQUEST, "body must be a JSON object with a string session_id"
+        )
+    return sid
+
+
 __all__ = [
     "PARTS_MIN_BYTES",
     "PASS_THROUGH",
     "Plan",
     "Refusal",
+    "close_target",
     "final_fields",
     "plan_request",
     "read_body",
