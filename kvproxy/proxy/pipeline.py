@@ -7,14 +7,16 @@ and the lab (:mod:`kvproxy.lab.proxy`) run the same steps:
    prefix's id, headers, the body as :func:`read_body` reads it, the config) into a
    :class:`Plan` or a :class:`Refusal` (the error the proxy answers itself: stable
    type and message);
-2. the shell applies the stateful parts in order (the injection counters, the Dynamo
-   turn, session tracking, the admission wait); :func:`with_turn_headers` folds the
-   turn's routing headers into the plan and derives the admission routing key;
+2. the turn (:class:`kvproxy.proxy.turn.TurnFlow`, written once for both) applies the
+   stateful parts in order (the injection counters, the Dynamo turn, session
+   tracking, the admission wait); :func:`with_turn_headers` folds the turn's routing
+   headers into the plan and derives the admission routing key;
 3. :func:`final_fields` adds the top-level ``priority`` once admission has answered,
    and :func:`render_body` produces the bytes to forward (spliced, never re-encoded,
    except on the two documented re-serialising paths).
 
-Nothing here raises for bad input: bad input is a :class:`Refusal`.
+Nothing here raises for bad input: bad input is a :class:`Refusal` (so is a bad
+``/close_session`` call: :func:`close_target`).
 """
 
 from __future__ import annotations
