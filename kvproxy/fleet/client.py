@@ -24,7 +24,7 @@ class EngineResponse(Protocol):
 
     async def read(self) -> bytes: ...
 
-    async def text(self, encoding: str | None = ..., errors: str = ...) -> str: ...
+    async def text(self, encoding: str | None = None, errors: str = "strict") -> str: ...
 
     def raise_for_status(self) -> None: ...
 
@@ -36,13 +36,13 @@ class EngineHttp(Protocol):
         self,
         url: str,
         *,
-        data: Any = ...,
-        headers: Mapping[str, str] | None = ...,
-        timeout: aiohttp.ClientTimeout = ...,
+        data: Any = None,
+        headers: Mapping[str, str] | None = None,
+        timeout: aiohttp.ClientTimeout | None = None,
     ) -> AbstractAsyncContextManager[EngineResponse]: ...
 
     def get(
-        self, url: str, *, timeout: aiohttp.ClientTimeout = ...
+        self, url: str, *, timeout: aiohttp.ClientTimeout | None = None
     ) -> AbstractAsyncContextManager[EngineResponse]: ...
 
 

@@ -73,7 +73,7 @@ class TurnSessions(Protocol[_K]):
         rids: tuple[str, ...],
         close_after: bool,
         *,
-        forwarded: bool = ...,
+        forwarded: bool = False,
     ) -> _K: ...
 
     def leave(self, req: _K) -> None: ...
@@ -101,7 +101,7 @@ class TurnAdmission(Protocol):
         req: AdmissionRequest,
         prompt_tokens: int | None,
         cached_tokens: int | None,
-        completion_tokens: int | None = ...,
+        completion_tokens: int | None = None,
     ) -> None: ...
 
 
