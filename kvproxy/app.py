@@ -4,7 +4,7 @@ Each resource lives on the application under its own typed ``web.AppKey``
 (:mod:`kvproxy.keys`; no module globals, no object holding them all). Long-lived
 resources are ``cleanup_ctx`` contexts, entered in order at start-up and left in
 reverse at shutdown: the pooled client session, the fleet refresher, the session
-manager, Dynamo's agent control, the admission coordinator, the proxy's handlers
+manager, Dynamo (:mod:`kvproxy.dynamo`), the admission coordinator, the proxy's handlers
 (given the resources they use), then the dashboard's sampler. The operator routes
 are in :mod:`kvproxy.admin`.
 """
@@ -24,11 +24,12 @@ from kvproxy.admin import dashboard
 from kvproxy.admin.routes import add_admin_routes
 from kvproxy.admission.coordinator import AdmissionController
 from kvproxy.config import Config, LiveConfig
+from kvproxy.dynamo.control import Dynamo
 from kvproxy.fleet.registry import Fleet, legacy_warning
 from kvproxy.keys import (
     ADMISSION,
-    AGENTS,
     CONFIG,
+    DYNAMO,
     FLEET,
     HTTP,
     PROXY,
@@ -42,7 +43,6 @@ from kvproxy.proxy.handlers import INTERCEPTED_PATHS, ProxyHandlers, Shutdown
 from kvproxy.proxy.metrics import ProxyMetrics
 from kvproxy.proxy.slow_clients import SlowClientGuard
 from kvproxy.proxy.upstream import create_client_session
-from kvproxy.sessions.dynamo import AgentControl
 from kvproxy.sessions.lifecycle import SessionManager
 
 log = logging.getLogger(__name__)
@@ -52,9 +52,9 @@ class _FeatureCollector(Collector):
     """Exposes the features' own collectors through the app's registry."""
 
     def __init__(
-        self, sessions: SessionManager, admission: AdmissionController, agents: AgentControl
+        self, sessions: SessionManager, admission: AdmissionController, dynamo: Dynamo
     ) -> None:
-        self._features = (sessions, admission, agents)
+        self._features = (sessions, admission, dynamo)
 
     def collect(self) -> Iterable[Any]:
         for feature in self._features:
@@ -82,9 +82,9 @@ async def _fleet_ctx(app: web.Application) -> AsyncIterator[None]:
 async def _sessions_ctx(app: web.Application) -> AsyncIterator[None]:
     def closed(session_id: str) -> None:
         # A closed session's KV is no longer resident: admission stops counting it.
-        # Admission and the agents start after the sessions, so they are looked up here.
+        # Admission and Dynamo start after the sessions, so they are looked up here.
         app[ADMISSION].end_session(session_id)
-        app[AGENTS].session_closed(session_id)
+        app[DYNAMO].session_closed(session_id)
 
     fleet = app[FLEET]
     sessions = app[SESSIONS] = SessionManager(
@@ -98,7 +98,7 @@ async def _sessions_ctx(app: web.Application) -> AsyncIterator[None]:
     await sessions.stop()
 
 
-async def _agents_ctx(app: web.Application) -> AsyncIterator[None]:
+async def _dynamo_ctx(app: web.Application) -> AsyncIterator[None]:
     live, sessions = app[CONFIG], app[SESSIONS]
 
     async def close(session_id: str) -> None:
@@ -113,7 +113,7 @@ async def _agents_ctx(app: web.Application) -> AsyncIterator[None]:
         config = live.config.admission
         if not config.enabled:
             return False
-        admission = app[ADMISSION]  # starts after the agents
+        admission = app[ADMISSION]  # starts after Dynamo
         if engine is None:
             usage: float | None = admission.ledger.pressure
         else:
@@ -129,7 +129,7 @@ async def _agents_ctx(app: web.Application) -> AsyncIterator[None]:
             return None, None
         return eng.max_total_num_tokens, eng.streaming_held
 
-    agents = app[AGENTS] = AgentControl(
+    dynamo = app[DYNAMO] = Dynamo(
         live.config,
         http=app[HTTP],
         router_base=live.router_base,
@@ -139,9 +139,9 @@ async def _agents_ctx(app: web.Application) -> AsyncIterator[None]:
         pressure=pressure,
         engine_kv=engine_kv,
     )
-    await agents.start()
+    await dynamo.start()
     yield
-    await agents.stop()
+    await dynamo.stop()
 
 
 async def _admission_ctx(app: web.Application) -> AsyncIterator[None]:
@@ -162,7 +162,7 @@ async def _admission_ctx(app: web.Application) -> AsyncIterator[None]:
     if config.admission.enabled:
         bytecount.load()  # the vectorised id count's import, not on the first big body
     await admission.start()
-    app[REGISTRY].register(_FeatureCollector(app[SESSIONS], admission, app[AGENTS]))
+    app[REGISTRY].register(_FeatureCollector(app[SESSIONS], admission, app[DYNAMO]))
     yield
     await admission.stop()
 
@@ -173,7 +173,7 @@ async def _proxy_ctx(app: web.Application) -> AsyncIterator[None]:
         http=app[HTTP],
         sessions=app[SESSIONS],
         admission=app[ADMISSION],
-        agents=app[AGENTS],
+        dynamo=app[DYNAMO],
         metrics=app[PROXY_METRICS],
         shutdown=app[SHUTDOWN],
     )
@@ -223,7 +223,7 @@ def create_app(config: Config, *, overrides: Mapping[str, Any] | None = None) ->
             _client_ctx,
             _fleet_ctx,
             _sessions_ctx,
-            _agents_ctx,
+            _dynamo_ctx,
             _admission_ctx,
             _proxy_ctx,
             dashboard.timeline_ctx,

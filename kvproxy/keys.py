@@ -15,10 +15,10 @@ from prometheus_client import CollectorRegistry
 
 from kvproxy.admission.coordinator import AdmissionController
 from kvproxy.config import LiveConfig
+from kvproxy.dynamo.control import Dynamo
 from kvproxy.fleet.registry import Fleet
 from kvproxy.proxy.handlers import ProxyHandlers, Shutdown
 from kvproxy.proxy.metrics import ProxyMetrics
-from kvproxy.sessions.dynamo import AgentControl
 from kvproxy.sessions.lifecycle import SessionManager
 
 # Set by the factory.
@@ -30,6 +30,6 @@ SHUTDOWN = web.AppKey("shutdown", Shutdown)
 HTTP = web.AppKey("http", aiohttp.ClientSession)
 FLEET = web.AppKey("fleet", Fleet)
 SESSIONS = web.AppKey("sessions", SessionManager)
-AGENTS = web.AppKey("agents", AgentControl)  # Dynamo's nvext (docs/dynamo.md)
+DYNAMO = web.AppKey("dynamo", Dynamo)  # Dynamo's nvext (docs/dynamo.md)
 ADMISSION = web.AppKey("admission", AdmissionController)
 PROXY = web.AppKey("proxy", ProxyHandlers)

@@ -25,7 +25,7 @@ from aiohttp.test_utils import TestServer
 from kvlab import stack
 from kvproxy.app import create_app
 from kvproxy.config import from_mapping
-from kvproxy.keys import AGENTS
+from kvproxy.keys import DYNAMO
 
 
 async def _session(
@@ -67,11 +67,11 @@ async def _run(router: str, mode: str, args: argparse.Namespace) -> dict[str, An
     }
     server = TestServer(create_app(from_mapping(doc)), host="127.0.0.1")
     await server.start_server()
-    agents = server.app[AGENTS]
+    ctl = server.app[DYNAMO]
     url = str(server.make_url("")).rstrip("/")
     try:
         for _ in range(500):
-            if agents._owner("probe") is not None:
+            if ctl._owner("probe") is not None:
                 break
             await asyncio.sleep(0.02)
         # Bounded: a request that gets no answer in --request-timeout s marks its
@@ -94,11 +94,11 @@ async def _run(router: str, mode: str, args: argparse.Namespace) -> dict[str, An
             "cached_fraction": round(cached / prompt, 3) if prompt else 0.0,
             "wall_s": round(wall, 2),
             "sessions_stalled": len(results) - len(done),
-            "turns_extended": agents.counters.total("agentic_kv/dynamo/streaming_turns_extended"),
-            "fallback_pool_share": agents.counters.total(
+            "turns_extended": ctl.counters.total("agentic_kv/dynamo/streaming_turns_extended"),
+            "fallback_pool_share": ctl.counters.total(
                 "agentic_kv/dynamo/streaming_fallback_pool_share"
             ),
-            "fallback_engine_error": agents.counters.total(
+            "fallback_engine_error": ctl.counters.total(
                 "agentic_kv/dynamo/streaming_fallback_engine_error"
             ),
         }

@@ -36,7 +36,7 @@ from kvlab.workload.spec import workload_spec
 from kvproxy.app import create_app
 from kvproxy.config import from_mapping
 from kvproxy.fleet.engine_metrics import parse_engine_metrics
-from kvproxy.keys import AGENTS
+from kvproxy.keys import DYNAMO
 
 CONFIGS: dict[str, dict[str, Any]] = {
     "none": {"mode": "session-radix", "control": "none", "prefill": False},
@@ -100,9 +100,9 @@ async def one_run(name: str, seed: int, args: argparse.Namespace) -> dict[str, A
         }
         server = TestServer(create_app(from_mapping(doc)), host="127.0.0.1")
         await server.start_server()
-        agents = server.app[AGENTS]
+        ctl = server.app[DYNAMO]
         for _ in range(500):
-            if agents._owner("probe") is not None:
+            if ctl._owner("probe") is not None:
                 break
             await asyncio.sleep(0.02)
         spec = workload_spec("subagents", args.token_scale)
@@ -131,7 +131,7 @@ async def one_run(name: str, seed: int, args: argparse.Namespace) -> dict[str, A
             await sampler
         s = run.summary()
         subs = [t for t in run.result.turns if t.role == "subagent" and t.ok]
-        counters = agents.counters
+        counters = ctl.counters
         return {
             "config": name,
             "seed": seed,

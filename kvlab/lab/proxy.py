@@ -10,15 +10,16 @@ residency). Only the HTTP edges are replaced:
 - the controller's ``_scrape(url)`` returns the lab engine's ``/metrics`` text
   (rendered by the simulator's metrics code), so kvproxy's real metric parsing,
   ledger and FIFOs run;
-- the session manager's ``http`` is :class:`_EngineHttp`, an in-process stand-in
-  for ``aiohttp.ClientSession.post`` that delivers ``/close_session`` and
-  ``/abort_request`` to every lab engine (the fan-out code, ``post_to_all``, is
-  kvproxy's own);
+- the session manager's and the controller's ``http`` is :class:`_EngineHttp`, an
+  in-process :class:`~kvproxy.fleet.client.EngineHttp` that delivers
+  ``/close_session`` and ``/abort_request`` to every lab engine (the fan-out code,
+  ``post_to_all``, is kvproxy's own);
 - :meth:`LabProxy.generate` is :meth:`kvproxy.proxy.handlers.ProxyHandlers.intercepted`
   without the socket: the same pure pipeline (:func:`kvproxy.proxy.pipeline.plan_request`:
-  identity, injection, admission class and routing key, priority), then request
-  tracking, admission wait and usage report, in the same order; the forwarded
-  body goes to the router's placement and then to the chosen engine;
+  identity, injection, admission class and routing key, priority), then the proxy's
+  own turn (:class:`kvproxy.proxy.turn.TurnFlow`: request tracking, admission wait,
+  send, usage report, release), with this object as its shell: the forwarded body
+  goes to the router's placement and then to the chosen engine;
 - :meth:`LabProxy.close_session` is the proxy's ``POST /close_session`` dispatch.
 
 Everything HTTP-bound lives in this one module (the integrator adapts it when the
@@ -31,10 +32,11 @@ import asyncio
 import dataclasses
 import random
 from collections.abc import AsyncIterator, Mapping, Sequence
-from contextlib import AsyncExitStack, asynccontextmanager
-from types import TracebackType
+from contextlib import asynccontextmanager
+from types import MappingProxyType, TracebackType
 from typing import Any
 
+import aiohttp
 import orjson
 from multidict import CIMultiDict
 
@@ -42,10 +44,13 @@ from kvlab.lab.engines import EngineError, LabEngine
 from kvlab.lab.faults import FAULTS, ScrapeFailed, SignalFault
 from kvlab.lab.router import Placement
 from kvlab.sim.scheduler import SimRequest
-from kvproxy.admission.coordinator import AdmissionController, AdmissionRequest, Decision
+from kvproxy.admission.coordinator import AdmissionController, Decision
 from kvproxy.config import Config
-from kvproxy.proxy.pipeline import Plan, Refusal, final_fields, plan_request, with_turn_headers
-from kvproxy.sessions.lifecycle import SessionClosed, SessionManager, TrackedRequest
+from kvproxy.proxy.pipeline import Plan, Refusal, plan_request, with_turn_headers
+from kvproxy.proxy.refusals import Refused
+from kvproxy.proxy.turn import ObserveUsage, TurnFlow
+from kvproxy.proxy.usage import Usage
+from kvproxy.sessions.lifecycle import SessionManager, TrackedRequest
 
 
 class ProxyError(Exception):
@@ -58,7 +63,7 @@ class ProxyError(Exception):
 
 
 class _Response:
-    """The part of ``aiohttp.ClientResponse`` that ``post_to_all`` reads."""
+    """An :class:`~kvproxy.fleet.client.EngineResponse`: a status, no body."""
 
     __slots__ = ("status",)
 
@@ -79,15 +84,30 @@ class _Response:
     async def read(self) -> bytes:
         return b""
 
+    async def text(self, encoding: str | None = None, errors: str = "strict") -> str:
+        return ""
+
+    def raise_for_status(self) -> None:
+        if self.status >= 400:
+            raise aiohttp.ClientError(f"HTTP {self.status}")
+
 
 class _EngineHttp:
-    """``http.post(url, data=...)`` delivered to the lab engine that owns ``url``."""
+    """``http.post(url, data=...)`` delivered to the lab engine that owns ``url`` (an
+    :class:`~kvproxy.fleet.client.EngineHttp`)."""
 
     def __init__(self, engines: Mapping[str, LabEngine]) -> None:
         self._engines = engines
         self.posts = 0
 
-    def post(self, url: str, *, data: bytes, **_: Any) -> _Response:
+    def post(
+        self,
+        url: str,
+        *,
+        data: Any = None,
+        headers: Mapping[str, str] | None = None,
+        timeout: aiohttp.ClientTimeout | None = None,
+    ) -> _Response:
         self.posts += 1
         for base, engine in self._engines.items():
             if url.startswith(base + "/"):
@@ -101,6 +121,28 @@ class _EngineHttp:
                     return _Response(200)
                 return _Response(404)
         return _Response(502)
+
+    def get(self, url: str, *, timeout: aiohttp.ClientTimeout | None = None) -> _Response:
+        """Nothing is read over HTTP in the lab (metrics and server info are read in
+        process): a caller sees an unreachable engine."""
+        raise aiohttp.ClientConnectionError(f"{url}: no HTTP reads in the lab")
+
+
+class _LabRequest:
+    """One intercepted request in the lab, as its turn carries it: the headers (the
+    planned ones added when it is sent), the body, and what admission decided."""
+
+    __slots__ = ("body", "headers", "observe", "wait_s")
+
+    def __init__(self, headers: CIMultiDict[str], body: dict[str, Any]) -> None:
+        self.headers = headers
+        self.body = body
+        self.wait_s: float | None = None  # the admission wait (None: admission did not act)
+        self.observe: ObserveUsage | None = None
+
+
+# No fields, no headers (never written).
+_NONE: Mapping[str, Any] = MappingProxyType({})
 
 
 class LabProxy:
@@ -123,6 +165,7 @@ class LabProxy:
         self.identity_only = dataclasses.replace(config.session_lifecycle, enabled=True)
         self.sessions: SessionManager | None = None
         self.admission: AdmissionController | None = None
+        self._turns: TurnFlow[_LabRequest, None, SimRequest, TrackedRequest] | None = None
         self.decisions: dict[str, int] = {}
         # Injected priorities (value -> requests), for the run's summary.
         self.priorities: dict[int, int] = {}
@@ -137,7 +180,7 @@ class LabProxy:
         self.sessions = SessionManager(
             lifecycle_cfg,
             all_engines=lambda: urls,
-            http=self.http,  # type: ignore[arg-type]
+            http=self.http,
             clock=loop.time,
             on_closed=self._session_closed,
         )
@@ -148,7 +191,7 @@ class LabProxy:
         self.admission = AdmissionController(
             cfg.admission,
             healthy_engines=lambda: urls,
-            http=self.http,  # type: ignore[arg-type]
+            http=self.http,
             fetch_metrics=self._scrape,  # each engine's exposition, read in process
             clock=loop.time,
             router_policy=self.placement.policy,
@@ -156,6 +199,7 @@ class LabProxy:
             server_info={url: e.server_info() for url, e in self.engines.items()},
             token_scale=cfg.server.token_scale,
         )
+        self._turns = TurnFlow(self.sessions, self.admission, self)
         await self.sessions.start()
         await self.admission.start()
 
@@ -201,91 +245,72 @@ class LabProxy:
         """One intercepted request, as ``ProxyHandlers.intercepted`` handles it: the
         finished engine request and the admission wait (None: admission did not act).
 
-        The decisions are the proxy's own pure pipeline (:mod:`kvproxy.proxy.pipeline`);
-        only the Dynamo turn (session control over HTTP) is not run in the lab."""
-        sessions, admission = self.sessions, self.admission
-        assert sessions is not None and admission is not None
-        hdrs = CIMultiDict(headers)
-        planned = plan_request(self.config, path, None, hdrs, body)
-        if isinstance(planned, Refusal):
-            raise ProxyError(planned.status, planned.kind.value, planned.message)
-        plan = planned
-        if plan.injection is not None:
-            sessions.note_injection(plan.injection)
-        if plan.turn:
-            plan = with_turn_headers(plan, self.config, hdrs, {})
-        async with AsyncExitStack() as stack:
-            tracked = None
-            if plan.track and plan.session_id is not None:
-                try:
-                    tracked = await stack.enter_async_context(
-                        sessions.track(
-                            plan.session_id,
-                            plan.ticket,
-                            close_after=plan.close_after,
-                            abort_rids=plan.abort_rids or None,
-                        )
-                    )
-                except SessionClosed as exc:
-                    raise ProxyError(409, "session_closed", str(exc)) from None
-            areq, wait_s, steering = await self._admit(stack, path, hdrs, body, plan, tracked)
-            fields, source = final_fields(plan, steering) if not plan.passthrough else ({}, None)
-            if source == "steering":  # eviction steered by priority, as the handler splices it
-                prio = fields["priority"]
-                self.priorities[prio] = self.priorities.get(prio, 0) + 1
-            hdrs.update(plan.headers)
-            out = {**body, **fields} if fields else body
-            engine = self.engines[self.placement.pick(hdrs)]
-            try:
-                req = await engine.generate(out)
-            except EngineError as exc:
-                raise ProxyError(exc.status, "engine_error", str(exc)) from None
-            if areq is not None:
-                # The engine's own usage report (meta_info of the final chunk).
-                admission.observe_usage(areq, req.prompt_tokens, req.cached_tokens, req.generated)
-            return req, wait_s
-        raise AssertionError("unreachable")  # pragma: no cover
-
-    async def _admit(
-        self,
-        stack: AsyncExitStack,
-        path: str,
-        hdrs: Mapping[str, str],
-        body: dict[str, Any],
-        plan: Plan,
-        tracked: TrackedRequest | None,
-    ) -> tuple[AdmissionRequest | None, float | None, int | None]:
-        """The admission wait (the lease lives on ``stack``): (request, wait, steering)."""
-        assert self.admission is not None
-        areq: AdmissionRequest | None = None
-        wait_s: float | None = None
-        steering: int | None = None
+        The decisions are the proxy's own pure pipeline (:mod:`kvproxy.proxy.pipeline`)
+        and its turn (:mod:`kvproxy.proxy.turn`), this object the turn's shell; only the
+        Dynamo turn (engine calls over HTTP) is not run in the lab."""
+        assert self._turns is not None
+        req = _LabRequest(CIMultiDict(headers), body)
+        plan = plan_request(self.config, path, None, req.headers, body)
+        if isinstance(plan, Refusal):
+            raise ProxyError(plan.status, plan.kind.value, plan.message)
         try:
-            if plan.admit:
-                areq = AdmissionRequest(
-                    ticket_id=plan.ticket,
-                    path=path,
-                    headers=hdrs,
-                    body=body,
-                    session_id=plan.session_id,
-                    routing_key=plan.routing_key,
+            if plan.passthrough:  # as the handler forwards it: the body as received
+                done = await self.send(req, plan, None, _NONE, None)
+            else:
+                done = await self._turns.run(req, plan, path, req.headers)
+        except Refused as exc:
+            refusal = exc.refusal
+            raise ProxyError(refusal.status, refusal.kind.value, refusal.message) from None
+        return done, req.wait_s
+
+    # -- the turn's shell (kvproxy.proxy.turn.TurnShell) ------------------------------
+
+    def begin_turn(self, req: _LabRequest, plan: Plan, session_id: str) -> tuple[None, Plan]:
+        """No Dynamo turn in the lab: the plan with admission's routing key."""
+        return None, with_turn_headers(plan, self.config, req.headers, _NONE)
+
+    def end_turn(self, turn: None) -> None:
+        return None
+
+    def entered(self, req: _LabRequest, plan: Plan, tracked: TrackedRequest | None) -> None:
+        return None  # a lab client never disconnects
+
+    def decided(self, req: _LabRequest, decision: Decision, observe: ObserveUsage | None) -> None:
+        if decision.action != "pass":
+            req.wait_s = decision.wait_s
+        key = decision.action + ":" + decision.reason
+        self.decisions[key] = self.decisions.get(key, 0) + 1
+        req.observe = observe
+
+    async def send(
+        self,
+        req: _LabRequest,
+        plan: Plan,
+        turn: None,
+        fields: Mapping[str, Any],
+        source: str | None,
+    ) -> SimRequest:
+        """The forwarded body to the engine the router's placement picks."""
+        if source == "steering":  # eviction steered by priority, as the handler splices it
+            prio = fields["priority"]
+            self.priorities[prio] = self.priorities.get(prio, 0) + 1
+        req.headers.update(plan.headers)
+        out = {**req.body, **fields} if fields else req.body
+        engine = self.engines[self.placement.pick(req.headers)]
+        try:
+            done = await engine.generate(out)
+        except EngineError as exc:
+            raise ProxyError(exc.status, "engine_error", str(exc)) from None
+        if req.observe is not None:
+            # The engine's own usage report (meta_info of the final chunk).
+            req.observe(
+                Usage(
+                    prompt_tokens=done.prompt_tokens,
+                    completion_tokens=done.generated,
+                    cached_tokens=done.cached_tokens,
                 )
-                enter = stack.enter_async_context(self.admission.admit(areq))
-                decision: Decision = await (tracked.until_forwarded(enter) if tracked else enter)
-                if decision.action != "pass":
-                    wait_s = decision.wait_s
-                key = decision.action + ":" + decision.reason
-                self.decisions[key] = self.decisions.get(key, 0) + 1
-                if decision.reason == "cancelled":
-                    raise ProxyError(
-                        409, "request_cancelled", f"request {plan.ticket} was cancelled"
-                    )
-                steering = decision.priority
-            if tracked is not None:
-                tracked.forwarded()
-        except SessionClosed as exc:
-            raise ProxyError(409, "session_closed", str(exc)) from None
-        return areq, wait_s, steering
+            )
+        return done
 
     async def close_session(self, session_id: str) -> None:
         """``POST /close_session {"session_id"}`` sent to the proxy."""

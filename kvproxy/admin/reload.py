@@ -13,7 +13,7 @@ from typing import Any
 from aiohttp import web
 
 from kvproxy.config import Config, ConfigError, apply_overrides, load_config
-from kvproxy.keys import ADMISSION, AGENTS, CONFIG, FLEET, SESSIONS
+from kvproxy.keys import ADMISSION, CONFIG, DYNAMO, FLEET, SESSIONS
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ async def reload_config(app: web.Application) -> dict[str, Any]:
     app[FLEET].reconfigure(new.router)
     await app[SESSIONS].reconfigure(new.session_lifecycle)
     await admission.reconfigure(new.admission)
-    app[AGENTS].reconfigure(new)
+    app[DYNAMO].reconfigure(new)
     if new.router.policy != admission.placement.policy:
         admission.set_router_policy(new.router.policy)
     logging.getLogger("kvproxy").setLevel(new.server.log_level.upper())

@@ -21,7 +21,7 @@ from kvproxy.admin.guard import guarded, is_allowed
 from kvproxy.admin.health import health_doc
 from kvproxy.admin.reload import reload_config
 from kvproxy.config import ConfigError
-from kvproxy.keys import ADMISSION, AGENTS, CONFIG, REGISTRY, SESSIONS
+from kvproxy.keys import ADMISSION, CONFIG, DYNAMO, REGISTRY, SESSIONS
 from kvproxy.proxy.errors import ErrorType
 from kvproxy.proxy.responses import error_response
 
@@ -46,7 +46,7 @@ async def handle_stats(request: web.Request) -> web.Response:
     stats: dict[str, float] = {}
     stats.update(sessions.stats(reset=reset))
     if live.config.session_lifecycle.enabled:
-        stats.update(app[AGENTS].stats(reset=reset))
+        stats.update(app[DYNAMO].stats(reset=reset))
     stats.update(app[ADMISSION].stats(reset=reset))
     return json_response(stats)
 

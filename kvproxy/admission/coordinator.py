@@ -91,6 +91,7 @@ from kvproxy.admission.params import ProgramParams
 from kvproxy.admission.program import ProgramCore, Release
 from kvproxy.admission.reservation import ReservationSizer, expected_output
 from kvproxy.config import AdmissionConfig
+from kvproxy.fleet.client import EngineHttp
 from kvproxy.fleet.engine_info import EngineSessionMode, parse_server_info, probe
 from kvproxy.fleet.engine_metrics import parse_engine_metrics
 from kvproxy.fleet.placement import Placement
@@ -482,7 +483,7 @@ class AdmissionController:
         cfg: AdmissionConfig,
         *,
         healthy_engines: Callable[[], Sequence[str]],
-        http: aiohttp.ClientSession | None,
+        http: EngineHttp | None,
         clock: Callable[[], float] | None = None,
         fetch_metrics: Callable[[str], Awaitable[str]] | None = None,
         router_policy: str | None = None,

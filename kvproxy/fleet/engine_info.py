@@ -24,6 +24,7 @@ from typing import Any
 import aiohttp
 import orjson
 
+from kvproxy.fleet.client import EngineHttp
 from kvproxy.urls import base_url
 
 SERVER_INFO_PATHS = ("/server_info", "/get_server_info")
@@ -180,7 +181,7 @@ def mode_warnings(modes: Sequence[EngineSessionMode]) -> list[str]:
 
 
 async def _get_json(
-    http: aiohttp.ClientSession, url: str, client_timeout: aiohttp.ClientTimeout
+    http: EngineHttp, url: str, client_timeout: aiohttp.ClientTimeout
 ) -> tuple[int, Any]:
     async with http.get(url, timeout=client_timeout) as resp:
         raw = await resp.read()
@@ -192,7 +193,7 @@ async def _get_json(
             return resp.status, None
 
 
-async def probe(http: aiohttp.ClientSession, url: str, timeout_s: float) -> EngineSessionMode:
+async def probe(http: EngineHttp, url: str, timeout_s: float) -> EngineSessionMode:
     """Read ``{url}/server_info`` (falling back to ``/get_server_info``) and parse it.
 
     Raises :class:`EngineProbeError` when neither answers with a JSON object within

@@ -16,6 +16,7 @@ from typing import Any
 import aiohttp
 import orjson
 
+from kvproxy.fleet.client import EngineHttp
 from kvproxy.urls import unique_base_urls
 
 _ERROR_BODY_CHARS = 200
@@ -38,7 +39,7 @@ def _describe(exc: BaseException) -> str:
 
 
 async def _post_one(
-    http: aiohttp.ClientSession,
+    http: EngineHttp,
     url: str,
     body: bytes,
     headers: Mapping[str, str],
@@ -61,7 +62,7 @@ async def _post_one(
 
 
 async def post_to_all(
-    http: aiohttp.ClientSession,
+    http: EngineHttp,
     urls: Sequence[str],
     path: str,
     payload: Mapping[str, Any],

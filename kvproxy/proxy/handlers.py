@@ -2,15 +2,12 @@
 
 Every request goes to ``router.url`` unchanged unless it is one of the intercepted
 LLM endpoints. Those are decided by :func:`kvproxy.proxy.pipeline.plan_request` (pure)
-and the plan is carried out here, in order:
-
-1. session lifecycle: count the injection, open the Dynamo turn, track the request
-   (queued, then forwarded) so a session close can reject, abort or await it;
-2. admission: wait in the global FIFO until the ledger grants a lease (or bypass);
-3. forward: one :class:`Attempt` upstream, the planned fields spliced into the raw
-   bytes, the response streamed back chunk by chunk; its usage (read from the tail)
-   goes to admission. The lease and the session's tracking are released when the
-   attempt ends, on every exit path.
+and the plan is carried out by :class:`kvproxy.proxy.turn.TurnFlow` (the order: count the
+injection, open the Dynamo turn, track the request, wait for admission, send, release),
+with this module as its shell: :class:`ProxyHandlers` opens the Dynamo turn, says what a
+client disconnect aborts, puts the admission decision's headers on the response, and
+sends one :class:`Attempt` upstream, the planned fields spliced into the raw bytes, the
+response streamed back chunk by chunk; its usage (read from the tail) goes to admission.
 
 With both features off the body is not even parsed: the bytes forwarded are the
 bytes received. Refusals are raised as :class:`~kvproxy.proxy.refusals.Refused`;
@@ -34,13 +31,13 @@ import orjson
 from aiohttp import web
 from multidict import CIMultiDict
 
-from kvproxy.admission.coordinator import (
-    Admission,
-    AdmissionController,
-    AdmissionRequest,
-    Decision,
-)
+from kvproxy.admission.coordinator import AdmissionController, Decision
 from kvproxy.config import LiveConfig
+from kvproxy.dynamo import streaming
+from kvproxy.dynamo.control import Dynamo, Turn
+from kvproxy.dynamo.prefill import StreamAnswer
+from kvproxy.dynamo.relay import serve_streaming
+from kvproxy.headers import forward_request_headers, forward_response_headers
 from kvproxy.proxy.body import BodyParts, parse_object, unjoined
 from kvproxy.proxy.errors import ErrorType
 from kvproxy.proxy.metrics import ProxyMetrics
@@ -48,7 +45,7 @@ from kvproxy.proxy.pipeline import (
     PARTS_MIN_BYTES,
     Plan,
     Refusal,
-    final_fields,
+    close_target,
     plan_request,
     read_body,
     render_body,
@@ -57,29 +54,21 @@ from kvproxy.proxy.pipeline import (
 from kvproxy.proxy.refusals import Refused, refusal_response
 from kvproxy.proxy.responses import error_response
 from kvproxy.proxy.scan import validated
-from kvproxy.proxy.session_relay import serve_streaming
-from kvproxy.proxy.upstream import (
-    PartsPayload,
-    forward_request_headers,
-    forward_response_headers,
-)
+from kvproxy.proxy.turn import ObserveUsage, TurnFlow
+from kvproxy.proxy.upstream import PartsPayload
 from kvproxy.proxy.usage import (
     StreamedBodyUsage,
     TailWindow,
-    Usage,
     search_usage,
     usage_from_body,
 )
-from kvproxy.sessions import streaming
-from kvproxy.sessions.dynamo import AgentControl, Turn
 from kvproxy.sessions.identity import (
     ROUTING_KEY_HEADER,
     InvalidSessionId,
     split_session_path,
     validate_session_id,
 )
-from kvproxy.sessions.lifecycle import SessionClosed, SessionManager, TrackedRequest
-from kvproxy.sessions.prefill import StreamAnswer
+from kvproxy.sessions.lifecycle import SessionManager, TrackedRequest
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +78,6 @@ _BUFFER_LIMIT = 256 * 1024
 # Non-streaming upstream responses up to this size are returned in one write.
 _RESPONSE_BUFFER_LIMIT = 1024 * 1024
 
-ObserveUsage = Callable[[Usage | None], None]
 ObserveBody = Callable[[bytes], None]
 ObserveStream = Callable[[StreamAnswer], None]
 
@@ -204,7 +192,7 @@ class ProxyHandlers:
         http: aiohttp.ClientSession,
         sessions: SessionManager,
         admission: AdmissionController,
-        agents: AgentControl,
+        dynamo: Dynamo,
         metrics: ProxyMetrics,
         shutdown: Shutdown,
     ) -> None:
@@ -212,9 +200,13 @@ class ProxyHandlers:
         self.http = http
         self.sessions = sessions
         self.admission = admission
-        self.agents = agents
+        self.dynamo = dynamo
         self.metrics = metrics
         self.shutdown = shutdown
+        # The intercepted request's turn, carried out by this object's methods.
+        self.turns: TurnFlow[Attempt, Turn, web.StreamResponse, TrackedRequest] = TurnFlow(
+            sessions, admission, self
+        )
 
     # ------------------------------------------------------------------ dispatch
     async def dispatch(self, request: web.Request) -> web.StreamResponse:
@@ -302,110 +294,68 @@ class ProxyHandlers:
         if plan.passthrough:  # not a JSON object: the bytes as received
             return await self.forward(Attempt(request, path, raw, started))
         attempt = Attempt(request, path, raw, started)
-        return await self._carry_out(attempt, plan)
+        return await self.turns.run(attempt, plan, path, request.headers)
 
-    async def _carry_out(self, attempt: Attempt, plan: Plan) -> web.StreamResponse:
-        """The plan's stateful steps, in order, in one coroutine (a coroutine per step
-        would be created and resumed on every request): the injection counters, the
-        Dynamo turn, tracking, the admission wait, the forward. What was entered is left
-        on every path: the lease, then the session's tracking, then the turn."""
-        if plan.injection is not None:
-            self.sessions.note_injection(plan.injection)
-        sid = plan.session_id
-        turn: Turn | None = None
-        if plan.turn and sid is not None:
-            turn, plan = self._begin_turn(attempt, plan, sid)
-        tracked: TrackedRequest | None = None
-        lease: Admission | None = None
-        try:
-            tracked = self._enter(attempt, plan)
-            steering: int | None = None
-            if plan.admit:
-                # ``async with`` spelled out: decided at once in the common case (no
-                # task, no future); a tracked request waits through until_forwarded (a
-                # session close cancels the wait). Released only once granted.
-                if tracked is not None and tracked.rejected:
-                    raise SessionClosed(tracked.session_id)
-                areq = _admission_request(attempt, plan)
-                admission = self.admission.admit(areq)
-                decision = admission.decide_now()
-                if decision is None:
-                    waiting = admission.wait()
-                    decision = await (
-                        tracked.until_forwarded(waiting) if tracked is not None else waiting
-                    )
-                lease = admission
-                steering = self._admission_decided(attempt, plan, areq, decision)
-                if tracked is not None:
-                    tracked.forwarded()  # raises when the session began closing meanwhile
-            return await self._send(attempt, plan, turn, steering)
-        except SessionClosed as exc:
-            raise Refused(ErrorType.SESSION_CLOSED, str(exc)) from None
-        finally:
-            if lease is not None:
-                lease.leave()
-            if tracked is not None:
-                self.sessions.leave(tracked)
-            if turn is not None:
-                self.agents.end(turn)
-
-    def _enter(self, attempt: Attempt, plan: Plan) -> TrackedRequest | None:
-        """Track the request in its session (None: no session, or not tracked), and say
-        what a client disconnect aborts."""
-        sid = plan.session_id
-        if plan.track and sid is not None:
-            # Nothing is awaited before the forward unless admission waits: otherwise the
-            # request is entered as forwarded (not queued, then moved).
-            rids = plan.abort_rids or (plan.ticket,)
-            tracked = self.sessions.enter(
-                sid, plan.ticket, rids, plan.close_after, forwarded=not plan.admit
-            )
+    # ------------------------------------------------------ the turn (kvproxy.proxy.turn)
+    def entered(self, attempt: Attempt, plan: Plan, tracked: TrackedRequest | None) -> None:
+        """What a client disconnect aborts: the tracked request, or the plan's rids."""
+        if tracked is not None:
             attempt.on_disconnect = tracked.disconnected
-            return tracked
-        if plan.abort_rids:
+        else:
             attempt.on_disconnect = functools.partial(
                 self.sessions.abort_in_background, plan.abort_rids
             )
-        return None
 
-    def _begin_turn(self, attempt: Attempt, plan: Plan, sid: str) -> tuple[Turn | None, Plan]:
+    def begin_turn(self, attempt: Attempt, plan: Plan, sid: str) -> tuple[Turn | None, Plan]:
         """The session's Dynamo turn (None when it would do nothing), and the plan with
         the turn's routing headers and program admission's routing key folded in."""
         turn: Turn | None = None
         turn_headers: Mapping[str, str] = _NO_HEADERS
-        if not self.agents.quiet(sid, plan.nvext):
-            turn, turn_headers = self.agents.begin(sid, attempt.path, plan.nvext, plan.close_after)
+        if not self.dynamo.quiet(sid, plan.nvext):
+            turn, turn_headers = self.dynamo.begin(sid, attempt.path, plan.nvext, plan.close_after)
         elif not plan.admit:
             return None, plan  # no headers to fold in, no routing key to derive
         headers = attempt.request.headers
         return turn, with_turn_headers(plan, self.live.config, headers, turn_headers)
 
-    def _send(
+    def end_turn(self, turn: Turn) -> None:
+        self.dynamo.end(turn)
+
+    def send(
         self,
         attempt: Attempt,
         plan: Plan,
         turn: Turn | None,
-        steering: int | None,
+        fields: Mapping[str, Any],
+        source: str | None,
     ) -> Awaitable[web.StreamResponse]:
         """Forward the planned request (or serve it as a Dynamo turn). A plain function
         returning the forward's coroutine on the common path: one coroutine fewer."""
-        fields, source = final_fields(plan, steering)
         if source is not None and self.live.config.session_lifecycle.enabled:
-            self.agents.note_priority(source)
+            self.dynamo.note_priority(source)
         assert isinstance(attempt.body, bytes)
         attempt.body = render_body(attempt.body, plan, fields)
         attempt.extra_headers = plan.headers or None
-        if turn is not None and (self.agents.involved(turn) or turn.wants_body):
+        if turn is not None and (self.dynamo.involved(turn) or turn.wants_body):
             return self._send_turn(attempt, plan, turn, fields)
         return self.forward(attempt)
+
+    def decided(self, attempt: Attempt, decision: Decision, observe: ObserveUsage | None) -> None:
+        """The admission decision's headers go on the response; ``observe`` reads its usage."""
+        attempt.waited = decision.wait_s
+        if decision.action != "pass":
+            attempt.response_headers = _admission_headers(
+                decision.action, decision.reason, decision.wait_s
+            )
+        attempt.observe_usage = observe
 
     async def _send_turn(
         self, attempt: Attempt, plan: Plan, turn: Turn, fields: Mapping[str, Any]
     ) -> web.StreamResponse:
-        """:meth:`_send` for a turn session control is involved in or that keeps its
+        """:meth:`send` for a turn Dynamo is involved in or that keeps its
         answer (the speculative prefill)."""
-        if self.agents.involved(turn):
-            # Session control relays it from the plan's body and fields (the bytes
+        if self.dynamo.involved(turn):
+            # Dynamo relays it from the plan's body and fields (the bytes
             # rendered for the ordinary request are not sent then).
             served = await self._serve_turn(attempt, plan, turn, fields)
             if served is not None:
@@ -430,72 +380,40 @@ class ProxyHandlers:
         except Exception:  # the client's stream must not break on a failed prefill
             log.exception("speculative prefill of a streamed answer failed")
 
-    def _admission_decided(
-        self, attempt: Attempt, plan: Plan, areq: AdmissionRequest, decision: Decision
-    ) -> int | None:
-        """The admission decision's steering priority; its headers go on the response."""
-        attempt.waited = decision.wait_s
-        if decision.reason == "cancelled":
-            # The ticket was cancelled from outside (e.g. a duplicate rid whose twin was
-            # withdrawn): it must not reach the engines.
-            raise Refused(
-                ErrorType.REQUEST_CANCELLED,
-                f"request {plan.ticket} was cancelled before it was forwarded",
-            )
-        if decision.action != "pass":
-            attempt.response_headers = _admission_headers(
-                decision.action, decision.reason, decision.wait_s
-            )
-        admission = self.admission
-        if not admission.learns_from(areq):
-            return decision.priority  # the response's usage is not read
-
-        def observe(usage: Usage | None) -> None:
-            # The engine's own usage report, from the final chunk (or the body).
-            if usage is not None:
-                admission.observe_usage(
-                    areq, usage.prompt_tokens, usage.cached_tokens, usage.completion_tokens
-                )
-            else:
-                admission.observe_usage(areq, None, None, None)
-
-        attempt.observe_usage = observe
-        return decision.priority
-
     async def _serve_turn(
         self, attempt: Attempt, plan: Plan, turn: Turn, fields: Mapping[str, object]
     ) -> web.StreamResponse | None:
-        """A Dynamo streaming-session turn (open / extend), relayed by session control;
+        """A Dynamo streaming-session turn (open / extend), relayed by Dynamo;
         None: forward it as an ordinary request."""
         assert plan.body is not None
-        agents = self.agents
+        dynamo = self.dynamo
         key = attempt.request.headers.get(ROUTING_KEY_HEADER) or plan.headers.get(
             ROUTING_KEY_HEADER, turn.session_id
         )
         body = plan.body
         if not validated(body):
             return None  # a deferred token array is not JSON: the engine answers 400
-        route = agents.plan(turn, body, key)
+        route = dynamo.plan(turn, body, key)
         if route.kind in (streaming.OPEN, streaming.EXTEND):
             headers = forward_request_headers(attempt.request, plan.headers or None)
             observe_tail = _tail_observer(attempt.observe_usage)
             served = await serve_streaming(
-                agents, attempt.request, turn, body, dict(fields), headers, observe_tail
+                dynamo, attempt.request, turn, body, dict(fields), headers, observe_tail
             )
             if served is not None:
                 self._after_turn(attempt, plan, turn)
                 return served
         # The ordinary request follows: a refused slot is closed first, and idle slots on
         # its engine are released until it fits.
-        await agents.settle(turn, body, key)
+        await dynamo.settle(turn, body, key)
         return None
 
     def _after_turn(self, attempt: Attempt, plan: Plan, turn: Turn) -> None:
         assert plan.body is not None
-        headers = attempt.sent_headers  # forward()'s, unless session control served it
+        headers = attempt.sent_headers  # forward()'s, unless Dynamo's relay served it
         if headers is None:
             headers = forward_request_headers(attempt.request, plan.headers or None)
-        self.agents.after_response(turn, plan.body, headers)
+        self.dynamo.after_response(turn, plan.body, headers)
 
     # ------------------------------------------------------------------- forward
     async def forward(self, attempt: Attempt) -> web.StreamResponse:
@@ -637,7 +555,7 @@ class ProxyHandlers:
         Under ``/sessions/{id}/`` the path names the session and the body may be empty;
         a body naming another session is refused.
         """
-        sid = _close_target(await request.read(), path_sid)
+        sid = close_target(await request.read(), path_sid)
         if isinstance(sid, Refusal):
             raise Refused.of(sid)
         return await self._close(sid, reason="close_session")
@@ -703,17 +621,6 @@ class _Kept:
         return None if self._chunks is None else b"".join(self._chunks)
 
 
-def _admission_request(attempt: Attempt, plan: Plan) -> AdmissionRequest:
-    return AdmissionRequest(
-        ticket_id=plan.ticket,
-        path=attempt.path,
-        headers=attempt.request.headers,
-        body=plan.body if plan.body is not None else {},
-        session_id=plan.session_id,
-        routing_key=plan.routing_key,
-    )
-
-
 def _usage_readers(
     attempt: Attempt, event_stream: bool, ok: bool
 ) -> tuple[TailWindow | StreamedBodyUsage | None, _Kept | StreamAnswer | None]:
@@ -761,37 +668,10 @@ def _payload(
 
 
 def _tail_observer(observe: ObserveUsage | None) -> Callable[[bytes], None] | None:
-    """Session control's relay hands back the stream's last bytes."""
+    """Dynamo's relay hands back the stream's last bytes."""
     if observe is None:
         return None
     return lambda tail: observe(search_usage(tail))
-
-
-def _close_target(raw: bytes, path_sid: str | None) -> str | Refusal:
-    """The session a ``/close_session`` call names (body, else the path's), or why not."""
-    sid: object = None
-    if raw.strip():
-        try:
-            doc = orjson.loads(raw)
-        except orjson.JSONDecodeError:
-            doc = None
-        if not isinstance(doc, dict):
-            return Refusal(
-                ErrorType.INVALID_REQUEST, "body must be a JSON object with a session_id"
-            )
-        sid = doc.get("session_id")
-    if path_sid is not None:
-        if sid is not None and sid != path_sid:
-            return Refusal(
-                ErrorType.INVALID_REQUEST,
-                f"body session_id {sid!r} does not match the path's session {path_sid!r}",
-            )
-        sid = path_sid
-    if not isinstance(sid, str):
-        return Refusal(
-            ErrorType.INVALID_REQUEST, "body must be a JSON object with a string session_id"
-        )
-    return sid
 
 
 __all__ = ["INTERCEPTED_PATHS", "Attempt", "ProxyHandlers", "Shutdown"]

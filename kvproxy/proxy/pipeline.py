@@ -7,14 +7,16 @@ and the lab (:mod:`kvlab.lab.proxy`) run the same steps:
    prefix's id, headers, the body as :func:`read_body` reads it, the config) into a
    :class:`Plan` or a :class:`Refusal` (the error the proxy answers itself: stable
    type and message);
-2. the shell applies the stateful parts in order (the injection counters, the Dynamo
-   turn, session tracking, the admission wait); :func:`with_turn_headers` folds the
-   turn's routing headers into the plan and derives the admission routing key;
+2. the turn (:class:`kvproxy.proxy.turn.TurnFlow`, written once for both) applies the
+   stateful parts in order (the injection counters, the Dynamo turn, session
+   tracking, the admission wait); :func:`with_turn_headers` folds the turn's routing
+   headers into the plan and derives the admission routing key;
 3. :func:`final_fields` adds the top-level ``priority`` once admission has answered,
    and :func:`render_body` produces the bytes to forward (spliced, never re-encoded,
    except on the two documented re-serialising paths).
 
-Nothing here raises for bad input: bad input is a :class:`Refusal`.
+Nothing here raises for bad input: bad input is a :class:`Refusal` (so is a bad
+``/close_session`` call: :func:`close_target`).
 """
 
 from __future__ import annotations
@@ -28,12 +30,12 @@ from typing import Any, Final
 import orjson
 
 from kvproxy.config import Config, SessionLifecycleConfig
+from kvproxy.dynamo.nvext import NO_NVEXT, InvalidNvext, Nvext, parse_nvext
+from kvproxy.dynamo.nvext import combine_priority as _combine_priority
 from kvproxy.proxy.body import BodyParts, inject_fields, splice_parts
 from kvproxy.proxy.errors import STATUS, ErrorType
 from kvproxy.proxy.scan import BodyScan, counted_keys_for, members, scan_object, validated
 from kvproxy.record import Record
-from kvproxy.sessions.agent_hints import NO_NVEXT, InvalidNvext, Nvext, parse_nvext
-from kvproxy.sessions.agent_hints import combine_priority as _combine_priority
 from kvproxy.sessions.identity import (
     ROUTING_KEY_HEADER,
     InjectionPlan,
@@ -323,7 +325,7 @@ def with_turn_headers(
 
 def final_fields(plan: Plan, steering: int | None) -> tuple[Mapping[str, Any], str | None]:
     """The fields to add once admission has answered, and the priority's source when a
-    ``priority`` is added (the combination rule: sessions/agent_hints.py)."""
+    ``priority`` is added (the combination rule: dynamo/nvext.py)."""
     assert plan.body is not None
     if steering is None and plan.priority_hint is None:
         return plan.fields, None  # no priority to add (the common case): nothing to copy
@@ -369,11 +371,39 @@ def render_body(raw: bytes, plan: Plan, fields: Mapping[str, Any]) -> bytes | Bo
     return inject_fields(raw, fields)
 
 
+def close_target(raw: bytes, path_sid: str | None) -> str | Refusal:
+    """The session a ``/close_session`` call names (body, else the path's), or why not."""
+    sid: object = None
+    if raw.strip():
+        try:
+            doc = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            doc = None
+        if not isinstance(doc, dict):
+            return Refusal(
+                ErrorType.INVALID_REQUEST, "body must be a JSON object with a session_id"
+            )
+        sid = doc.get("session_id")
+    if path_sid is not None:
+        if sid is not None and sid != path_sid:
+            return Refusal(
+                ErrorType.INVALID_REQUEST,
+                f"body session_id {sid!r} does not match the path's session {path_sid!r}",
+            )
+        sid = path_sid
+    if not isinstance(sid, str):
+        return Refusal(
+            ErrorType.INVALID_REQUEST, "body must be a JSON object with a string session_id"
+        )
+    return sid
+
+
 __all__ = [
     "PARTS_MIN_BYTES",
     "PASS_THROUGH",
     "Plan",
     "Refusal",
+    "close_target",
     "final_fields",
     "plan_request",
     "read_body",

@@ -33,10 +33,10 @@ from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
 from typing import Any
 
-import aiohttp
 from prometheus_client.core import Metric
 
 from kvproxy.config import SessionLifecycleConfig
+from kvproxy.fleet.client import EngineHttp
 from kvproxy.fleet.engine_info import EngineSessionMode, mode_warnings, probe
 from kvproxy.fleet.fanout import post_to_all
 from kvproxy.observability import WindowedCounters, counter_families, gauge_families
@@ -131,7 +131,7 @@ class SessionManager:
         cfg: SessionLifecycleConfig,
         *,
         all_engines: Callable[[], Sequence[str]],
-        http: aiohttp.ClientSession,
+        http: EngineHttp,
         clock: Callable[[], float] = time.monotonic,
         on_closed: Callable[[str], None] | None = None,
     ) -> None:

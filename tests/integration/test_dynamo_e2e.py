@@ -25,8 +25,8 @@ import pytest
 
 from kvlab import stack
 from kvlab.workload.wire import StreamState, parse_sse_line
-from kvproxy.keys import AGENTS, FLEET, SESSIONS
-from kvproxy.sessions import dynamo
+from kvproxy.dynamo import control as dynamo
+from kvproxy.keys import DYNAMO, FLEET, SESSIONS
 
 from .conftest import Proxy, StartProxy, recorded, wait_until
 
@@ -72,7 +72,7 @@ def _config(router_url: str, **lifecycle: Any) -> dict[str, Any]:
 
 async def _placed(p: Proxy, sid: str) -> None:
     async def placed() -> bool:
-        return p.app[AGENTS]._owner(sid) is not None
+        return p.app[DYNAMO]._owner(sid) is not None
 
     await wait_until(placed, timeout_s=10, what="placement known")
 
@@ -142,7 +142,7 @@ async def test_open_pins_kv_on_one_engine_serves_from_the_slot_and_matches_a_pla
 ) -> None:
     urls = [e.url for e in st_engines]
     sid = f"sub-{next(_ids)}"
-    owner = proxy.app[AGENTS]._owner(sid)
+    owner = proxy.app[DYNAMO]._owner(sid)
     assert owner in urls
     prompt = [1000 + i for i in range(40)]
     first = await generate(http, proxy, _turn(prompt, f"{sid}-t0", sid, "open", timeout=60))
@@ -179,8 +179,8 @@ async def test_open_pins_kv_on_one_engine_serves_from_the_slot_and_matches_a_pla
         )
 
     await wait_until(freed, timeout_s=10, what="the streaming session freed")
-    assert proxy.app[AGENTS].counters.total(dynamo.STREAM_EXTENDED) >= 2
-    assert len(proxy.app[AGENTS].slots) == 0
+    assert proxy.app[DYNAMO].counters.total(dynamo.STREAM_EXTENDED) >= 2
+    assert len(proxy.app[DYNAMO].slots) == 0
 
 
 async def test_generated_tokens_equal_a_run_without_session_control(
@@ -200,7 +200,7 @@ async def test_a_mismatching_turn_falls_back_without_an_error(
 ) -> None:
     urls = [e.url for e in st_engines]
     sid = f"mis-{next(_ids)}"
-    owner = proxy.app[AGENTS]._owner(sid)
+    owner = proxy.app[DYNAMO]._owner(sid)
     prompt = [5000 + i for i in range(30)]
     first = await generate(http, proxy, _turn(prompt, f"{sid}-t0", sid, "open", timeout=60))
     edited = [*prompt, 9, *first["output_ids"][1:], 7, 7]  # the answer was rewritten
@@ -220,7 +220,7 @@ async def test_a_mismatching_turn_falls_back_without_an_error(
         return counts == [0] * len(urls)
 
     await wait_until(closed, timeout_s=10, what="the streaming session closed on fall-back")
-    assert proxy.app[AGENTS].counters.total(dynamo.STREAM_FALLBACK + "mismatch") == 1
+    assert proxy.app[DYNAMO].counters.total(dynamo.STREAM_FALLBACK + "mismatch") == 1
 
 
 async def test_bind_with_a_short_timeout_is_closed_after_it(
@@ -237,7 +237,7 @@ async def test_bind_with_a_short_timeout_is_closed_after_it(
         assert resp.status == 200, await resp.text()
     assert proxy.app[SESSIONS].state(sid) == "open"
     # Routed stickily although sticky_routing is off.
-    owner = proxy.app[AGENTS]._owner(sid)
+    owner = proxy.app[DYNAMO]._owner(sid)
     chats = [e for e in await recorded(http, [owner]) if e["path"] == "/v1/chat/completions"]
     assert any(
         e["headers"].get("X-SMG-Routing-Key") == sid or e["headers"].get("x-smg-routing-key") == sid
@@ -248,7 +248,7 @@ async def test_bind_with_a_short_timeout_is_closed_after_it(
         return proxy.app[SESSIONS].state(sid) == "closed"
 
     await wait_until(closed, timeout_s=10, what="the bind timeout closing the session")
-    assert proxy.app[AGENTS].counters.total(dynamo.BIND_CLOSED) >= 1
+    assert proxy.app[DYNAMO].counters.total(dynamo.BIND_CLOSED) >= 1
     closes = [
         e
         for e in await recorded(http, [e.url for e in st_engines], path="/close_session")
@@ -261,7 +261,7 @@ async def test_speculative_prefill_reaches_the_sessions_engine_after_the_respons
     proxy: Proxy, http: aiohttp.ClientSession
 ) -> None:
     sid = f"spec-{next(_ids)}"
-    owner = proxy.app[AGENTS]._owner(sid)
+    owner = proxy.app[DYNAMO]._owner(sid)
     body = {
         "model": MODEL,
         "messages": [{"role": "user", "content": f"plan the task {sid}"}],
@@ -289,14 +289,14 @@ async def test_speculative_prefill_reaches_the_sessions_engine_after_the_respons
     await wait_until(prefilled, timeout_s=10, what="the speculative prefill")
     turn, prefill = mine(await recorded(http, [owner]))  # arrival order on the engine
     assert turn["priority"] == 3  # agent_hints.priority became the top-level priority
-    assert proxy.app[AGENTS].counters.total(dynamo.HINT_PRIORITY) >= 1
+    assert proxy.app[DYNAMO].counters.total(dynamo.HINT_PRIORITY) >= 1
     # The prefill carries the answer the client received: it was built after it.
     assert prefill["messages"][-1] == {"role": "assistant", "content": answer}
     assert prefill["max_tokens"] == 1 and prefill["session_id"] == sid
     assert "nvext" not in prefill and prefill["rid"] != turn["rid"]
 
     async def answered() -> bool:
-        return proxy.app[AGENTS].counters.total(dynamo.PREFILL_SENT) == 1
+        return proxy.app[DYNAMO].counters.total(dynamo.PREFILL_SENT) == 1
 
     await wait_until(answered, timeout_s=10, what="the prefill's answer")
     # Never counted as a turn: one request tracked for the session.
@@ -332,12 +332,12 @@ async def _one_prefill_soon(
     assert time.monotonic() - done_at < 1.5
 
     async def answered() -> bool:
-        return proxy.app[AGENTS].counters.total(dynamo.PREFILL_SENT) == 1
+        return proxy.app[DYNAMO].counters.total(dynamo.PREFILL_SENT) == 1
 
     await wait_until(answered, timeout_s=10, what="the prefill's answer")
     found = mine(await recorded(http, [owner]))
     assert len(found) == 2, found  # the turn and exactly one prefill
-    assert proxy.app[AGENTS].counters.total(dynamo.PREFILL_FAILED) == 0
+    assert proxy.app[DYNAMO].counters.total(dynamo.PREFILL_FAILED) == 0
     return found[0], found[1]
 
 
@@ -345,7 +345,7 @@ async def test_a_streamed_chat_turn_gets_its_speculative_prefill_after_done(
     proxy: Proxy, http: aiohttp.ClientSession
 ) -> None:
     sid = f"spec-sse-{next(_ids)}"
-    owner = proxy.app[AGENTS]._owner(sid)
+    owner = proxy.app[DYNAMO]._owner(sid)
     body = {
         "model": MODEL,
         "messages": [{"role": "user", "content": f"plan the task {sid}"}],
@@ -386,7 +386,7 @@ async def test_a_streamed_generate_turn_gets_its_prefill_with_the_output_ids(
     proxy: Proxy, http: aiohttp.ClientSession
 ) -> None:
     sid = f"spec-gen-{next(_ids)}"
-    owner = proxy.app[AGENTS]._owner(sid)
+    owner = proxy.app[DYNAMO]._owner(sid)
     prompt = [7000 + i for i in range(24)]
     body = _turn(prompt, f"{sid}-t0", sid, "bind")
     body["nvext"]["agent_hints"] = {"speculative_prefill": True}
@@ -431,7 +431,7 @@ async def test_a_session_the_engine_no_longer_knows_falls_back_to_the_same_token
     proxy: Proxy, http: aiohttp.ClientSession
 ) -> None:
     sid = f"gone-{next(_ids)}"
-    owner = proxy.app[AGENTS]._owner(sid)
+    owner = proxy.app[DYNAMO]._owner(sid)
     prompt = [6000 + i for i in range(20)]
     first = await generate(http, proxy, _turn(prompt, f"{sid}-t0", sid, "open", timeout=60))
     # The engine drops the session behind kvproxy's back (as its own timeout would).
@@ -455,8 +455,8 @@ async def test_a_session_the_engine_no_longer_knows_falls_back_to_the_same_token
         (True, False),
         (False, True),
     ]
-    assert proxy.app[AGENTS].counters.total(dynamo.STREAM_FALLBACK + "engine_error") >= 1
-    assert proxy.app[AGENTS].slots.get(sid) is None
+    assert proxy.app[DYNAMO].counters.total(dynamo.STREAM_FALLBACK + "engine_error") >= 1
+    assert proxy.app[DYNAMO].slots.get(sid) is None
     # kvproxy's /close_session reached the engine after the refused attempt and before
     # the ordinary retry (a slot's pinned KV is freed before the retry needs room).
     log = await recorded(http, [owner])
@@ -485,8 +485,8 @@ async def test_no_speculative_prefill_when_the_session_ends(
     }
     async with http.post(f"{proxy.url}/v1/chat/completions", json=body) as resp:
         assert resp.status == 200
-    assert proxy.app[AGENTS].counters.total(dynamo.PREFILL_SKIPPED + "session_end") == 1
-    assert proxy.app[AGENTS].counters.total(dynamo.PREFILL_SENT) == 0
+    assert proxy.app[DYNAMO].counters.total(dynamo.PREFILL_SKIPPED + "session_end") == 1
+    assert proxy.app[DYNAMO].counters.total(dynamo.PREFILL_SENT) == 0
 
 
 async def stream_generate(
@@ -508,7 +508,7 @@ async def test_streamed_turns_are_translated_too_and_generate_the_same_tokens(
 ) -> None:
     tag = f"sse-{next(_ids)}"
     sid = f"{tag}-s"
-    owner = proxy.app[AGENTS]._owner(sid)
+    owner = proxy.app[DYNAMO]._owner(sid)
     runs: dict[str, list[list[int]]] = {}
     for mode in ("control", "plain"):
         prompt = [7000 + i for i in range(30)]
@@ -538,7 +538,7 @@ async def test_a_streamed_turn_the_engine_refuses_is_sent_as_the_ordinary_reques
     proxy: Proxy, http: aiohttp.ClientSession
 ) -> None:
     sid = f"sse-gone-{next(_ids)}"
-    owner = proxy.app[AGENTS]._owner(sid)
+    owner = proxy.app[DYNAMO]._owner(sid)
     prompt = [7500 + i for i in range(20)]
     first = await stream_generate(http, proxy, _turn(prompt, f"{sid}-t0", sid, "open", timeout=60))
     async with http.post(f"{owner}/close_session", json={"session_id": sid}) as resp:
@@ -546,7 +546,7 @@ async def test_a_streamed_turn_the_engine_refuses_is_sent_as_the_ordinary_reques
     nxt = [*prompt, *first.output_ids, 1]
     again = await stream_generate(http, proxy, _turn(nxt, f"{sid}-t1", sid))
     assert again.prompt_tokens == len(nxt) and again.output_ids
-    assert proxy.app[AGENTS].slots.get(sid) is None
+    assert proxy.app[DYNAMO].slots.get(sid) is None
 
 
 async def test_strip_nvext_paths_removes_only_nvext(

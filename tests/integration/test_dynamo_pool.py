@@ -21,8 +21,8 @@ import orjson
 import pytest
 
 from kvlab import stack
-from kvproxy.keys import AGENTS
-from kvproxy.sessions import dynamo
+from kvproxy.dynamo import control as dynamo
+from kvproxy.keys import DYNAMO
 
 from .conftest import Proxy, StartProxy, wait_until
 
@@ -63,17 +63,17 @@ async def proxy(small_stack: stack.ManagedProcess, start_proxy: StartProxy) -> P
         },
     }
     p = await start_proxy(doc)
-    agents = p.app[AGENTS]
+    ctl = p.app[DYNAMO]
 
     async def placed() -> bool:
-        return agents._owner("probe") is not None
+        return ctl._owner("probe") is not None
 
     await wait_until(placed, timeout_s=10, what="placement known")
     return p
 
 
 async def _session(
-    http: aiohttp.ClientSession, url: str, i: int, peaks: dict[str, int], agents: Any
+    http: aiohttp.ClientSession, url: str, i: int, peaks: dict[str, int], ctl: Any
 ) -> int:
     rng = random.Random(1000 + i)
     sid = f"pool-{i}"
@@ -90,8 +90,8 @@ async def _session(
             doc = orjson.loads(await resp.read())
             assert resp.status == 200, doc
         assert doc["meta_info"]["prompt_tokens"] == len(prompt)
-        for slot in agents.slots.items():
-            held = agents.slots.held_tokens(slot.engine)
+        for slot in ctl.slots.items():
+            held = ctl.slots.held_tokens(slot.engine)
             peaks[slot.engine] = max(peaks.get(slot.engine, 0), held)
         prompt = [*prompt, *doc["output_ids"], *(rng.randrange(100, 30000) for _ in range(200))]
     return 5
@@ -100,29 +100,29 @@ async def _session(
 async def test_sessions_that_would_overfill_the_pool_go_as_bind_and_all_finish(
     proxy: Proxy,
 ) -> None:
-    agents = proxy.app[AGENTS]
+    ctl = proxy.app[DYNAMO]
     url = proxy.url
     peaks: dict[str, int] = {}
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20)) as http:
         done = await asyncio.wait_for(
-            asyncio.gather(*(_session(http, url, i, peaks, agents) for i in range(8))), 60
+            asyncio.gather(*(_session(http, url, i, peaks, ctl) for i in range(8))), 60
         )
     assert done == [5] * 8
-    assert agents.counters.total(dynamo.STREAM_FALLBACK + "pool_share") >= 1
-    assert agents.counters.total(dynamo.STREAM_EXTENDED) >= 1
+    assert ctl.counters.total(dynamo.STREAM_FALLBACK + "pool_share") >= 1
+    assert ctl.counters.total(dynamo.STREAM_EXTENDED) >= 1
     # kvproxy's view of what each engine pins stays within the share of its pool.
     assert peaks and max(peaks.values()) <= SHARE * POOL
-    assert len(agents.slots) == 0
+    assert len(ctl.slots) == 0
 
 
 async def test_idle_slots_are_released_when_an_ordinary_request_needs_the_room(
     proxy: Proxy,
 ) -> None:
-    agents = proxy.app[AGENTS]
+    ctl = proxy.app[DYNAMO]
     url = proxy.url
     candidates = [f"room-{i}" for i in range(64)]
-    engine = agents._owner(candidates[0])
-    same = [s for s in candidates if agents._owner(s) == engine]
+    engine = ctl._owner(candidates[0])
+    same = [s for s in candidates if ctl._owner(s) == engine]
     assert len(same) >= 3
     first, second, big = same[:3]
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20)) as http:
@@ -135,7 +135,7 @@ async def test_idle_slots_are_released_when_an_ordinary_request_needs_the_room(
             }
             async with http.post(f"{url}/generate", json=body) as resp:
                 assert resp.status == 200, await resp.text()
-        assert {s.session_id for s in agents.slots.items()} == {first, second}
+        assert {s.session_id for s in ctl.slots.items()} == {first, second}
         # An ordinary session request too big for the pool's unpinned part.
         body = {
             "rid": f"{big}-t0",
@@ -148,8 +148,8 @@ async def test_idle_slots_are_released_when_an_ordinary_request_needs_the_room(
             assert resp.status == 200, doc
         assert doc["meta_info"]["prompt_tokens"] == 2900
         # The least recently used idle slot was closed for it; the other one kept.
-        assert {s.session_id for s in agents.slots.items()} == {second}
-        assert agents.counters.total(dynamo.STREAM_FALLBACK + "released_for_room") == 1
+        assert {s.session_id for s in ctl.slots.items()} == {second}
+        assert ctl.counters.total(dynamo.STREAM_FALLBACK + "released_for_room") == 1
         for sid in (second, big):
             async with http.post(f"{url}/close_session", json={"session_id": sid}) as resp:
                 await resp.read()

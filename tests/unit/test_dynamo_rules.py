@@ -8,9 +8,9 @@ from typing import Any
 import orjson
 import pytest
 
-from kvproxy.proxy.scan import scan_object
-from kvproxy.sessions import streaming as st
-from kvproxy.sessions.agent_hints import (
+from kvproxy.dynamo import streaming as st
+from kvproxy.dynamo.binding import BindTimers
+from kvproxy.dynamo.nvext import (
     DEFAULT_BIND_TIMEOUT_S,
     NO_NVEXT,
     PREEMPTION_GAP,
@@ -19,8 +19,8 @@ from kvproxy.sessions.agent_hints import (
     parse_nvext,
     strip_nvext,
 )
-from kvproxy.sessions.binding import BindTimers
-from kvproxy.sessions.prefill import prefill_body
+from kvproxy.dynamo.prefill import prefill_body
+from kvproxy.proxy.scan import scan_object
 
 # ------------------------------------------------------------------ hint mapping
 

@@ -10,12 +10,12 @@ import aiohttp
 import pytest
 
 from kvproxy.config import from_mapping
+from kvproxy.dynamo import control as dynamo
+from kvproxy.dynamo import streaming as st
+from kvproxy.dynamo.nvext import parse_nvext
+from kvproxy.dynamo.prefill import StreamAnswer
 from kvproxy.fleet.ring import HashRing
-from kvproxy.sessions import dynamo
-from kvproxy.sessions import streaming as st
-from kvproxy.sessions.agent_hints import parse_nvext
 from kvproxy.sessions.identity import ROUTING_KEY_HEADER
-from kvproxy.sessions.prefill import StreamAnswer
 
 W1, W2 = "http://127.0.0.1:1", "http://127.0.0.1:2"
 
@@ -44,7 +44,7 @@ async def control() -> Any:
         }
     )
     async with aiohttp.ClientSession() as http:
-        c = dynamo.AgentControl(
+        c = dynamo.Dynamo(
             cfg,
             http=http,
             router_base="http://127.0.0.1:9",
@@ -100,7 +100,7 @@ async def test_a_turn_is_quiet_only_when_it_would_do_nothing(control: Any) -> No
     assert not control.quiet("b", parse_nvext({}))  # its timer keeps it sticky
     assert control.quiet("other", parse_nvext({}))
     control.slots.put(st.Slot("elsewhere", W1))
-    assert not control.quiet("other", parse_nvext({}))  # any slot involves session control
+    assert not control.quiet("other", parse_nvext({}))  # any slot involves Dynamo
 
 
 async def test_bind_default_timeout_is_300_scaled(control: Any) -> None:

@@ -19,6 +19,7 @@ from kvproxy.admission.reservation import (
     prompt_chars,
 )
 from kvproxy.config import SessionLifecycleConfig
+from kvproxy.dynamo.nvext import InvalidNvext, parse_nvext
 from kvproxy.proxy import scan as scan_module
 from kvproxy.proxy.body import parse_object
 from kvproxy.proxy.scan import (
@@ -35,7 +36,6 @@ from kvproxy.proxy.scan import (
     scan_object,
     validated,
 )
-from kvproxy.sessions.agent_hints import InvalidNvext, parse_nvext
 from kvproxy.sessions.identity import InvalidSessionId, injection_plan, resolve_identity
 
 LIFECYCLE = SessionLifecycleConfig(enabled=True)

@@ -1,4 +1,4 @@
-"""A streamed answer accumulated for the speculative prefill (kvproxy.sessions.prefill)."""
+"""A streamed answer accumulated for the speculative prefill (kvproxy.dynamo.prefill)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Any
 import orjson
 import pytest
 
-from kvproxy.sessions.prefill import R_TOO_BIG, R_UNREADABLE, StreamAnswer, prefill_body
+from kvproxy.dynamo.prefill import R_TOO_BIG, R_UNREADABLE, StreamAnswer, prefill_body
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"

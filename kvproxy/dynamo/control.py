@@ -1,9 +1,9 @@
-"""Dynamo's agent hints and session control: the asyncio shell (docs/dynamo.md).
+"""Dynamo (``nvext`` agent hints and session control): the asyncio shell (docs/dynamo.md).
 
-The decisions are pure (:mod:`agent_hints`, :mod:`streaming`, :mod:`binding`,
+The decisions are pure (:mod:`nvext`, :mod:`streaming`, :mod:`binding`,
 :mod:`prefill`); this module does the I/O: the bind reaper, ``/open_session`` and
 ``/close_session`` on the session's engine, translated streaming-session turns, and
-background speculative prefills. Owned by the application (``app[AGENTS]``, :mod:`kvproxy.keys`).
+background speculative prefills. Owned by the application (``app[DYNAMO]``, :mod:`kvproxy.keys`).
 """
 
 from __future__ import annotations
@@ -21,14 +21,14 @@ import orjson
 from prometheus_client.core import Metric
 
 from kvproxy.config import Config
+from kvproxy.dynamo import streaming as st
+from kvproxy.dynamo.binding import BindTimers
+from kvproxy.dynamo.nvext import Nvext
+from kvproxy.dynamo.prefill import StreamAnswer, prefill_body
 from kvproxy.fleet.engine_metrics import parse_engine_metrics
 from kvproxy.fleet.placement import Placement
 from kvproxy.observability import WindowedCounters, counter_families, gauge_families
-from kvproxy.sessions import streaming as st
-from kvproxy.sessions.agent_hints import Nvext
-from kvproxy.sessions.binding import BindTimers
 from kvproxy.sessions.identity import ROUTING_KEY_HEADER, new_rid
-from kvproxy.sessions.prefill import StreamAnswer, prefill_body
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +98,7 @@ class Turn:
         self.answered = True
 
 
-class AgentControl:
+class Dynamo:
     """Bind timers, streaming sessions and speculative prefills of one application."""
 
     def __init__(
@@ -117,7 +117,7 @@ class AgentControl:
         self.config = config
         self._http = http
         self._router = router_base
-        # For the proxy's relay of translated turns (kvproxy.proxy.session_relay).
+        # For the proxy's relay of translated turns (kvproxy.dynamo.relay).
         self.http = http
         self.router_base = router_base
         self._ring_workers = ring_workers
@@ -234,7 +234,7 @@ class AgentControl:
             self.timers.ended(turn.session_id, self._clock())
 
     def note_priority(self, source: str) -> None:
-        """Count what :func:`~kvproxy.sessions.agent_hints.combine_priority` chose."""
+        """Count what :func:`~kvproxy.dynamo.nvext.combine_priority` chose."""
         if source == "hint":
             self.counters.inc(HINT_PRIORITY)
 
@@ -245,7 +245,7 @@ class AgentControl:
         return self.placement.owner(key)
 
     def involved(self, turn: Turn) -> bool:
-        """Whether session control has anything to do with ``turn`` before it is sent
+        """Whether Dynamo has anything to do with ``turn`` before it is sent
         (:meth:`plan` and :meth:`settle`): a streaming slot held by any session, a
         slot's close pending, or an ``open`` with streaming sessions on. False on the
         request path's common case (no slots at all), where both would do nothing."""
@@ -290,7 +290,7 @@ class AgentControl:
     async def settle(self, turn: Turn, body: Mapping[str, Any], routing_key: str) -> None:
         """Before a session's ordinary request: a fall-back's own slot is closed first,
         and idle slots on its engine are closed when their pinned KV would leave no room
-        for it (:func:`~kvproxy.sessions.streaming.slots_to_release`)."""
+        for it (:func:`~kvproxy.dynamo.streaming.slots_to_release`)."""
         if turn.closing is not None and not turn.closing.done():
             with contextlib.suppress(TimeoutError, asyncio.CancelledError):
                 await asyncio.wait_for(asyncio.shield(turn.closing), _CONTROL_TIMEOUT_S)
@@ -322,7 +322,7 @@ class AgentControl:
         return cap if cap is not None else self._capacity.get(engine)
 
     async def _pool_share(self, engine: str, sid: str, body: Mapping[str, Any]) -> str | None:
-        """:func:`~kvproxy.sessions.streaming.pool_share_check` for this turn."""
+        """:func:`~kvproxy.dynamo.streaming.pool_share_check` for this turn."""
         cap, held = self._engine_kv(engine) if self._engine_kv is not None else (None, None)
         if cap is None:
             cap = self._capacity.get(engine)
@@ -385,7 +385,7 @@ class AgentControl:
             log.warning("streaming session %s: /open_session on %s failed: %s", sid, engine, exc)
         return False
 
-    # The translated turn itself is relayed by the proxy (kvproxy.proxy.session_relay),
+    # The translated turn itself is relayed by the proxy (kvproxy.dynamo.relay),
     # through these three steps: claim the slot, build the body, record the outcome.
     async def claim_slot(self, turn: Turn, body: Mapping[str, Any]) -> st.Slot | None:
         """The turn's streaming slot, opened on its engine (OPEN) or the session's
@@ -574,4 +574,4 @@ class AgentControl:
         yield from gauge_families(self.gauges(), GAUGE_HELP)
 
 
-__all__ = ["AgentControl", "Turn"]
+__all__ = ["Dynamo", "Turn"]

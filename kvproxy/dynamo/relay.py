@@ -1,7 +1,7 @@
 """The relay of translated streaming-session turns (Dynamo ``session_control`` open).
 
-The shell around :class:`kvproxy.sessions.dynamo.AgentControl`: session control
-decides and keeps the slots (pure tables in :mod:`kvproxy.sessions.streaming`); this
+The shell around :class:`kvproxy.dynamo.control.Dynamo`: Dynamo
+decides and keeps the slots (pure tables in :mod:`kvproxy.dynamo.streaming`); this
 module does the HTTP. A turn is sent to the router in streaming-session form (only its
 new token ids); an answer that fails before anything reached the client means the
 ordinary request is sent instead (:func:`serve_streaming` returns None).
@@ -19,9 +19,9 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from kvproxy.proxy.upstream import forward_response_headers
-from kvproxy.sessions import streaming as st
-from kvproxy.sessions.dynamo import AgentControl, Turn
+from kvproxy.dynamo import streaming as st
+from kvproxy.dynamo.control import Dynamo, Turn
+from kvproxy.headers import forward_response_headers
 from kvproxy.sse import StreamState, parse_sse_line
 
 log = logging.getLogger(__name__)
@@ -34,7 +34,7 @@ _MAX_HEAD_LINES = 10_000
 
 
 async def serve_streaming(
-    agents: AgentControl,
+    dynamo: Dynamo,
     request: web.Request,
     turn: Turn,
     body: Mapping[str, Any],
@@ -44,18 +44,18 @@ async def serve_streaming(
 ) -> web.StreamResponse | None:
     """Send a turn in streaming-session form; None: send the ordinary request
     instead (the slot, if any, is closed: nothing reached the client)."""
-    slot = await agents.claim_slot(turn, body)
+    slot = await dynamo.claim_slot(turn, body)
     if slot is None:
         return None
-    out = agents.translated_body(turn, body, fields)
+    out = dynamo.translated_body(turn, body, fields)
     if body.get("stream"):
-        relay = _SseRelay(agents, request, turn, slot, body)
+        relay = _SseRelay(dynamo, request, turn, slot, body)
         return await relay.serve(out, headers, observe_tail)
-    return await _serve_json(agents, turn, slot, body, out, headers, observe_tail)
+    return await _serve_json(dynamo, turn, slot, body, out, headers, observe_tail)
 
 
 async def _serve_json(
-    agents: AgentControl,
+    dynamo: Dynamo,
     turn: Turn,
     slot: st.Slot,
     body: Mapping[str, Any],
@@ -65,14 +65,14 @@ async def _serve_json(
 ) -> web.StreamResponse | None:
     sid = turn.session_id
     try:
-        async with agents.http.post(
-            agents.router_base + "/generate", data=out, headers=dict(headers)
+        async with dynamo.http.post(
+            dynamo.router_base + "/generate", data=out, headers=dict(headers)
         ) as resp:
             data = await resp.read()
             status, resp_headers = resp.status, forward_response_headers(resp.headers)
     except (aiohttp.ClientError, TimeoutError) as exc:
         log.warning("streaming session %s: translated turn failed: %s", sid, exc)
-        await agents.give_up_first(slot, st.R_ENGINE_ERROR)
+        await dynamo.give_up_first(slot, st.R_ENGINE_ERROR)
         return None
     doc: Any = None
     if status == 200:
@@ -87,9 +87,9 @@ async def _serve_json(
             status,
             data[:300].decode("utf-8", "replace"),
         )
-        await agents.give_up_first(slot, st.R_ENGINE_ERROR)
+        await dynamo.give_up_first(slot, st.R_ENGINE_ERROR)
         return None
-    if not agents.finish_turn(turn, slot, body["input_ids"], ids, prompt_tokens, False):
+    if not dynamo.finish_turn(turn, slot, body["input_ids"], ids, prompt_tokens, False):
         return None
     if observe_tail is not None:
         observe_tail(data[-_TAIL_BYTES:])
@@ -104,13 +104,13 @@ class _SseRelay:
 
     def __init__(
         self,
-        agents: AgentControl,
+        dynamo: Dynamo,
         request: web.Request,
         turn: Turn,
         slot: st.Slot,
         body: Mapping[str, Any],
     ) -> None:
-        self.agents = agents
+        self.dynamo = dynamo
         self.request = request
         self.turn = turn
         self.slot = slot
@@ -122,20 +122,20 @@ class _SseRelay:
     async def serve(
         self, out: bytes, headers: Mapping[str, str], observe_tail: ObserveTail | None
     ) -> web.StreamResponse | None:
-        agents = self.agents
+        dynamo = self.dynamo
         try:
-            async with agents.http.post(
-                agents.router_base + "/generate", data=out, headers=dict(headers)
+            async with dynamo.http.post(
+                dynamo.router_base + "/generate", data=out, headers=dict(headers)
             ) as resp:
                 response = await self._relay(resp)
         except asyncio.CancelledError:
-            agents.give_up(self.slot, st.R_ENGINE_ERROR)
+            dynamo.give_up(self.slot, st.R_ENGINE_ERROR)
             raise
         except (aiohttp.ClientError, TimeoutError) as exc:
             log.warning(
                 "streaming session %s: translated turn failed: %s", self.turn.session_id, exc
             )
-            await agents.give_up_first(self.slot, st.R_ENGINE_ERROR)
+            await dynamo.give_up_first(self.slot, st.R_ENGINE_ERROR)
             return None
         if response is None or self.broken:
             return response
@@ -144,7 +144,7 @@ class _SseRelay:
         state = self.state
         aborted = state.error is not None or state.finish_reason == "abort"
         # Already relayed: a slot given up just stops the session being a streaming one.
-        agents.finish_turn(
+        dynamo.finish_turn(
             self.turn,
             self.slot,
             self.body["input_ids"],
@@ -174,11 +174,11 @@ class _SseRelay:
     async def _relay(self, resp: aiohttp.ClientResponse) -> web.StreamResponse | None:
         if resp.status != 200:
             await resp.read()
-            await self.agents.give_up_first(self.slot, st.R_ENGINE_ERROR)
+            await self.dynamo.give_up_first(self.slot, st.R_ENGINE_ERROR)
             return None
         held = await self._first_event(resp)
         if held is None:
-            await self.agents.give_up_first(self.slot, st.R_ENGINE_ERROR)
+            await self.dynamo.give_up_first(self.slot, st.R_ENGINE_ERROR)
             return None
         response = web.StreamResponse(status=200, headers=forward_response_headers(resp.headers))
         await response.prepare(self.request)
@@ -187,7 +187,7 @@ class _SseRelay:
             await self._pump(resp, response)
         except (ConnectionResetError, aiohttp.ClientError, TimeoutError):
             self.broken = True
-            self.agents.give_up(self.slot, st.R_ENGINE_ERROR)
+            self.dynamo.give_up(self.slot, st.R_ENGINE_ERROR)
             if self.request.transport is not None:
                 self.request.transport.abort()
             return response
