@@ -38,7 +38,8 @@ from typing import Any
 import orjson
 from multidict import CIMultiDict
 
-from kvproxy.admission.coordinator import AdmissionController, AdmissionRequest, Decision
+from kvproxy.admission.coordinator import AdmissionController
+from kvproxy.admission.records import AdmissionRequest, Decision
 from kvproxy.config import Config
 from kvproxy.lab.engines import EngineError, LabEngine
 from kvproxy.lab.faults import FAULTS, ScrapeFailed, SignalFault

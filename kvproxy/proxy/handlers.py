@@ -34,12 +34,8 @@ import orjson
 from aiohttp import web
 from multidict import CIMultiDict
 
-from kvproxy.admission.coordinator import (
-    Admission,
-    AdmissionController,
-    AdmissionRequest,
-    Decision,
-)
+from kvproxy.admission.coordinator import Admission, AdmissionController
+from kvproxy.admission.records import AdmissionRequest, Decision
 from kvproxy.config import LiveConfig
 from kvproxy.proxy.body import BodyParts, parse_object, unjoined
 from kvproxy.proxy.errors import ErrorType
