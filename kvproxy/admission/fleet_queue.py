@@ -41,6 +41,9 @@ from kvproxy.admission.catalogue import (
     C_BYPASS,
     C_BYPASS_REASON,
     C_CANCELLED,
+    C_LEASE_EXPIRED,
+    C_RESIDENCY_EVICTED,
+    C_RESIDENCY_EXPIRED,
     C_WAIT,
     C_WAIT_CONTINUING,
     C_WAIT_GRANTED,
@@ -159,7 +162,15 @@ Resolved = tuple[FleetEntry, Decision | None]
 class FleetAdmission:
     """Ledger mode over one fleet-wide :class:`~kvproxy.admission.ledger.Ledger`."""
 
-    __slots__ = ("counters", "ledger", "max_queue", "max_wait_s", "queues", "waits")
+    __slots__ = (
+        "_evicted_seen",
+        "counters",
+        "ledger",
+        "max_queue",
+        "max_wait_s",
+        "queues",
+        "waits",
+    )
 
     def __init__(
         self,
@@ -176,6 +187,7 @@ class FleetAdmission:
         self.queues = FleetQueues()
         self.max_wait_s = max_wait_s
         self.max_queue = max_queue
+        self._evicted_seen = 0  # ledger.residency_evicted already counted
 
     def configure(self, *, max_wait_s: float, max_queue: int) -> None:
         self.max_wait_s = max_wait_s
@@ -306,6 +318,26 @@ class FleetAdmission:
                 self.waits.observe(decision.wait_s)
                 out.append((e, decision))
         return out
+
+    def housekeep(self, now: float, idle_s: float) -> None:
+        """A poll's upkeep of the ledger: reconcile it, reclaim leases past their TTL
+        and end residencies idle past ``idle_s`` (counted)."""
+        ledger = self.ledger
+        ledger.reconcile(now)
+        expired = ledger.expire(now)
+        if expired:
+            self.counters.inc(C_LEASE_EXPIRED, len(expired))
+        idle = ledger.expire_sessions(now, idle_s)
+        if idle:
+            self.counters.inc(C_RESIDENCY_EXPIRED, len(idle))
+        self.sync_evicted()
+
+    def sync_evicted(self) -> None:
+        """Count the residencies the ledger's table bound dropped since last time."""
+        evicted = self.ledger.residency_evicted
+        if evicted > self._evicted_seen:
+            self.counters.inc(C_RESIDENCY_EVICTED, evicted - self._evicted_seen)
+        self._evicted_seen = evicted
 
     def next_deadline(self) -> float | None:
         """When the earlier head ages (None: nothing waits)."""

@@ -6,8 +6,9 @@
   stale after ``effective_staleness_s``; counted ``scrape_failure``);
 * :meth:`Poller.probe`: the ``/server_info`` of engines not read yet (eviction policy,
   context length), when priority steering or growth reservations need it;
-* :meth:`Poller.diverted`: the requests smg's own counters show routed off the
-  consistent-hashing ring since the last read (:func:`diverted_requests`);
+* :meth:`Poller.check_diversion`: the requests smg's own counters show routed off
+  the consistent-hashing ring since the last read (:func:`diverted_requests`; counted
+  ``router_diverted``, and warned about);
 * :func:`poll_loop` / :func:`tick_loop`: the background tasks; an exception never
   stops them (counted ``poll_error``).
 
@@ -23,7 +24,7 @@ from collections.abc import Awaitable, Callable, Container, Sequence
 
 import aiohttp
 
-from kvproxy.admission.catalogue import C_POLL_ERROR, C_SCRAPE_FAILURE
+from kvproxy.admission.catalogue import C_DIVERTED, C_POLL_ERROR, C_SCRAPE_FAILURE
 from kvproxy.admission.engine_ledger import EngineLedger
 from kvproxy.admission.ledger import Ledger
 from kvproxy.fleet.engine_info import EngineSessionMode, probe
@@ -35,13 +36,14 @@ from kvproxy.urls import base_url, join
 class Poller:
     """Reads engines' ``/metrics`` and ``/server_info`` and smg's ``/metrics``."""
 
-    __slots__ = ("_diverted_seen", "_fetch", "_http", "_log", "_timeout_s")
+    __slots__ = ("_counters", "_diverted_seen", "_fetch", "_http", "_log", "_timeout_s")
 
     def __init__(
         self,
         http: aiohttp.ClientSession | None,
         fetch_metrics: Callable[[str], Awaitable[str]] | None,
         timeout_s: Callable[[], float],
+        counters: WindowedCounters,
         log: RateLimitedLog,
     ) -> None:
         """``fetch_metrics`` replaces the HTTP scrape (tests, the lab); ``timeout_s``
@@ -51,6 +53,7 @@ class Poller:
         self._http = http
         self._fetch = fetch_metrics or self._http_fetch
         self._timeout_s = timeout_s
+        self._counters = counters
         self._log = log
         self._diverted_seen: float | None = None
 
@@ -75,10 +78,10 @@ class Poller:
         now: float,
         ledger: Ledger,
         engines: EngineLedger,
-        counters: WindowedCounters,
     ) -> None:
         """Feed a scrape's readings to the fleet ledger (which keeps only ``urls``) and
         to program admission's per-engine ledger."""
+        counters = self._counters
         ledger.retain(urls)
         for url, result in zip(urls, results, strict=True):
             if isinstance(result, BaseException):
@@ -123,9 +126,20 @@ class Poller:
         )
         return [r for r in results if isinstance(r, EngineSessionMode)]
 
-    async def diverted(self, url: str) -> float:
-        """Requests smg routed off the ring since the last read of its ``/metrics`` at
-        ``url`` (0 on the first read, or when unreadable or without the counters)."""
+    async def check_diversion(self, url: str) -> None:
+        """Count the requests smg routed off the ring since the last read of its
+        ``/metrics`` at ``url`` (none on the first read), and warn."""
+        diverted = await self._diverted(url)
+        if diverted > 0:
+            self._counters.inc(C_DIVERTED, diverted)
+            self._log.warning(
+                "diverted",
+                "admission: smg routed %d request(s) off the consistent-hashing ring "
+                "(no healthy owner or random fallback): per-engine accounting is off for them",
+                int(diverted),
+            )
+
+    async def _diverted(self, url: str) -> float:
         if self._http is None:
             return 0.0
         try:

@@ -34,8 +34,9 @@ import orjson
 from aiohttp import web
 from multidict import CIMultiDict
 
-from kvproxy.admission.coordinator import Admission, AdmissionController
+from kvproxy.admission.coordinator import AdmissionController
 from kvproxy.admission.records import AdmissionRequest, Decision
+from kvproxy.admission.waiters import Admission
 from kvproxy.config import LiveConfig
 from kvproxy.proxy.body import BodyParts, parse_object, unjoined
 from kvproxy.proxy.errors import ErrorType
