@@ -47,6 +47,7 @@ from kvproxy.fleet.placement import Placement
 from kvproxy.observability import RateLimitedLog, WindowedCounters
 from kvproxy.urls import base_url
 
+# Its lines keep the logger they always had: operators filter on it.
 log = logging.getLogger("kvproxy.admission.coordinator")
 
 # Program mode's lease ids: this prefix and the ticket (the turn it started).
