@@ -42,6 +42,7 @@ MODULES: tuple[str, ...] = (
     "kvproxy.admission.fleet_queue",
     "kvproxy.admission.engine_ledger",
     "kvproxy.admission.program",
+    "kvproxy.admission.learning",
     "kvproxy.admission.waiters",
     "kvproxy.admission.fleet_gate",
     "kvproxy.admission.program_gate",

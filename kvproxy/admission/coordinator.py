@@ -14,10 +14,10 @@ with is pure and time-injected:
   deadline timer, ring mirror, engines' server info).
 
 What is left here: the order below, the mode each request goes to, tickets
-cancelled before they asked (tombstones), calibration from what the engines report,
-the config's reload, and the wiring of :mod:`kvproxy.admission.poller` (what is read
-from the fleet, the background loops) and :mod:`kvproxy.admission.report` (stats,
-health, /metrics).
+cancelled before they asked (tombstones), the config's reload, and the wiring of
+:mod:`kvproxy.admission.learning` (sizing, calibration from what engines report),
+:mod:`kvproxy.admission.poller` (what is read from the fleet, the background loops)
+and :mod:`kvproxy.admission.report` (stats, health, /metrics).
 
 Decision order for one request (:meth:`AdmissionController.admit`):
 
@@ -61,6 +61,7 @@ from kvproxy.admission.catalogue import (
 from kvproxy.admission.decisions import Outcome
 from kvproxy.admission.fleet_gate import FleetGate
 from kvproxy.admission.fleet_queue import FLEET, FleetAdmission
+from kvproxy.admission.learning import Learning
 from kvproxy.admission.ledger import Ledger
 from kvproxy.admission.params import ProgramParams
 from kvproxy.admission.poller import Poller, poll_loop, tick_loop
@@ -85,8 +86,6 @@ from kvproxy.observability import RateLimitedLog, WindowedCounters
 
 log = logging.getLogger(__name__)
 
-# Bound on remembered first-request tickets (a request that never reports is dropped).
-_FIRST_TURNS_MAX = 10_000
 # Cancel-before-acquire tombstones: bounded, and forgotten after the lease TTL.
 _MAX_TOMBSTONES = 100_000
 # Minimum seconds between two log lines of the same kind.
@@ -132,9 +131,9 @@ class AdmissionController:
         self._healthy_engines = healthy_engines
         self._clock = clock or _loop_time
         self._router_metrics_url = router_metrics_url
+        self.program = ProgramCore(ProgramParams.from_config(self._raw_cfg, time_scale))
         self._sizer = ReservationSizer(cfg)
-        # Tickets of sessions' first requests, until the engine reports their usage.
-        self._first_turns: dict[str, bool] = {}
+        self._learning = learning = Learning(self._sizer, self.program, self._log)
         self._tombstones: OrderedDict[str, float] = OrderedDict()
         self.ledger = Ledger(
             headroom=cfg.headroom,
@@ -155,10 +154,9 @@ class AdmissionController:
             residency=residency_of(cfg),
             clock=self._clock,
             log=self._log,
-            size=self._size,
-            first_turn=self._note_first_turn,
+            size=learning.size,
+            first_turn=learning.first_turn,
         )
-        self.program = ProgramCore(ProgramParams.from_config(self._raw_cfg, time_scale))
         self._program_gate = ProgramGate(
             self.program,
             cfg,
@@ -168,8 +166,8 @@ class AdmissionController:
             waits=self._waits,
             clock=self._clock,
             log=self._log,
-            size=self._size,
-            first_turn=self._note_first_turn,
+            size=learning.size,
+            first_turn=learning.first_turn,
         )
         for url, info in (server_info or {}).items():
             self.set_server_info(url, info)
@@ -286,23 +284,6 @@ class AdmissionController:
             return self._program_gate.decide(req)
         return self._fleet_gate.decide(req)
 
-    def _size(self, req: AdmissionRequest) -> int | None:
-        """The request's reservation in tokens; None when the body cannot be sized."""
-        try:
-            return self._sizer.size(req.path, req.body, req.session_id).tokens
-        except Exception:  # fail open on a body the sizer cannot read
-            self._log.warning(
-                "size", "admission: cannot size request %s", req.ticket_id, exc_info=True
-            )
-            return None
-
-    def _note_first_turn(self, ticket: str) -> None:
-        """A session's first request: what it finds cached is the shared prefix."""
-        first_turns = self._first_turns
-        first_turns[ticket] = True
-        if len(first_turns) > _FIRST_TURNS_MAX:
-            del first_turns[next(iter(first_turns))]
-
     def _cancel_waiter(self, w: Waiter) -> None:
         """The awaiting task was cancelled: remove the waiter or release a raced lease."""
         gate = self._program_gate if w.program else self._fleet_gate
@@ -358,14 +339,7 @@ class AdmissionController:
         turn program admission let run (the session's context), a text prompt (the
         chars-per-token calibration). A token-id request of a later turn in ledger mode
         teaches nothing, and the proxy does not read its response for usage."""
-        if not self._cfg.enabled:
-            return False
-        ticket = req.ticket_id
-        return (
-            ticket in self._first_turns
-            or self.program.running(ticket)
-            or self._sizer.calibrates_from(req.body)
-        )
+        return self._cfg.enabled and self._learning.learns_from(req)
 
     def observe_usage(
         self,
@@ -377,27 +351,14 @@ class AdmissionController:
         """Learn from what an engine reported for a finished request: the prompt size of
         a text prompt, (for a session's first request) the shared cached prefix, and in
         program mode the session's context (prompt + completion) and residency."""
-        first_turn = self._first_turns.pop(req.ticket_id, False)
-        if not self._cfg.enabled:
-            return
-        if prompt_tokens is not None and self.program.running(req.ticket_id):
-            try:
-                self.program.observe_response(
-                    req.ticket_id,
-                    self._clock(),
-                    prompt_tokens=int(prompt_tokens),
-                    completion_tokens=None if completion_tokens is None else int(completion_tokens),
-                    cached_tokens=None if cached_tokens is None else int(cached_tokens),
-                )
-            except Exception:
-                self._log.warning("observe", "admission: usage not recorded", exc_info=True)
-        try:
-            if prompt_tokens is not None:
-                self._sizer.observe(req.body, req.session_id, int(prompt_tokens))
-            if first_turn and cached_tokens is not None:
-                self._sizer.observe_shared(int(cached_tokens))
-        except Exception:
-            self._log.warning("calibrate", "admission: calibration failed", exc_info=True)
+        self._learning.observe(
+            req,
+            self._clock(),
+            prompt_tokens,
+            cached_tokens,
+            completion_tokens,
+            enabled=self._cfg.enabled,
+        )
 
     # -- program mode (docs/admission.md#program-mode): kvproxy.admission.program_gate --
 
