@@ -30,7 +30,8 @@ from collections.abc import Callable
 
 from multidict import CIMultiDict
 
-from kvproxy.admission.coordinator import AdmissionController, AdmissionRequest
+from kvproxy.admission.coordinator import AdmissionController
+from kvproxy.admission.records import AdmissionRequest
 from kvproxy.config import AdmissionConfig
 from kvproxy.fleet.engine_metrics import parse_engine_metrics
 

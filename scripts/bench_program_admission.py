@@ -9,7 +9,8 @@ import time
 
 from multidict import CIMultiDict
 
-from kvproxy.admission.coordinator import AdmissionController, AdmissionRequest
+from kvproxy.admission.coordinator import AdmissionController
+from kvproxy.admission.records import AdmissionRequest
 from kvproxy.config import AdmissionConfig
 
 

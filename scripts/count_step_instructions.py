@@ -31,7 +31,8 @@ from benchproxy.callgrind import count_instructions
 from benchproxy.common import SESSIONS, SMALL_BODY_BYTES, make_body
 from multidict import CIMultiDict, CIMultiDictProxy
 
-from kvproxy.admission.coordinator import AdmissionController, AdmissionRequest
+from kvproxy.admission.coordinator import AdmissionController
+from kvproxy.admission.records import AdmissionRequest
 from kvproxy.config import Config
 from kvproxy.proxy import pipeline
 from kvproxy.proxy.handlers import _admission_headers

@@ -44,7 +44,8 @@ from kvlab.lab.engines import EngineError, LabEngine
 from kvlab.lab.faults import FAULTS, ScrapeFailed, SignalFault
 from kvlab.lab.router import Placement
 from kvlab.sim.scheduler import SimRequest
-from kvproxy.admission.coordinator import AdmissionController, Decision
+from kvproxy.admission.coordinator import AdmissionController
+from kvproxy.admission.records import Decision
 from kvproxy.config import Config
 from kvproxy.proxy.pipeline import Plan, Refusal, plan_request, with_turn_headers
 from kvproxy.proxy.refusals import Refused

@@ -12,7 +12,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from kvproxy.admission import coordinator as adm
+from kvproxy.admission import catalogue as adm
 from kvproxy.config import Config
 from kvproxy.fleet.registry import LEGACY_ROUTER_WARNING
 from kvproxy.sessions import lifecycle as ses

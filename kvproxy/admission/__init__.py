@@ -1,8 +1,26 @@
 """Program-aware admission: hold requests at kvproxy's boundary until the fleet's KV
 pool can hold them (see docs/admission.md).
 
-* :mod:`kvproxy.admission.ledger` - capacity, pressure, leases, TTL, epoch (pure);
-* :mod:`kvproxy.admission.reservation` - reservation sizing (pure);
-* :mod:`kvproxy.admission.classify` - scope and protection (pure);
-* :mod:`kvproxy.admission.coordinator` - the FIFO coordinator and poller (asyncio).
+Pure (no I/O, time injected, table-tested):
+
+* :mod:`kvproxy.admission.records` - the request and decision records, ``Action`` / ``Reason``;
+* :mod:`kvproxy.admission.classify` - scope and protection;
+* :mod:`kvproxy.admission.reservation` / :mod:`kvproxy.admission.learning` - reservation
+  sizing and its calibration from engines' usage reports;
+* :mod:`kvproxy.admission.scaling` - the config x token scale / time scale;
+* :mod:`kvproxy.admission.waitqueue` - the queue protocol both modes' queues follow;
+* ledger (request) mode: :mod:`kvproxy.admission.ledger` (capacity, pressure, leases,
+  TTL, epoch) and :mod:`kvproxy.admission.fleet_queue` (the two FIFOs, the decisions);
+* program mode: :mod:`kvproxy.admission.decisions`, :mod:`kvproxy.admission.engine_ledger`,
+  :mod:`kvproxy.admission.engagement`, :mod:`kvproxy.admission.queues`,
+  :mod:`kvproxy.admission.program`, :mod:`kvproxy.admission.priority`,
+  :mod:`kvproxy.admission.params`;
+* :mod:`kvproxy.admission.catalogue` / :mod:`kvproxy.admission.report` - metric names,
+  and the stats / health / Prometheus rendering.
+
+asyncio shells: :mod:`kvproxy.admission.waiters` (a request's handle, its future, the
+deadline timer), :mod:`kvproxy.admission.fleet_gate` and
+:mod:`kvproxy.admission.program_gate` (each mode on the loop),
+:mod:`kvproxy.admission.poller` (what is read from the fleet, the loops) and
+:mod:`kvproxy.admission.coordinator` (the controller).
 """

@@ -1,8 +1,15 @@
-"""The catalogue of program admission's metrics: names, help, and one snapshot rendered
-as stats gauges, Prometheus families and the health document. Pure.
+"""The catalogue of admission's metrics: every name and its help, and program
+admission's snapshot rendered as stats gauges, Prometheus families and the health
+document. Pure.
 
-Counter names are ``agentic_kv/admission/*`` keys (``/kvproxy/stats``; on ``/metrics``
-with ``/`` as ``_`` and a ``_total`` suffix). Per-engine gauges are labelled by engine.
+Counter names are ``agentic_kv/admission/*`` and ``agentic_kv/budget/*`` keys
+(``/kvproxy/stats``; on ``/metrics`` with ``/`` as ``_`` and a ``_total`` suffix).
+Ledger (request) mode's counters are named by :class:`~kvproxy.admission.records.Action`
+and :class:`~kvproxy.admission.records.Reason` values (``admit``, ``bypass``,
+``bypass_<reason>``), program mode's by :class:`~kvproxy.admission.decisions.Outcome`
+and :class:`~kvproxy.admission.decisions.Event` values (``decision_<outcome>``,
+``event_<event>``). Per-engine gauges are labelled by engine. The rendering of the
+whole of admission (stats, health, /metrics) is :mod:`kvproxy.admission.report`.
 """
 
 from __future__ import annotations
@@ -15,9 +22,150 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 
 from kvproxy.admission.decisions import Event, Outcome
 from kvproxy.admission.program import ProgramCore
+from kvproxy.admission.records import Action, Reason
 from kvproxy.fleet.placement import Placement
 
 _A = "agentic_kv/admission/"
+_B = "agentic_kv/budget/"
+
+# -- ledger (request) mode and both modes' shared counters -------------------------------
+
+C_ADMIT = _A + Action.ADMIT.value
+C_BYPASS = _A + Action.BYPASS.value
+# One counter per reason a request bypasses for (protected, degraded, aged, ...).
+C_BYPASS_REASON: Mapping[str, str] = {
+    r: _A + "bypass_" + r.value
+    for r in (
+        Reason.PROTECTED,
+        Reason.DEGRADED,
+        Reason.AGED,
+        Reason.OVERSIZED,
+        Reason.QUEUE_FULL,
+        Reason.DISABLED,
+    )
+}
+C_BYPASS_PROTECTED = C_BYPASS_REASON[Reason.PROTECTED]
+C_BYPASS_DEGRADED = C_BYPASS_REASON[Reason.DEGRADED]
+C_BYPASS_AGED = C_BYPASS_REASON[Reason.AGED]
+C_BYPASS_OVERSIZED = C_BYPASS_REASON[Reason.OVERSIZED]
+C_BYPASS_QUEUE_FULL = C_BYPASS_REASON[Reason.QUEUE_FULL]
+C_BYPASS_DISABLED = C_BYPASS_REASON[Reason.DISABLED]
+C_WAIT = _A + "wait"
+C_CANCELLED = _A + Reason.CANCELLED.value
+C_WAIT_NEW_SESSION = _A + "wait_new_session"
+C_WAIT_CONTINUING = _A + "wait_continuing"
+C_WAIT_GRANTED = _A + "wait_granted"  # internal: grants after a wait
+C_WAIT_SECONDS_SUM = _A + "wait_seconds_sum"  # internal: their summed wait
+C_LEASE_EXPIRED = _B + "lease_expired"
+C_SCRAPE_FAILURE = _B + "scrape_failure"
+C_POLL_ERROR = _B + "poll_error"
+C_RESIDENCY_EXPIRED = _B + "residency_expired"
+C_RESIDENCY_EVICTED = _B + "residency_evicted"
+C_SESSION_ENDED = _B + "session_ended"
+
+COUNTERS = (
+    C_ADMIT,
+    C_BYPASS,
+    C_BYPASS_PROTECTED,
+    C_BYPASS_DEGRADED,
+    C_BYPASS_AGED,
+    C_BYPASS_OVERSIZED,
+    C_BYPASS_QUEUE_FULL,
+    C_BYPASS_DISABLED,
+    C_WAIT,
+    C_CANCELLED,
+    C_WAIT_NEW_SESSION,
+    C_WAIT_CONTINUING,
+    C_WAIT_GRANTED,
+    C_WAIT_SECONDS_SUM,
+    C_LEASE_EXPIRED,
+    C_SCRAPE_FAILURE,
+    C_POLL_ERROR,
+    C_RESIDENCY_EXPIRED,
+    C_RESIDENCY_EVICTED,
+    C_SESSION_ENDED,
+)
+# Counters reported by stats() (the internal ones are folded into wait_seconds_mean).
+STATS_COUNTERS = tuple(c for c in COUNTERS if c not in (C_WAIT_GRANTED, C_WAIT_SECONDS_SUM))
+
+# Gauges (both modes).
+G_ENABLED = _A + "enabled"
+G_WAITING = _A + "waiting"
+G_WAITING_CONTINUING = _A + "waiting_continuing"
+G_WAITING_NEW = _A + "waiting_new"
+G_WAITING_PAUSED = _A + "waiting_paused"
+G_DEFER_RATE = _A + "defer_rate"
+G_DEGRADED_RATE = _A + "degraded_rate"
+G_WAIT_SECONDS_MEAN = _A + "wait_seconds_mean"
+
+HELP: dict[str, str] = {
+    C_ADMIT: "Requests admitted with a lease (at once or after waiting).",
+    C_BYPASS: "Requests forwarded without a lease by the coordinator, all reasons.",
+    C_BYPASS_PROTECTED: "Bypasses of protected work.",
+    C_BYPASS_DEGRADED: "Bypasses because no engine had a fresh capacity reading.",
+    C_BYPASS_AGED: "Bypasses of waiters that waited max_wait_s.",
+    C_BYPASS_OVERSIZED: "Bypasses of reservations larger than the whole ceiling.",
+    C_BYPASS_QUEUE_FULL: "Bypasses because the FIFO was full.",
+    C_BYPASS_DISABLED: "Waiters released when admission was disabled by a reload.",
+    C_WAIT: "Requests that entered the FIFO.",
+    C_CANCELLED: "Waiting requests cancelled (client gone) before a decision.",
+    C_WAIT_NEW_SESSION: "Requests of new (not resident) sessions that entered the new FIFO.",
+    C_WAIT_CONTINUING: "Requests of resident sessions that waited (pressure guard).",
+    C_RESIDENCY_EXPIRED: "Sessions whose residency ended after session_idle_s without a request.",
+    C_RESIDENCY_EVICTED: "Idle resident sessions dropped by the residency table bound.",
+    C_SESSION_ENDED: "Resident sessions ended by end_session (session close).",
+    C_LEASE_EXPIRED: "Leases reclaimed by the lease TTL.",
+    C_SCRAPE_FAILURE: "Engine /metrics scrapes that failed or carried no usage.",
+    C_POLL_ERROR: "Poll iterations that raised (polling continued).",
+    G_WAITING: "Requests waiting in the FIFOs now.",
+    G_WAITING_CONTINUING: "Requests of resident sessions waiting now.",
+    G_WAITING_NEW: "Requests of new sessions (or without one) waiting now.",
+    G_DEFER_RATE: "wait / (admit + wait + bypass), over the process lifetime.",
+    G_DEGRADED_RATE: "bypass_degraded / (admit + wait + bypass), over the process lifetime.",
+    G_WAIT_SECONDS_MEAN: "Mean wait of requests admitted after waiting, process lifetime.",
+    G_ENABLED: "1 when admission is enabled.",
+    _B + "ceiling": "int(sum of fresh engines' max_total_num_tokens x headroom).",
+    _B + "reserved": "Tokens held by live leases.",
+    _B + "resident": "Tokens of resident sessions between their turns.",
+    _B + "resident_sessions": "Resident sessions.",
+    _B + "committed": "reserved + resident.",
+    _B + "available_tokens": "max(0, ceiling - committed).",
+    _B + "reserved_utilization": "committed / ceiling.",
+    _B + "lease_count": "Live leases.",
+    _B + "kv_token_usage_mean": "Mean token_usage over fresh engines, now.",
+    _B + "kv_token_usage_max": "Max token_usage over fresh engines, now (the pressure signal).",
+    _B + "epoch": "Generation of the fresh engine set.",
+    _B + "degraded": "1 when no engine has a fresh reading (every request bypasses).",
+    _B + "engines_fresh": "Engines with a fresh reading.",
+    _B + "engines_stale": "Engines known to the fleet without a fresh reading.",
+}
+
+# The wait histogram (seconds in either mode's queues, any outcome) and the fleet
+# ledger's per-engine gauges.
+WAIT_BUCKETS = (
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    20.0,
+    30.0,
+    60.0,
+    120.0,
+)
+WAIT_HISTOGRAM = "agentic_kv_admission_wait_seconds"
+ENGINE_TOKEN_USAGE = "agentic_kv_budget_engine_token_usage"
+ENGINE_MAX_TOKENS = "agentic_kv_budget_engine_max_total_num_tokens"
+ENGINE_FRESH = "agentic_kv_budget_engine_fresh"
+
+# -- program mode ------------------------------------------------------------------------
+
 PROGRAM_HELP: dict[str, str] = {}
 _C_DECISION = {o: _A + "decision_" + o.value for o in Outcome}
 _C_EVENT = {e: _A + "event_" + e.value for e in Event}
@@ -59,6 +207,7 @@ PROGRAM_HELP[_A + "sessions_active"] = "Sessions counted on their engine (progra
 PROGRAM_HELP[_A + "sessions_paused"] = "Paused sessions (program mode)."
 PROGRAM_HELP[_A + "sessions_new"] = "Sessions whose first turn has not been admitted yet."
 PROGRAM_HELP[_A + "sessions_running"] = "Sessions with a turn in flight (program mode)."
+HELP.update(PROGRAM_HELP)
 
 ENGINE_FAMILIES = (
     (

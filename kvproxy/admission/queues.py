@@ -11,6 +11,8 @@ Each engine has two queues of waiting turns, both in arrival order:
 
 A withdrawn entry (its client went away) is removed lazily: it is marked dead and
 skipped when it reaches a head. The total of live entries is bounded by the caller.
+:class:`Queues` follows :class:`kvproxy.admission.waitqueue.WaitQueues`, as ledger
+mode's FIFOs (:mod:`kvproxy.admission.fleet_queue`) do.
 """
 
 from __future__ import annotations
@@ -94,6 +96,11 @@ class Queues:
             q.new.append(entry)
             q.live_new += 1
         self.entries[entry.ticket] = (entry, which)
+
+    def head(self, url: str, which: str) -> Entry | None:
+        """The live head of an engine's ``paused`` or ``new`` queue."""
+        q = self.by_engine.get(url)
+        return None if q is None else q.head(which)
 
     def pop(self, url: str, which: str) -> Entry:
         e = self.engine(url).pop(which)

@@ -31,7 +31,8 @@ import orjson
 from aiohttp import web
 from multidict import CIMultiDict
 
-from kvproxy.admission.coordinator import AdmissionController, Decision
+from kvproxy.admission.coordinator import AdmissionController
+from kvproxy.admission.records import Decision
 from kvproxy.config import LiveConfig
 from kvproxy.dynamo import streaming
 from kvproxy.dynamo.control import Dynamo, Turn

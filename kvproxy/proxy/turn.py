@@ -36,7 +36,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Generic, Protocol, TypeVar
 
-from kvproxy.admission.coordinator import R_CANCELLED, AdmissionRequest, Decision
+from kvproxy.admission.records import AdmissionRequest, Decision, Reason
 from kvproxy.proxy.errors import ErrorType
 from kvproxy.proxy.pipeline import Plan, final_fields
 from kvproxy.proxy.refusals import Refused
@@ -238,7 +238,7 @@ class TurnFlow(Generic[R, T, S, K]):
         admission = self.admission
         observe = _observer(admission, areq) if admission.learns_from(areq) else None
         self.shell.decided(req, decision, observe)
-        if decision.reason == R_CANCELLED:
+        if decision.reason == Reason.CANCELLED:
             # The ticket was cancelled from outside (e.g. a duplicate rid whose twin was
             # withdrawn): it must not reach the engines.
             raise Refused(

@@ -21,7 +21,7 @@ from multidict import CIMultiDictProxy
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvproxy import keys
-from kvproxy.admission.coordinator import PROGRAM_STATS_KEYS
+from kvproxy.admission.catalogue import PROGRAM_STATS_KEYS
 
 from .conftest import ENGINE_TOKENS, MakeProxy, Proxy, recorded, set_faults, wait_until
 

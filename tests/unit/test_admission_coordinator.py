@@ -10,12 +10,9 @@ from aiohttp import web
 from multidict import CIMultiDict
 from prometheus_client import CollectorRegistry, generate_latest
 
-from kvproxy.admission.coordinator import (
-    PROGRAM_STATS_KEYS,
-    AdmissionController,
-    AdmissionRequest,
-    Decision,
-)
+from kvproxy.admission.catalogue import PROGRAM_STATS_KEYS
+from kvproxy.admission.coordinator import AdmissionController
+from kvproxy.admission.records import AdmissionRequest, Decision
 from kvproxy.config import AdmissionConfig
 
 A, B = "http://a:1", "http://b:1"

@@ -451,7 +451,7 @@ def test_params_scale_every_duration_by_the_time_scale() -> None:
 
 
 def test_the_token_scale_divides_every_token_valued_setting() -> None:
-    from kvproxy.admission.coordinator import token_scaled
+    from kvproxy.admission.scaling import token_scaled
 
     cfg = AdmissionConfig(enabled=True, expected_decode_cap=2048)
     assert token_scaled(cfg, 1) is cfg

@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 from multidict import CIMultiDict
 
-from kvproxy.admission.coordinator import AdmissionController, AdmissionRequest
+from kvproxy.admission.coordinator import AdmissionController
+from kvproxy.admission.records import AdmissionRequest
 from kvproxy.config import AdmissionConfig
 from kvproxy.fleet.ring import HashRing
 
@@ -206,7 +207,7 @@ async def test_placement_moves_sessions_when_an_engine_goes_unavailable(lab) -> 
 
 
 def test_diverted_requests_reads_smgs_off_ring_branches() -> None:
-    from kvproxy.admission.coordinator import diverted_requests
+    from kvproxy.admission.poller import diverted_requests
 
     text = (
         "# TYPE smg_consistent_hashing_policy_branch_total counter\n"

@@ -6,8 +6,8 @@ import importlib
 
 import pytest
 
-from kvproxy.admission.coordinator import Decision
 from kvproxy.admission.ledger import Grant, Lease
+from kvproxy.admission.records import Decision
 from kvproxy.compiled import MODULES
 from kvproxy.proxy.usage import Usage
 from kvproxy.record import Record

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from kvproxy.admission.coordinator import AdmissionRequest, Decision
+from kvproxy.admission.records import AdmissionRequest, Decision
 from kvproxy.proxy.errors import ErrorType
 from kvproxy.proxy.pipeline import Plan
 from kvproxy.proxy.refusals import Refused
