@@ -259,6 +259,11 @@ class AdmissionConfig:
     release_busy: float = 0.5
     engage_windows: int = 2
     release_windows: int = 6
+    # Cold start: a permissive engine also engages, before any thrash is measured, after
+    # engage_windows busy windows in a row in which it ran at least cold_start_sessions
+    # sessions expected to grow to more than 1.5 x its capacity, whose contexts would
+    # cost at least 0.5 of its work to recompute were they all evicted. 0: off.
+    cold_start_sessions: int = 24
     # Growth-aware admission of new sessions: a new session starts only if what the
     # engine's admitted sessions and it are expected to grow to (each: max(footprint,
     # expected peak context)) fits growth_target x capacity. The expected peak is the
@@ -674,6 +679,10 @@ def _validate_program(a: AdmissionConfig) -> None:
     for key in ("engage_windows", "release_windows"):
         value = getattr(a, key)
         _check(value >= 1, f"admission.{key}: must be >= 1 (got {value})")
+    _check(
+        a.cold_start_sessions >= 0,
+        f"admission.cold_start_sessions: must be >= 0 (got {a.cold_start_sessions})",
+    )
     _check(
         a.pause_low < a.pause_high,
         f"admission.pause_low: must be < pause_high ({a.pause_high}) (got {a.pause_low})",

@@ -58,6 +58,13 @@ class ProgramParams:
     release_busy: float = 0.5
     engage_windows: int = 2
     release_windows: int = 6
+    # The cold start (kvproxy.admission.engagement): sessions on the engine, and their
+    # expected peaks over its capacity.
+    cold_start_sessions: int = 24
+    cold_start_ratio: float = 1.5
+    # Work conservation while engaged: an engine with fewer turns in flight takes the
+    # next held turn.
+    min_inflight: int = 3
     staleness_s: float = 6.0
     max_queue: int = 10_000
     max_sessions: int = 100_000
@@ -112,6 +119,7 @@ class ProgramParams:
             release_busy=cfg.release_busy,
             engage_windows=cfg.engage_windows,
             release_windows=cfg.release_windows,
+            cold_start_sessions=cfg.cold_start_sessions,
             staleness_s=cfg.effective_staleness_s * k,
             max_queue=cfg.max_queue,
             max_sessions=cfg.max_sessions,
