@@ -26,8 +26,8 @@ class Outcome(StrEnum):
     RESUMED_WAITED = "resumed_waited"
     # Fail open: a paused session's turn that waited paused_max_wait_s went anyway.
     PAUSED_AGED = "paused_aged"
-    # Work-conserving: a waiting turn its engine took because nothing else was in flight
-    # there (engaged gate; it did not fit yet).
+    # Work-conserving: a waiting turn its engine took because fewer than min_inflight
+    # (3) turns were in flight there (engaged gate; it did not fit yet).
     IDLE_ENGINE = "idle_engine"
     # Fail open, forwarded at once and not held:
     BYPASS_NO_SESSION = "bypass_no_session"  # no session id: nothing to attribute

@@ -15,12 +15,16 @@ measured per engine from what kvproxy sees itself, so neither depends on ``/metr
 
 An engine starts **permissive** (what kvproxy does with admission off: nothing held,
 nothing paused). It **engages** after ``engage_windows`` windows in a row busy at least
-``engage_busy`` with a cost at least ``engage_cost``. It goes permissive again after
+``engage_busy`` with a cost at least ``engage_cost``, or, before any thrash shows (the
+**cold start**), with an **exposure** (the cost were every context the continuing
+turns left behind evicted) at least ``cold_exposure`` while it runs many sessions
+expected to outgrow its pool (``oversubscribed``, judged by the caller from the
+ledger; not after a starved release). It goes permissive again after
 ``release_windows`` windows in a row busy under ``release_busy``, or after
 ``starved_windows`` windows in a row in which held work left it idle (then it may not
 engage again for a back-off that doubles each time). While engaged, the gate is
-work-conserving: an engine with no turn in flight takes the head of its waiting queues
-whether or not it fits (:mod:`kvproxy.admission.program`).
+work-conserving: an engine with fewer than ``min_inflight`` turns in flight takes the
+head of its waiting queues whether or not it fits (:mod:`kvproxy.admission.program`).
 """
 
 from __future__ import annotations
@@ -43,13 +47,15 @@ class Load:
     computed: int = 0
     recomputed: int = 0
     decoded: int = 0
+    exposed: int = 0  # the context continuing turns left behind, evicted or not
     turns: int = 0
     idled: int = 0  # work-conserving releases this window (held work, idle engine)
 
-    def worked(self, computed: int, recomputed: int, decoded: int) -> None:
+    def worked(self, computed: int, recomputed: int, decoded: int, exposed: int = 0) -> None:
         self.computed += computed
         self.recomputed += recomputed
         self.decoded += decoded
+        self.exposed += max(exposed, recomputed)
         self.turns += 1
 
     def recompute_cost(self, decode_token_weight: float, min_turns: int) -> float | None:
@@ -60,6 +66,16 @@ class Load:
             return None
         work = self.computed + decode_token_weight * self.decoded
         return self.recomputed / work if work > 0 else 0.0
+
+    def exposure(self, decode_token_weight: float, min_turns: int) -> float | None:
+        """What the recompute cost would be were every context the continuing turns left
+        behind evicted (the most eviction can cost this work); None with fewer than
+        ``min_turns`` answers."""
+        if self.turns < max(1, min_turns):
+            return None
+        work = float(self.computed - self.recomputed + self.exposed)
+        work += decode_token_weight * self.decoded
+        return self.exposed / work if work > 0 else 0.0
 
     def started(self, now: float) -> None:
         if self.inflight == 0:
@@ -90,7 +106,8 @@ class Load:
 
     def new_window(self, now: float) -> None:
         self.busy_s = 0.0
-        self.computed = self.recomputed = self.decoded = self.turns = self.idled = 0
+        self.computed = self.recomputed = self.decoded = self.exposed = 0
+        self.turns = self.idled = 0
         if self.busy_since is not None:
             self.busy_since = now
 
@@ -110,6 +127,9 @@ class EngageRule:
     # Windows a starved release keeps the engine permissive (doubling each time).
     backoff_windows: int = 12
     max_backoff_windows: int = 192
+    # The cold start's bar: the exposure (the cost were every context left behind
+    # evicted) a window must show before any thrash is measured.
+    cold_exposure: float = 0.5
 
 
 @dataclass(slots=True)
@@ -124,19 +144,33 @@ class Engagement:
     backoff: int = 0  # windows left before it may engage again
 
     def judge(
-        self, rule: EngageRule, *, busy: float, cost: float | None, idled: int = 0
+        self,
+        rule: EngageRule,
+        *,
+        busy: float,
+        cost: float | None,
+        idled: int = 0,
+        exposure: float | None = None,
+        oversubscribed: bool = False,
     ) -> bool | None:
         """One window's verdict: True when it engages now, False when it releases now,
         None when nothing changes. ``cost`` None (too few answers this window): a
         permissive engine keeps its count, neither engaging nor forgetting. ``idled``:
-        how often the engine ran out of work this window while turns were held."""
+        how often the engine ran out of work this window while turns were held.
+        ``oversubscribed`` (the cold start): the engine runs enough sessions expected to
+        outgrow its pool; with an ``exposure`` (the cost were every context left behind
+        evicted) of at least ``engage_cost`` such a window counts as hot before any
+        thrash is measured."""
         if not self.engaged:
             if self.backoff > 0:
                 self.backoff -= 1
                 return None
             if cost is None:
                 return None
-            hot = cost >= rule.engage_cost and busy >= rule.engage_busy
+            costly = cost >= rule.engage_cost or (
+                oversubscribed and exposure is not None and exposure >= rule.cold_exposure
+            )
+            hot = costly and busy >= rule.engage_busy
             self.hot = self.hot + 1 if hot else 0
             if self.hot >= rule.engage_windows:
                 self.engaged, self.hot, self.cool = True, 0, 0

@@ -427,8 +427,9 @@ class EngineLedger:
         total = prompt_tokens + (completion_tokens or 0)
         if cached_tokens is not None:
             cached = min(cached_tokens, prompt_tokens)
-            lost = max(0, min(s.ctx, prompt_tokens) - cached) if continuing else 0
-            eng.load.worked(prompt_tokens - cached, lost, completion_tokens or 0)
+            left = min(s.ctx, prompt_tokens) if continuing else 0
+            lost = max(0, left - cached)
+            eng.load.worked(prompt_tokens - cached, lost, completion_tokens or 0, left)
             if s.turns == 0:
                 # What a session finds cached on its first turn is the shared prefix.
                 eng.shared_prefix = max(eng.shared_prefix, min(cached_tokens, prompt_tokens))

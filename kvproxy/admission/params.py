@@ -8,7 +8,7 @@ The defaults are not written here: a parameter that is a config key takes its de
 from :class:`~kvproxy.config.AdmissionConfig` (``ProgramParams()`` is
 ``ProgramParams.from_config(AdmissionConfig())``); only the controller's own constants
 (``target_cut``, ``target_step``, ``quiet_windows``, ``min_feedback_turns``,
-``growth_alpha``) are set here.
+``growth_alpha``, ``cold_start_ratio``, ``min_inflight``) are set here.
 """
 
 from __future__ import annotations
@@ -67,6 +67,13 @@ class ProgramParams:
     release_busy: float = _D.release_busy
     engage_windows: int = _D.engage_windows
     release_windows: int = _D.release_windows
+    # The cold start (kvproxy.admission.engagement): sessions on the engine, and their
+    # expected peaks over its capacity.
+    cold_start_sessions: int = _D.cold_start_sessions
+    cold_start_ratio: float = 1.5
+    # Work conservation while engaged: an engine with fewer turns in flight takes the
+    # next held turn.
+    min_inflight: int = 3
     staleness_s: float = _D.effective_staleness_s
     max_queue: int = _D.max_queue
     max_sessions: int = _D.max_sessions
@@ -121,6 +128,7 @@ class ProgramParams:
             release_busy=cfg.release_busy,
             engage_windows=cfg.engage_windows,
             release_windows=cfg.release_windows,
+            cold_start_sessions=cfg.cold_start_sessions,
             staleness_s=cfg.effective_staleness_s * k,
             max_queue=cfg.max_queue,
             max_sessions=cfg.max_sessions,

@@ -317,15 +317,28 @@ class ProgramCore:
         else:
             # Resumes go before new sessions; but an aged new head still leaves.
             out.extend(self._age_new(url, now))
-        # Work-conserving: an engine with nothing in flight takes the next waiting turn
-        # (a resume first) whether or not it fits (part of the measured rule: with
-        # engage_on_thrash off the gate is the earlier versions' exactly).
+        out.extend(self._conserve(url, now))
+        return out
+
+    def _conserve(self, url: str, now: float) -> list[Release]:
+        """Work conservation (part of the measured rule: with engage_on_thrash off the
+        gate is the earlier versions' exactly): an engine with fewer than
+        ``min_inflight`` turns in flight takes the next waiting turns (resumes first)
+        whether or not they fit. Only a release to an engine with nothing in flight
+        counts toward the starvation release."""
+        out: list[Release] = []
+        if not self.p.engage_on_thrash:
+            return out
+        q = self.queues.engine(url)
         load = self.ledger.engine(url, now).load
-        if self.p.engage_on_thrash and load.inflight == 0:
+        floor = max(1, self.p.min_inflight)
+        while load.inflight < floor:
             which = "paused" if q.head("paused") is not None else "new"
-            if q.head(which) is not None:
+            if q.head(which) is None:
+                break
+            if load.inflight == 0:
                 load.idled += 1
-                out.append(self._release(url, which, Outcome.IDLE_ENGINE, now))
+            out.append(self._release(url, which, Outcome.IDLE_ENGINE, now))
         return out
 
     def _drain_stale(self, url: str, now: float) -> list[Release]:
@@ -507,6 +520,8 @@ class ProgramCore:
             busy=eng.load.busy_fraction(eng.window_start, now),
             cost=eng.load.recompute_cost(p.decode_token_weight, p.min_feedback_turns),
             idled=eng.load.idled,
+            exposure=eng.load.exposure(p.decode_token_weight, p.min_feedback_turns),
+            oversubscribed=self._oversubscribed(url, eng, now),
         )
         if changed is True:
             self.events[Event.ENGAGED] += 1
@@ -515,6 +530,17 @@ class ProgramCore:
             self.events[Event.DISENGAGED] += 1
             for s in self.ledger.on_engine(url):
                 s.pause_pending = False  # permissive: nobody pauses
+
+    def _oversubscribed(self, url: str, eng: Engine, now: float) -> bool:
+        """The cold start's condition: at least ``cold_start_sessions`` sessions on the
+        engine, expected to grow to more than ``cold_start_ratio`` x its capacity."""
+        p, led = self.p, self.ledger
+        e = eng.engagement
+        if p.cold_start_sessions <= 0 or e.engaged or e.failures > 0:
+            return False  # (after a starved release, only measured thrash engages)
+        if len(eng.sessions) < p.cold_start_sessions:
+            return False
+        return led.reserved(url, now) > p.cold_start_ratio * led.capacity(url)
 
     # -- reads ---------------------------------------------------------------------
 

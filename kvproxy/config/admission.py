@@ -120,6 +120,11 @@ class AdmissionConfig:
     release_busy: float = 0.5
     engage_windows: int = 2
     release_windows: int = 6
+    # Cold start: a permissive engine also engages, before any thrash is measured, after
+    # engage_windows busy windows in a row in which it ran at least cold_start_sessions
+    # sessions expected to grow to more than 1.5 x its capacity, whose contexts would
+    # cost at least 0.5 of its work to recompute were they all evicted. 0: off.
+    cold_start_sessions: int = 24
     # Growth-aware admission of new sessions: a new session starts only if what the
     # engine's admitted sessions and it are expected to grow to (each: max(footprint,
     # expected peak context)) fits growth_target x capacity. The expected peak is the
@@ -251,6 +256,10 @@ def _validate_program_ranges(a: AdmissionConfig) -> None:
     )
     check_each(
         "admission", a, ("engage_windows", "release_windows"), lambda v: v >= 1, "must be >= 1"
+    )
+    check(
+        a.cold_start_sessions >= 0,
+        f"admission.cold_start_sessions: must be >= 0 (got {a.cold_start_sessions})",
     )
 
 

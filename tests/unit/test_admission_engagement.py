@@ -245,3 +245,106 @@ def test_switching_the_rule_off_engages_the_gate_from_the_start() -> None:
     c.ledger.observe_engine(E1, 0.0, max_total_num_tokens=1000)
     c.request("a1", "a", E1, 900, 0.0)
     assert c.request("b1", "b", E1, 900, 0.0).outcome is None
+
+
+# -- the cold start ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("work", "min_turns", "exposure"),
+    [
+        ([], 1, None),
+        ([(100, 0, 10, 0)] * 2, 3, None),  # too few answers
+        # first turns only: nothing was left behind, nothing exposed
+        ([(300, 0, 10, 0)] * 3, 3, 0.0),
+        # a continuing turn that found its 20k context cached: 20k exposed of
+        # 500 new + 20k + 16 x 150
+        ([(500, 0, 150, 20_000)], 1, 20_000 / (500 + 20_000 + 16 * 150)),
+        # the same turn with its context evicted: the same exposure
+        ([(20_500, 20_000, 150, 20_000)], 1, 20_000 / (500 + 20_000 + 16 * 150)),
+        # short contexts under long decodes: little exposed
+        ([(100, 0, 300, 320)], 1, 320 / (100 + 320 + 16 * 300)),
+    ],
+)
+def test_exposure(work, min_turns, exposure) -> None:
+    load = Load()
+    for computed, recomputed, decoded, exposed in work:
+        load.worked(computed, recomputed, decoded, exposed)
+    got = load.exposure(16.0, min_turns)
+    assert got == (None if exposure is None else pytest.approx(exposure))
+
+
+@pytest.mark.parametrize(
+    ("windows", "verdicts"),
+    [
+        # oversubscribed and exposed, busy: engages before any recompute is measured
+        ([(0.9, 0.0, True, 0.6)] * 2, [None, True]),
+        # exposed but the working set fits: only measured thrash engages
+        ([(0.9, 0.0, False, 0.6)] * 3, [None] * 3),
+        # oversubscribed but cheap to recompute (short contexts): never
+        ([(0.9, 0.0, True, 0.45)] * 3, [None] * 3),
+        # oversubscribed and exposed but not busy: never
+        ([(0.5, 0.0, True, 0.9)] * 3, [None] * 3),
+        # one cold window and one measured-thrash window in a row engage too
+        ([(0.9, 0.0, True, 0.6), (0.9, 0.5, False, 0.6)], [None, True]),
+    ],
+)
+def test_cold_start_rule(windows, verdicts) -> None:
+    e = Engagement()
+    got = [
+        e.judge(RULE, busy=busy, cost=cost, oversubscribed=over, exposure=exp)
+        for busy, cost, over, exp in windows
+    ]
+    assert got == verdicts
+
+
+COLD = dataclasses.replace(P, cold_start_sessions=3, cold_start_ratio=1.3)
+
+
+def cold_core(params: ProgramParams = COLD, out: int = 10, failures: int = 0) -> ProgramCore:
+    """Three sessions whose second turns found their ~310-token contexts cached (no
+    thrash), each expected to grow to ~820 tokens (3 x 820 against C = 1000)."""
+    c = ProgramCore(params)
+    c.ledger.observe_engine(E1, 0.0, max_total_num_tokens=1000)
+    c.ledger.engine(E1).engagement.failures = failures
+    for sid in "abc":
+        c.request(f"{sid}1", sid, E1, 300, 0.0)
+        answer(c, f"{sid}1", 1.0, 300, 0, 10)
+    c.tick(5.0)  # first turns only: nothing exposed yet
+    for sid in "abc":
+        c.request(f"{sid}2", sid, E1, 330, 5.0)
+    for sid in "abc":
+        answer(c, f"{sid}2", 9.0, 330, 310, out)
+    c.tick(10.0)
+    return c
+
+
+@pytest.mark.parametrize(
+    ("params", "out", "failures", "engaged"),
+    [
+        (COLD, 10, 0, True),
+        (dataclasses.replace(COLD, cold_start_sessions=0), 10, 0, False),  # off
+        (dataclasses.replace(COLD, cold_start_sessions=4), 10, 0, False),  # too few
+        (dataclasses.replace(COLD, cold_start_ratio=3.0), 10, 0, False),  # fits
+        (COLD, 100, 0, False),  # long decodes: recomputing would be cheap
+        (COLD, 10, 1, False),  # holding starved this engine before
+    ],
+)
+def test_a_cold_start_engages_a_busy_engine_before_it_thrashes(
+    params, out, failures, engaged
+) -> None:
+    c = cold_core(params, out, failures)
+    assert c.events[Event.ENGAGED] == int(engaged)
+    assert c.ledger.engaged(E1) is engaged
+
+
+@pytest.mark.parametrize(("floor", "released"), [(1, 0), (2, 1), (3, 2)])
+def test_an_engaged_engine_below_its_floor_takes_held_work(floor, released) -> None:
+    c = engaged_core()  # one turn ("keep") in flight
+    c.p = c.ledger.p = dataclasses.replace(P, min_inflight=floor)
+    for i in range(3):
+        assert c.request(f"n{i}", f"new{i}", E1, 400, 5.5).outcome is None
+    out = c.drain(5.5)
+    assert [r.outcome for r in out] == [Outcome.IDLE_ENGINE] * released
+    # releases while turns were in flight are no sign of starvation
+    assert c.ledger.engine(E1).load.idled == 0
