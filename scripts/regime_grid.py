@@ -35,7 +35,7 @@ from typing import Any
 
 from kvlab.demo import Scenario, git_revision
 from kvlab.lab.faults import FAULTS
-from kvlab.lab.runner import LabConfig, run_lab
+from kvlab.lab.runner import LabConfig, LabError, run_lab
 
 WORKLOADS = ("swe", "rl", "subagents")
 CONTEXTS = {"short": 5_120, "long": None}  # real tokens; None: the preset's
@@ -118,9 +118,15 @@ class Job:
 
 def run_job(job: Job) -> dict[str, Any]:
     logging.disable(logging.WARNING)  # the faults' scrape warnings, once per scrape
-    summary = run_lab(job.config()).summary
+    try:
+        summary = run_lab(job.config()).summary
+    except LabError as exc:  # a run that never finishes is a finding, not a crash of the grid
+        print(f"{job.fleet.key} {job.policy} {job.fault}: {exc}", file=sys.stderr)
+        summary = {"error": str(exc)}
     row = {k: summary.get(k) for k in KEEP}
     row.update(fleet=job.fleet.key, policy=job.policy, fault=job.fault, seed=job.seed)
+    if "error" in summary:
+        row["error"] = summary["error"]
     return row
 
 

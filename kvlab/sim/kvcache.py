@@ -336,7 +336,19 @@ class KVCache:
             stack.extend(node.children.values())
 
     def evict(self, num_tokens: int) -> int:
-        """Evict unlocked leaves in policy order until ``num_tokens`` are freed; return freed."""
+        """Evict unlocked leaves in policy order until ``num_tokens`` are freed; return freed.
+
+        The heap is kept lazily (entries are pushed when a node becomes an unlocked leaf
+        and skipped when stale); should it run dry while unlocked tokens remain, it is
+        rebuilt from the tree once, so eviction never fails while there is cache to evict
+        (a request refused for want of memory on an idle engine would wait for ever)."""
+        freed = self._evict_from_heap(num_tokens)
+        if freed < num_tokens and self.evictable:
+            self._rebuild_heap()
+            freed += self._evict_from_heap(num_tokens - freed)
+        return freed
+
+    def _evict_from_heap(self, num_tokens: int) -> int:
         freed = 0
         heap = self._heap
         while freed < num_tokens and heap and self.evictable:

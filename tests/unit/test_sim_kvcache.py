@@ -235,3 +235,18 @@ def test_random_operations_keep_invariants() -> None:
     kv.evict(10_000)
     assert kv.tree_tokens == 0
     assert kv.available + private == 2_000
+
+
+def test_eviction_rebuilds_a_heap_that_lost_an_evictable_leaf() -> None:
+    # The eviction heap is kept lazily; should a leaf that became evictable be missing
+    # from it, alloc must still evict it rather than refuse (an idle engine refusing a
+    # request for want of memory it could free would never wake again).
+    kv = KVCache(100)
+    for base, n, t in ((0, 60, 1.0), (100, 30, 2.0)):
+        assert kv.alloc(n)
+        kv.insert(seq(base, n), now=t)
+    kv._heap.clear()  # as if the entries of both leaves had been lost
+    assert (kv.available, kv.evictable) == (10, 90)
+    assert kv.alloc(50)  # 40 more than the free pool: the oldest leaf goes
+    assert kv.evicted_total == 60
+    kv.check_invariants(private_tokens=50)
