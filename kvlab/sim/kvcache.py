@@ -336,23 +336,13 @@ class KVCache:
             stack.extend(node.children.values())
 
     def evict(self, num_tokens: int) -> int:
-        """Evict unlocked leaves in policy order until ``num_tokens`` are freed; return freed.
-
-        The heap is kept lazily (entries are pushed when a node becomes an unlocked leaf
-        and skipped when stale); should it run dry while unlocked tokens remain, it is
-        rebuilt from the tree once, so eviction never fails while there is cache to evict
-        (a request refused for want of memory on an idle engine would wait for ever)."""
-        freed = self._evict_from_heap(num_tokens)
-        if freed < num_tokens and self.evictable:
-            self._rebuild_heap()
-            freed += self._evict_from_heap(num_tokens - freed)
-        return freed
-
-    def _evict_from_heap(self, num_tokens: int) -> int:
+        """Evict unlocked leaves in policy order until ``num_tokens`` are freed; return freed."""
         freed = 0
-        heap = self._heap
-        while freed < num_tokens and heap and self.evictable:
-            _, _, version, node = heapq.heappop(heap)
+        # ``self._heap`` is read on every turn, never held in a local: a deletion pushes
+        # the parent that became a leaf, and that push may rebuild the heap as a new list
+        # (bumping every leaf's version), which would leave a held list all stale.
+        while freed < num_tokens and self._heap and self.evictable:
+            _, _, version, node = heapq.heappop(self._heap)
             if (
                 version != node.version
                 or node.parent is None

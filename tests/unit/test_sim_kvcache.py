@@ -237,16 +237,20 @@ def test_random_operations_keep_invariants() -> None:
     assert kv.available + private == 2_000
 
 
-def test_eviction_rebuilds_a_heap_that_lost_an_evictable_leaf() -> None:
-    # The eviction heap is kept lazily; should a leaf that became evictable be missing
-    # from it, alloc must still evict it rather than refuse (an idle engine refusing a
-    # request for want of memory it could free would never wake again).
+def test_eviction_goes_on_when_a_deletion_rebuilds_the_heap() -> None:
+    # Deleting a leaf pushes its parent once that is a leaf; the push rebuilds the heap as
+    # a new list when stale entries pile up. Eviction must go on in the rebuilt heap:
+    # stopping in the old one refused a request with the cache still evictable (an idle
+    # engine then never scheduled again).
     kv = KVCache(100)
-    for base, n, t in ((0, 60, 1.0), (100, 30, 2.0)):
-        assert kv.alloc(n)
-        kv.insert(seq(base, n), now=t)
-    kv._heap.clear()  # as if the entries of both leaves had been lost
-    assert (kv.available, kv.evictable) == (10, 90)
-    assert kv.alloc(50)  # 40 more than the free pool: the oldest leaf goes
-    assert kv.evicted_total == 60
-    kv.check_invariants(private_tokens=50)
+    for ids, t in ((seq(0, 10) + seq(100, 10), 1.0), (seq(0, 10) + seq(200, 10), 2.0)):
+        assert kv.alloc(10 if t > 1.0 else 20)
+        kv.insert(ids, now=t)
+    assert kv.alloc(10)
+    _, late = kv.insert(seq(300, 10), now=9.0)  # the last to go, stale entries piled on it
+    while len(kv._heap) < 4 * kv.num_nodes + 1024:
+        kv._push(late)
+    assert (kv.available, kv.evictable) == (60, 40)
+    assert kv.alloc(90)  # the branches under seq(0, 10), then their parent
+    assert kv.evicted_total == 30
+    kv.check_invariants(private_tokens=90)
