@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # Run the kvproxy demo from a fresh clone: two calibrated simulated engines, the real
 # router (smg, consistent hashing) and kvproxy, the W1 (swe) workload at twice the KV
-# pool with kvproxy's features off and on over three seeds: medians, ratios to off, a
-# verdict per feature, results.json and a chart.
+# pool with kvproxy's features off and on (seed 0; --seeds for more): ratios to off, a
+# verdict, results.json and a chart.
 #
-#   scripts/demo.sh            # about two to three minutes on 2 cores
-#   scripts/demo.sh --quick    # smoke run, about 30 seconds
+#   scripts/demo.sh            # about four minutes on 2 cores
+#   scripts/demo.sh --quick    # a smaller KV-bound W1, about 1-1.5 minutes
 #   scripts/demo.sh --lab      # the lab's policy table (virtual time)
 #
-# Creates .venv (if absent) and installs kvproxy with its demo extra into it.
+# Creates .venv (if absent) and installs kvproxy with its lab extra into it.
 set -euo pipefail
 
 cd "$(dirname "$0")/.."
