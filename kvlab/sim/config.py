@@ -17,6 +17,7 @@ from kvlab.sim.cost import CostModel, validate_cost_model
 __all__ = [
     "CostModel",
     "FaultConfig",
+    "HiCacheConfig",
     "SchedulerConfig",
     "SimConfig",
     "validate_faults",
@@ -27,6 +28,74 @@ MODES = ("plain", "session-radix", "streaming")
 EVICTION_POLICIES = ("lru", "priority")
 METRICS_FAULTS = ("ok", "error", "garbage")
 OUTPUT_LEN_DISTS = ("max", "uniform")
+# SGLang's --hicache-write-policy choices (server_args.py); write_through is its default.
+HICACHE_WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
+# HiRadixCache.load_back_threshold (mem_cache/hiradix_cache.py): a host hit shorter than
+# this many real tokens is recomputed rather than loaded back.
+HICACHE_LOAD_BACK_THRESHOLD = 10
+
+
+@dataclass(frozen=True, slots=True)
+class HiCacheConfig:
+    """SGLang's hierarchical cache (``--enable-hierarchical-cache``): a host KV tier.
+
+    ``ratio`` / ``size_gb`` / ``write_policy`` are SGLang's ``--hicache-ratio``,
+    ``--hicache-size`` (GB; > 0 overrides the ratio) and ``--hicache-write-policy``.
+    The rest describe the model and the host link (the preset fills them in): KV bytes
+    per real token, the effective host<->device bandwidth in GB/s (1e9 bytes), the
+    layer count (the load overlaps the prefill layer by layer) and the token scale K.
+    """
+
+    ratio: float = 2.0
+    size_gb: int = 0
+    write_policy: str = "write_through"
+    kv_bytes_per_token: int = 147_456
+    host_link_gb_s: float = 50.0
+    num_layers: int = 36
+    token_scale: int = 1
+
+    def host_tokens(self, device_tokens: int) -> int:
+        """Host pool size in simulated tokens (HostKVCache: GB // bytes per token, or
+        ``int(device pool x ratio)``)."""
+        if self.size_gb > 0:
+            real = int(self.size_gb * 1e9 // self.kv_bytes_per_token)
+            return max(1, round(real / self.token_scale))
+        return int(device_tokens * self.ratio)
+
+    def transfer_s(self, tokens: int) -> float:
+        """Seconds to move ``tokens`` simulated tokens of KV over the host link."""
+        return tokens * self.token_scale * self.kv_bytes_per_token / (self.host_link_gb_s * 1e9)
+
+    @property
+    def load_back_threshold(self) -> int:
+        return max(1, round(HICACHE_LOAD_BACK_THRESHOLD / self.token_scale))
+
+    def to_server_args(self) -> dict[str, Any]:
+        """The fields SGLang's /server_info reports for it (storage tier: none)."""
+        return {
+            "enable_hierarchical_cache": True,
+            "hicache_ratio": self.ratio,
+            "hicache_size": self.size_gb,
+            "hicache_write_policy": self.write_policy,
+            "hicache_io_backend": "kernel",
+            "hicache_mem_layout": "layer_first",
+            "hicache_storage_backend": None,
+        }
+
+
+def validate_hicache(h: HiCacheConfig) -> None:
+    if h.write_policy not in HICACHE_WRITE_POLICIES:
+        raise ValueError(
+            f"hicache write policy must be one of {HICACHE_WRITE_POLICIES}, got {h.write_policy!r}"
+        )
+    if not h.ratio > 0:
+        raise ValueError(f"hicache ratio must be > 0, got {h.ratio!r}")
+    if h.size_gb < 0:
+        raise ValueError(f"hicache size must be >= 0 GB, got {h.size_gb!r}")
+    if h.kv_bytes_per_token < 1 or not h.host_link_gb_s > 0 or h.num_layers < 1:
+        raise ValueError("hicache: KV bytes per token, link bandwidth and layers must be > 0")
+    if h.token_scale < 1:
+        raise ValueError(f"hicache token scale must be >= 1, got {h.token_scale!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +147,8 @@ class SchedulerConfig:
     # Streaming sessions without their own timeout are reaped after this many idle
     # simulated seconds (None: never).
     streaming_session_timeout_s: float | None = None
+    # SGLang's hierarchical cache (--enable-hierarchical-cache); None: off.
+    hicache: HiCacheConfig | None = None
 
 
 # The scheduler fields SimConfig accepts as keywords (and reads as attributes).
@@ -198,6 +269,10 @@ class SimConfig:
         return self.scheduler.streaming_session_timeout_s
 
     @property
+    def hicache(self) -> HiCacheConfig | None:
+        return self.scheduler.hicache
+
+    @property
     def new_token_ratio_decay_steps(self) -> int:
         return self.scheduler.new_token_ratio_decay_steps
 
@@ -263,3 +338,5 @@ def validate_sim_config(cfg: SimConfig) -> None:
     check(cfg.clip_max_new_tokens >= 1, "clip_max_new_tokens must be >= 1")
     validate_cost_model(cfg.cost)
     validate_faults(cfg.faults)
+    if cfg.hicache is not None:
+        validate_hicache(cfg.hicache)

@@ -33,7 +33,10 @@ from dataclasses import dataclass
 
 class Node:
     __slots__ = (
+        "backed",
         "children",
+        "evicted",
+        "hits",
         "id",
         "key",
         "last_access",
@@ -56,6 +59,11 @@ class Node:
         self.sessions: set[str] | None = None
         self.version = 0
         self.id = node_id
+        # HiCache only (kvlab.sim.hicache): the node's KV has a host copy; the node's
+        # device KV was dropped (host copy only); how often it was hit (write policy).
+        self.backed = False
+        self.evicted = False
+        self.hits = 0
 
     def __repr__(self) -> str:
         return f"Node(id={self.id}, len={len(self.key)}, lock={self.lock_ref}, children={len(self.children)})"
@@ -63,8 +71,11 @@ class Node:
 
 @dataclass(frozen=True, slots=True)
 class MatchResult:
-    length: int
-    node: Node
+    length: int  # tokens matched on the device
+    node: Node  # the last device node of the match
+    # HiCache only: tokens matched beyond ``node`` in host-only nodes, and the last one.
+    host_length: int = 0
+    host_node: Node | None = None
 
 
 def _common_prefix(a: Sequence[int], a_off: int, b: list[int]) -> int:
@@ -177,8 +188,13 @@ class KVCache:
             node = child
         return pos, node
 
+    def _is_leaf(self, node: Node) -> bool:
+        """Whether ``node`` is a leaf for device eviction (HiCache: host-only children
+        do not count)."""
+        return not node.children
+
     def _push_if_evictable_leaf(self, node: Node) -> None:
-        if node is not self.root and not node.children and node.lock_ref == 0:
+        if node is not self.root and node.lock_ref == 0 and self._is_leaf(node):
             self._push(node)
 
     def _split(self, child: Node, k: int) -> Node:
@@ -251,7 +267,7 @@ class KVCache:
                 raise AssertionError(f"lock underflow on {node!r}")
             node.lock_ref -= 1
             node = node.parent  # type: ignore[assignment]
-        if first is not self.root and first.lock_ref == 0 and not first.children:
+        if first is not self.root and first.lock_ref == 0 and self._is_leaf(first):
             self._push(first)
 
     # ------------------------------------------------------------- sessions
@@ -270,7 +286,7 @@ class KVCache:
                 node.sessions.add(session_id)
             nodes.add(node)
             node = node.parent  # type: ignore[assignment]
-        if start is not self.root and start.lock_ref == 0 and not start.children:
+        if start is not self.root and start.lock_ref == 0 and self._is_leaf(start):
             self._push(start)
 
     def release_session(self, session_id: str) -> int:
@@ -283,7 +299,7 @@ class KVCache:
                 node.sessions.discard(session_id)
                 if not node.sessions:
                     node.sessions = None
-                    if node.lock_ref == 0 and not node.children:
+                    if node.lock_ref == 0 and self._is_leaf(node):
                         self._push(node)
         return len(nodes)
 
@@ -321,7 +337,7 @@ class KVCache:
     def _rebuild_heap(self) -> None:
         entries = []
         for node in self._iter_nodes():
-            if not node.children and node.lock_ref == 0:
+            if node.lock_ref == 0 and not node.evicted and self._is_leaf(node):
                 node.version += 1
                 self._heap_seq += 1
                 entries.append((self._key(node), self._heap_seq, node.version, node))
@@ -347,23 +363,34 @@ class KVCache:
                 version != node.version
                 or node.parent is None
                 or node.lock_ref != 0
-                or node.children
+                or not self._is_leaf(node)
             ):
                 continue
-            freed += self._delete_leaf(node)
+            freed += self._evict_leaf(node)
         return freed
 
+    def _evict_leaf(self, node: Node) -> int:
+        """Free the device KV of the unlocked leaf ``node``; return the tokens freed."""
+        return self._delete_leaf(node)
+
     def _delete_leaf(self, node: Node) -> int:
+        size = len(node.key)
+        parent = self._unlink(node)
+        self.evictable -= size
+        self.available += size
+        self.evicted_total += size
+        if parent is not self.root and parent.lock_ref == 0 and self._is_leaf(parent):
+            self._push(parent)
+        return size
+
+    def _unlink(self, node: Node) -> Node:
+        """Take ``node`` (no children) out of the tree; return its parent."""
         parent = node.parent
         assert parent is not None
-        size = len(node.key)
         del parent.children[node.key[0]]
         node.parent = None
         node.version += 1
         self.num_nodes -= 1
-        self.evictable -= size
-        self.available += size
-        self.evicted_total += size
         if node.sessions:
             for sid in node.sessions:
                 s = self._session_nodes.get(sid)
@@ -371,9 +398,7 @@ class KVCache:
                     s.discard(node)
                     if not s:
                         del self._session_nodes[sid]
-        if parent is not self.root and not parent.children and parent.lock_ref == 0:
-            self._push(parent)
-        return size
+        return parent
 
     def reset(self) -> bool:
         """``/flush_cache``: drop the whole tree if nothing is locked. False if busy."""
@@ -402,7 +427,9 @@ class KVCache:
             assert node.parent.children.get(node.key[0]) is node
             if node.parent is not self.root:
                 assert node.parent.lock_ref >= node.lock_ref, "ancestor less locked than child"
-            if node.lock_ref == 0:
+            if node.evicted:
+                assert node.lock_ref == 0, "locked node off the device"
+            elif node.lock_ref == 0:
                 ev += len(node.key)
             else:
                 pr += len(node.key)

@@ -18,7 +18,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from kvlab.sim.config import SchedulerConfig, SimConfig
+from kvlab.sim.config import HiCacheConfig, SchedulerConfig, SimConfig
 from kvlab.sim.cost import CostModel
 
 # SGLang constants that are counted in real tokens or real decode steps.
@@ -26,6 +26,11 @@ RETRACT_DECODE_STEPS = 20  # SGLANG_RETRACT_DECODE_STEPS
 NEW_TOKEN_RATIO_DECAY_STEPS = 600  # SGLANG_NEW_TOKEN_RATIO_DECAY_STEPS
 CLIP_MAX_NEW_TOKENS = 4096  # SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION
 MAX_TOKEN_SCALE = 1024
+# Effective host <-> device bandwidth of a PCIe Gen5 x16 link (H100 / H200 SXM hosts), in
+# GB/s: 64 GB/s per direction on paper, about 51-57 GB/s measured with pinned memory
+# (docs/simulator.md, "HiCache"); 50 allows for a write-through copy in the other
+# direction and SGLang's gather kernel on scattered pages.
+PCIE5_X16_EFFECTIVE_GB_S = 50.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +42,11 @@ class Preset:
     chunked_prefill_size: int
     max_prefill_tokens: int
     context_length: int
+    # For HiCache: KV bytes per token (bf16: layers x kv heads x head dim x 2 x 2), the
+    # layer count, and the host link's effective bandwidth in GB/s.
+    kv_bytes_per_token: int = 147_456
+    num_layers: int = 36
+    host_link_gb_s: float = PCIE5_X16_EFFECTIVE_GB_S
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -61,6 +71,8 @@ def _calibrated(
     c_ms_per_1k: float,
     pool: int,
     context: int,
+    kv_bytes: int,
+    layers: int,
 ) -> Preset:
     # Units as in the reference table: µs, ns, ms, and ms per 1k tokens of S.
     cost = CostModel(
@@ -74,7 +86,7 @@ def _calibrated(
         token_scale=1,
         preset=name,
     )
-    return Preset(name, description, cost, pool, 8192, 16384, context)
+    return Preset(name, description, cost, pool, 8192, 16384, context, kv_bytes, layers)
 
 
 PRESETS: dict[str, Preset] = {
@@ -90,6 +102,8 @@ PRESETS: dict[str, Preset] = {
             c_ms_per_1k=0.0546,
             pool=367_000,
             context=40_960,
+            kv_bytes=147_456,
+            layers=36,
         ),
         _calibrated(
             "qwen3-8b-h200",
@@ -101,6 +115,8 @@ PRESETS: dict[str, Preset] = {
             c_ms_per_1k=0.0384,
             pool=805_000,
             context=40_960,
+            kv_bytes=147_456,
+            layers=36,
         ),
         _calibrated(
             "qwen3-32b-h200",
@@ -112,6 +128,8 @@ PRESETS: dict[str, Preset] = {
             c_ms_per_1k=0.0683,
             pool=265_000,
             context=40_960,
+            kv_bytes=262_144,
+            layers=64,
         ),
         _calibrated(
             "llama3.1-8b-h100",
@@ -123,6 +141,8 @@ PRESETS: dict[str, Preset] = {
             c_ms_per_1k=0.0485,
             pool=415_000,
             context=131_072,
+            kv_bytes=131_072,
+            layers=32,
         ),
         Preset(
             "legacy",
@@ -201,6 +221,30 @@ def scheduler_config(preset: str, token_scale: int = 1, **overrides: Any) -> Sch
         clip_max_new_tokens=scale_tokens(CLIP_MAX_NEW_TOKENS, k),
     )
     return dataclasses.replace(base, **overrides)
+
+
+def hicache_config(
+    preset: str,
+    token_scale: int = 1,
+    *,
+    ratio: float = 2.0,
+    size_gb: int = 0,
+    write_policy: str = "write_through",
+) -> HiCacheConfig:
+    """SGLang's HiCache for ``preset`` (defaults: SGLang's, ratio 2.0 and write_through):
+    the preset's KV bytes per token, layers and host link, at ``token_scale``. The legacy
+    preset, which has no model, uses Qwen3-8B's shape."""
+    _check_scale(token_scale)
+    p = get_preset(preset)
+    return HiCacheConfig(
+        ratio=ratio,
+        size_gb=size_gb,
+        write_policy=write_policy,
+        kv_bytes_per_token=p.kv_bytes_per_token,
+        host_link_gb_s=p.host_link_gb_s,
+        num_layers=p.num_layers,
+        token_scale=token_scale,
+    )
 
 
 def sim_config(preset: str, token_scale: int = 1, **overrides: Any) -> SimConfig:

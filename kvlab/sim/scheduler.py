@@ -52,8 +52,9 @@ from enum import Enum
 from typing import Any
 
 from kvlab.sim.config import SchedulerConfig
+from kvlab.sim.hicache import HiKVCache
 from kvlab.sim.histogram import E2E_BUCKETS, TTFT_BUCKETS, Histogram
-from kvlab.sim.kvcache import KVCache, Node
+from kvlab.sim.kvcache import KVCache, MatchResult, Node
 from kvlab.sim.tokenizer import EOS_TOKEN_ID, OutputStream, rid_seed
 
 CLOSED_SESSION_TOMBSTONES = 8192
@@ -99,6 +100,7 @@ class SimRequest:
     finish_time: float | None = None
     generated: int = 0  # valid unless state is DECODE (use Scheduler.output_len)
     cached_tokens: int = 0
+    host_cached_tokens: int = 0  # the part of cached_tokens loaded back from the host
     node: Node | None = None  # locked tree node (end of the request's cached prefix)
     tree_len: int = 0  # tokens of the sequence held by the tree path up to ``node``
     private: int = 0  # KV slots owned by the request outside the tree
@@ -154,6 +156,10 @@ class Batch:
     items: list[tuple[int, int]] = field(default_factory=list)
     # Decode: total context of the running requests (the cost model's S).
     context_tokens: int = 0
+    # HiCache: tokens loaded back from the host for this prefill, and the stall
+    # (write-back copies) charged to the step; both 0 without HiCache.
+    load_tokens: int = 0
+    stall_s: float = 0.0
 
 
 @dataclass(slots=True)
@@ -168,6 +174,7 @@ class SchedulerStats:
     prompt_tokens_total: int = 0
     generation_tokens_total: int = 0
     cached_tokens_total: int = 0
+    host_cached_tokens_total: int = 0  # cached_tokens_total{cache_source="host"}
     num_requests_total: int = 0
     # The part of the three counters above that came from streaming requests.
     stream_prompt_tokens_total: int = 0
@@ -198,11 +205,17 @@ class SchedulerStats:
 class Scheduler:
     def __init__(self, config: SchedulerConfig, now: float = 0.0) -> None:
         self.cfg = config
-        self.kv = KVCache(
-            config.max_total_tokens,
-            config.eviction_policy,
-            session_refs=config.mode == "session-radix",
-        )
+        session_refs = config.mode == "session-radix"
+        # HiCache (SGLang's HiRadixCache) when configured, else the plain radix cache.
+        self.hi: HiKVCache | None = None
+        if config.hicache is not None:
+            self.hi = HiKVCache(
+                config.max_total_tokens, config.hicache, config.eviction_policy, session_refs
+            )
+            self.kv: KVCache = self.hi
+        else:
+            self.kv = KVCache(config.max_total_tokens, config.eviction_policy, session_refs)
+        self._match: MatchResult | None = None  # the last admission match (HiCache)
         self.stats = SchedulerStats()
         self.now = now
         self.requests: dict[str, SimRequest] = {}  # every unfinished request
@@ -561,6 +574,10 @@ class Scheduler:
         batch = self._form_prefill(now)
         if batch is None and self.running:
             batch = self._form_decode(now)
+        if batch is not None and self.hi is not None and self.hi.stall_s:
+            # Write-back eviction waits for its device -> host copies.
+            batch.stall_s = self.hi.take_stall()
+            batch.duration += batch.stall_s
         self._inflight = batch
         self.stats.evicted_tokens_total = self.kv.evicted_total
         return batch
@@ -614,6 +631,9 @@ class Scheduler:
             if not nothing_else and 1 + remaining_new > kv.available + kv.evictable - reserved:
                 break  # even a full cache hit would not fit
             node, matched, own_lock = self._prefix_for(req, fill_len, now)
+            node, matched = self._load_back(
+                req, batch, node, matched, remaining_new, reserved, nothing_else
+            )
             extend = fill_len - matched
             too_big = bool(batch.reqs) and not chunking and extend > budget
             if too_big or not self._alloc_prefill(extend, remaining_new, reserved, nothing_else):
@@ -669,15 +689,18 @@ class Scheduler:
         self, extend: int, remaining_new: int, reserved: float, nothing_else: bool
     ) -> bool:
         """Allocate ``extend`` tokens if they and the decode reservation fit (alone: just them)."""
+        return self._fits(extend, remaining_new, reserved, nothing_else) and self.kv.alloc(extend)
+
+    def _fits(self, extend: int, remaining_new: int, reserved: float, nothing_else: bool) -> bool:
         kv = self.kv
         rem_total = kv.available + kv.evictable - reserved
-        fits = extend + remaining_new <= rem_total or (
+        return extend + remaining_new <= rem_total or (
             nothing_else and extend <= kv.available + kv.evictable
         )
-        return fits and kv.alloc(extend)
 
     def _prefix_for(self, req: SimRequest, fill_len: int, now: float) -> tuple[Node, int, bool]:
         """(node, matched tokens, whether the lock on node is the request's own)."""
+        self._match = None
         ss = req.stream_session
         if ss is not None and ss.node is not None and ss.tree_len + ss.held >= 1:
             # O(1) restore of the session's held KV.
@@ -686,7 +709,41 @@ class Scheduler:
         fill = req.input_ids if req.generated == 0 else self._fill_ids(req)
         m = kv.match_prefix(fill[: fill_len - 1], now)
         kv.inc_lock(m.node)
+        self._match = m
         return m.node, m.length, True
+
+    def _load_back(
+        self,
+        req: SimRequest,
+        batch: Batch,
+        node: Node,
+        matched: int,
+        remaining_new: int,
+        reserved: float,
+        nothing_else: bool,
+    ) -> tuple[Node, int]:
+        """HiCache: load the host part of the admission match back to the device
+        (PrefillAdder.add_one_req -> init_load_back). Only when the request would fit
+        with those tokens counted as new (SGLang checks ``extend_input_len``, host hits
+        included, against the budget first). Returns the (node, matched) to use."""
+        hi = self.hi
+        if hi is None:
+            return node, matched
+        m = self._match
+        self._match = None
+        if m is None or m.host_node is None or m.node is not node:
+            return node, matched
+        fill_len = req.prompt_tokens + req.generated
+        if not self._fits(fill_len - matched, remaining_new, reserved, nothing_else):
+            return node, matched
+        new = hi.load_back(m)
+        if new is None:
+            return node, matched
+        hi.inc_lock(new)
+        hi.dec_lock(node)
+        batch.load_tokens += m.host_length
+        req.host_cached_tokens += m.host_length
+        return new, matched + m.host_length
 
     def _start_prefill(
         self,
@@ -789,10 +846,23 @@ class Scheduler:
             for r, chunk in zip(batch.reqs, batch.chunks, strict=True)
         ]
         batch.duration = self.cfg.cost.prefill_s(batch.items)
+        if batch.load_tokens:
+            batch.duration = self._with_load(batch.duration, batch.load_tokens)
         total = batch.tokens + batch.hit_tokens
         if batch.hit_tokens or total:
             self.stats.cache_hit_rate = round(batch.hit_tokens / total, 4) if total else 0.0
         return batch
+
+    def _with_load(self, compute_s: float, tokens: int) -> float:
+        """A prefill step that also loads ``tokens`` back from the host. The load runs
+        on its own stream, layer by layer, and layer i's attention waits for layer i's
+        KV (HiCacheController's layer_done_counter), so with L layers the step takes
+        ``max(compute + load / L, load + compute / L)``."""
+        hc = self.cfg.hicache
+        assert hc is not None
+        load_s = hc.transfer_s(tokens)
+        n = hc.num_layers
+        return max(compute_s + load_s / n, load_s + compute_s / n)
 
     def _fill_ids(self, req: SimRequest) -> list[int]:
         assert req.out is not None
@@ -1010,6 +1080,7 @@ class Scheduler:
         st.prompt_tokens_total += req.prompt_tokens
         st.generation_tokens_total += req.generated
         st.cached_tokens_total += req.cached_tokens
+        st.host_cached_tokens_total += req.host_cached_tokens
         if req.stream:
             st.stream_requests_total += 1
             st.stream_prompt_tokens_total += req.prompt_tokens
