@@ -49,6 +49,7 @@ class LabEngine:
             model_name=MODEL_NAME,
             enable_priority_scheduling=cfg.enable_priority_scheduling,
             streaming_sessions=cfg.mode == "streaming",
+            hicache=cfg.hicache is not None,
         )
         self._waiters: dict[str, asyncio.Future[SimRequest]] = {}
         self._wake: asyncio.Event | None = None

@@ -9,23 +9,33 @@ import argparse
 
 from kvlab.sim.config import (
     EVICTION_POLICIES,
+    HICACHE_WRITE_POLICIES,
     METRICS_FAULTS,
     MODES,
     OUTPUT_LEN_DISTS,
     FaultConfig,
+    HiCacheConfig,
     SimConfig,
 )
 from kvlab.sim.cost import CostModel
-from kvlab.sim.presets import DEFAULT_PRESET, PRESET_NAMES, get_preset, scheduler_config
+from kvlab.sim.presets import (
+    DEFAULT_PRESET,
+    PRESET_NAMES,
+    get_preset,
+    hicache_config,
+    scheduler_config,
+)
 
 _D = SimConfig()
 _C = CostModel()
+_H = HiCacheConfig()
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Every flag of ``kvproxy sim-engine``, one argument group at a time."""
     _add_server(parser)
     _add_kv_and_scheduling(parser)
+    _add_hicache(parser)
     _add_time_and_cost(parser)
     _add_faults(parser)
 
@@ -98,6 +108,34 @@ def _add_kv_and_scheduling(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=None,
         help="idle seconds after which a streaming session is reaped (default: never)",
+    )
+
+
+def _add_hicache(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("hierarchical cache (SGLang's HiCache: a host KV tier)")
+    g.add_argument(
+        "--enable-hierarchical-cache",
+        action="store_true",
+        help="keep evicted KV in host memory and load it back instead of recomputing it",
+    )
+    g.add_argument(
+        "--hicache-ratio",
+        type=float,
+        default=_H.ratio,
+        help="host pool size / device pool size (default: %(default)s)",
+    )
+    g.add_argument(
+        "--hicache-size",
+        type=int,
+        default=_H.size_gb,
+        help="host pool size in GB (real tokens' bytes); overrides --hicache-ratio if > 0 "
+        "(default: %(default)s)",
+    )
+    g.add_argument(
+        "--hicache-write-policy",
+        choices=HICACHE_WRITE_POLICIES,
+        default=_H.write_policy,
+        help="when device KV is copied to the host (default: %(default)s)",
     )
 
 
@@ -211,6 +249,17 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         clip_max_new_tokens=sc.clip_max_new_tokens,
         output_len_dist=args.output_len_dist,
         streaming_session_timeout_s=args.streaming_session_timeout,
+        hicache=(
+            hicache_config(
+                preset.name,
+                args.token_scale,
+                ratio=args.hicache_ratio,
+                size_gb=args.hicache_size,
+                write_policy=args.hicache_write_policy,
+            )
+            if args.enable_hierarchical_cache
+            else None
+        ),
         model_name=args.model_name,
         model_path=args.model_path,
         faults=FaultConfig(

@@ -72,9 +72,26 @@ def server_info(st: SimState, request: web.Request | None = None) -> dict[str, A
             "retract_decode_steps": cfg.retract_decode_steps,
             "new_token_ratio_decay_steps": cfg.new_token_ratio_decay_steps,
             "clip_max_new_tokens": cfg.clip_max_new_tokens,
+            **_hicache_info(st),
             # Wall-clock lateness per DP rank (never folded into simulated time).
             "clock": [{"dp_rank": r.index, **r.clock_stats()} for r in st.ranks],
         },
+    }
+
+
+def _hicache_info(st: SimState) -> dict[str, Any]:
+    """The HiCache model's constants and host pool per DP rank (nothing when off)."""
+    h = st.cfg.hicache
+    if h is None:
+        return {}
+    return {
+        "hicache": {
+            "kv_bytes_per_token": h.kv_bytes_per_token,
+            "host_link_gb_s": h.host_link_gb_s,
+            "num_layers": h.num_layers,
+            "load_back_threshold": h.load_back_threshold,
+            "host_total_tokens": [r.sched.hi.host_total for r in st.ranks if r.sched.hi],
+        }
     }
 
 

@@ -32,6 +32,8 @@ class MetricsContext:
     tp_size: int = 1
     enable_priority_scheduling: bool = False
     streaming_sessions: bool = False
+    # --enable-hierarchical-cache: SGLang then creates its HiCache series.
+    hicache: bool = False
 
 
 def _labels(pairs: dict[str, str]) -> str:
@@ -228,6 +230,8 @@ def _values(
         out.extend([s.stats.num_retracted_requests_total] * tp)
     for s in ranks:
         out.extend([s.kv.evicted_total] * tp)
+    if ctx.hicache:
+        _hicache_values(ranks, tp, out)
     for s in ranks:
         st = s.stats
         modes = (
@@ -237,18 +241,29 @@ def _values(
         )
         for _ in range(tp):
             out.extend(modes)
-    _tokenizer_values(ranks, add)
+    _tokenizer_values(ranks, add, ctx.hicache)
     return tuple(out)
 
 
-def _tokenizer_values(ranks: Sequence[Scheduler], add: Callable[[float], None]) -> None:
+def _hicache_values(ranks: Sequence[Scheduler], tp: int, out: list[float]) -> None:
+    for attr in ("loaded_back_total", "host_used", "host_total"):
+        for s in ranks:
+            out.extend([getattr(s.hi, attr, 0)] * tp)
+
+
+def _tokenizer_values(
+    ranks: Sequence[Scheduler], add: Callable[[float], None], hicache: bool
+) -> None:
     """The tokenizer side of :func:`_values`: counters and histograms over all ranks."""
     stats = [s.stats for s in ranks]
     for all_attr, stream_attr in _TOKENIZER_COUNTERS:
         streamed = sum(getattr(x, stream_attr) for x in stats)
         add(sum(getattr(x, all_attr) for x in stats) - streamed)
         add(streamed)
-    add(sum(x.cached_tokens_total for x in stats))
+    host = sum(x.host_cached_tokens_total for x in stats)
+    add(sum(x.cached_tokens_total for x in stats) - host)
+    if hicache:
+        add(host)
     add(sum(x.num_aborted_requests_total for x in stats))
     for attr in _HISTOGRAMS:
         hists = [getattr(x, attr) for x in stats]
@@ -334,8 +349,44 @@ def _emit(
                 s.kv.evicted_total,
             )
 
+    if ctx.hicache:
+        _emit_hicache(w, ranks, label_sets)
     _emit_realtime_tokens(w, ranks, label_sets)
-    _emit_tokenizer(w, ranks, base)
+    _emit_tokenizer(w, ranks, base, ctx.hicache)
+
+
+# The HiCache series (SGLang creates them only with --enable-hierarchical-cache):
+# (name, kind, help, HiKVCache attribute), names and help from SGLang's metrics collector.
+_HICACHE_SERIES = (
+    (
+        "sglang:load_back_tokens_total",
+        "counter",
+        "The number of tokens loaded from CPU to GPU.",
+        "loaded_back_total",
+    ),
+    (
+        "sglang:hicache_host_used_tokens",
+        "gauge",
+        "Number of tokens currently used in the host KV cache.",
+        "host_used",
+    ),
+    (
+        "sglang:hicache_host_total_tokens",
+        "gauge",
+        "Total capacity of the host KV cache in tokens.",
+        "host_total",
+    ),
+)
+
+
+def _emit_hicache(
+    w: _Writer, ranks: Sequence[Scheduler], label_sets: list[list[dict[str, str]]]
+) -> None:
+    for name, kind, help_text, attr in _HICACHE_SERIES:
+        w.family(name, kind, help_text)
+        for i, s in enumerate(ranks):
+            for labels in label_sets[i]:
+                w.sample(name, labels, getattr(s.hi, attr, 0))
 
 
 def _emit_realtime_tokens(
@@ -359,7 +410,9 @@ def _emit_realtime_tokens(
                 w.sample("sglang:realtime_tokens_total", {**labels, "mode": mode}, value)
 
 
-def _emit_tokenizer(w: _Writer, ranks: Sequence[Scheduler], base: dict[str, str]) -> None:
+def _emit_tokenizer(
+    w: _Writer, ranks: Sequence[Scheduler], base: dict[str, str], hicache: bool = False
+) -> None:
     """The tokenizer side of :func:`_emit`: one tokenizer for the whole engine."""
     st = [s.stats for s in ranks]
 
@@ -396,11 +449,15 @@ def _emit_tokenizer(w: _Writer, ranks: Sequence[Scheduler], base: dict[str, str]
         "counter",
         "Number of cached prompt tokens by source (device/host/storage).",
     )
+    # With HiCache, prefix tokens loaded back from the host count under "host".
+    host = total("host_cached_tokens_total")
     w.sample(
         "sglang:cached_tokens_total",
         {**base, "cache_source": "device"},
-        total("cached_tokens_total"),
+        total("cached_tokens_total") - host,
     )
+    if hicache:
+        w.sample("sglang:cached_tokens_total", {**base, "cache_source": "host"}, host)
     w.family("sglang:num_aborted_requests_total", "counter", "Number of requests aborted.")
     w.sample("sglang:num_aborted_requests_total", base, total("num_aborted_requests_total"))
 

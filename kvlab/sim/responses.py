@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvlab.sim import tokenizer
-from kvlab.sim.config import SchedulerConfig
+from kvlab.sim.config import HiCacheConfig, SchedulerConfig
 from kvlab.sim.scheduler import SimRequest
 
 # The SGLang version the simulator reports (/server_info, /v1/loads).
@@ -27,7 +27,15 @@ def cache_policy_info(cfg: SchedulerConfig) -> dict[str, Any]:
         "enable_priority_scheduling": cfg.enable_priority_scheduling,
         "priority_scheduling_preemption_threshold": cfg.priority_scheduling_preemption_threshold,
         "disable_radix_cache": False,
+        **hicache_server_args(cfg),
     }
+
+
+def hicache_server_args(cfg: SchedulerConfig) -> dict[str, Any]:
+    """SGLang's HiCache server args as /server_info reports them (its defaults when off)."""
+    if cfg.hicache is not None:
+        return cfg.hicache.to_server_args()
+    return {**HiCacheConfig().to_server_args(), "enable_hierarchical_cache": False}
 
 
 def error_body(message: str) -> dict[str, Any]:

@@ -1211,6 +1211,23 @@ class Scheduler:
                 "cached_tokens_total": self.stats.cached_tokens_total,
                 "generation_tokens_total": self.stats.generation_tokens_total,
             },
+            **self._hicache_snapshot(),
+        }
+
+    def _hicache_snapshot(self) -> dict[str, Any]:
+        hi = self.hi
+        if hi is None:
+            return {}
+        return {
+            "hicache": {
+                "host_total_tokens": hi.host_total,
+                "host_used_tokens": hi.host_used,
+                "host_only_tokens": hi.host_only,
+                "backed_up_total": hi.backed_up_total,
+                "loaded_back_total": hi.loaded_back_total,
+                "host_evicted_total": hi.host_evicted_total,
+                "host_cached_tokens_total": self.stats.host_cached_tokens_total,
+            }
         }
 
 

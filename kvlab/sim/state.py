@@ -38,6 +38,7 @@ class SimState:
             tp_size=cfg.tp_size,
             enable_priority_scheduling=cfg.enable_priority_scheduling,
             streaming_sessions=cfg.mode == "streaming",
+            hicache=cfg.hicache is not None,
         )
         self._rr = 0
         self.created = int(time.time())

@@ -106,3 +106,26 @@ def test_sim_config_is_composed_of_the_scheduler_config() -> None:
     )
     with pytest.raises(TypeError, match="no_such_field"):
         SimConfig(no_such_field=1)
+
+
+def test_hicache_flags_use_sglang_names_and_are_off_by_default() -> None:
+    assert parse().hicache is None
+    assert parse("--hicache-ratio", "3").hicache is None  # without the enable flag: ignored
+    cfg = parse(
+        "--cost-model",
+        "qwen3-32b-h200",
+        "--token-scale",
+        "16",
+        "--enable-hierarchical-cache",
+        "--hicache-size",
+        "100",
+        "--hicache-write-policy",
+        "write_back",
+    )
+    h = cfg.hicache
+    assert h is not None
+    assert (h.size_gb, h.write_policy, h.token_scale) == (100, "write_back", 16)
+    assert (h.kv_bytes_per_token, h.num_layers) == (262_144, 64)
+    assert parse("--enable-hierarchical-cache").hicache.ratio == 2.0  # type: ignore[union-attr]
+    with pytest.raises(SystemExit):
+        parse("--enable-hierarchical-cache", "--hicache-write-policy", "write_around")
