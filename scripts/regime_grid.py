@@ -12,6 +12,12 @@ continuing-turn TTFT p99 of off and both, and both's first-turn wait p99.
     python scripts/regime_grid.py --jobs 2                     # the whole grid, seed 0
     python scripts/regime_grid.py --workloads swe --sizes 4,48 --ratios 2.5 --faults all
     python scripts/regime_grid.py --check results/regime_grid.json   # the criteria only
+    python scripts/regime_grid.py --hicache --out results/regime_grid_hicache.json
+
+``--hicache`` runs the engines of off and both with SGLang's hierarchical cache
+(``--enable-hierarchical-cache``, ``--hicache-ratio`` 2.0 unless ``--hicache-ratio R``);
+ceiling never evicts, so it runs as before. Its rows carry ``hicache`` (true where it
+was on), ``hicache_ratio`` and ``loaded_back_tokens``, and the JSON ``hicache_ratio``.
 
 Writes ``results/regime_grid.json`` (every row) and prints the markdown tables and the
 acceptance criteria of docs/benchmarks.md ("Regime grid").
@@ -99,6 +105,7 @@ class Job:
     fault: str = "none"
     seed: int = 0
     admission: Mapping[str, Any] = field(default_factory=dict)
+    hicache_ratio: float | None = None  # SGLang's HiCache on the engines; None: off
 
     def config(self) -> LabConfig:
         sc = self.fleet.scenario()
@@ -113,6 +120,7 @@ class Job:
             workload_overrides=dict(sc.workload_overrides),
             admission_overrides=dict(self.admission),
             signal_fault=self.fault,
+            hicache_ratio=self.hicache_ratio,
         )
 
 
@@ -125,6 +133,12 @@ def run_job(job: Job) -> dict[str, Any]:
         summary = {"error": str(exc)}
     row = {k: summary.get(k) for k in KEEP}
     row.update(fleet=job.fleet.key, policy=job.policy, fault=job.fault, seed=job.seed)
+    if job.hicache_ratio is not None:
+        row.update(
+            hicache=summary.get("hicache"),
+            hicache_ratio=summary.get("hicache_ratio"),
+            loaded_back_tokens=summary.get("loaded_back_tokens"),
+        )
     if "error" in summary:
         row["error"] = summary["error"]
     return row
@@ -177,17 +191,21 @@ def jobs_for(
     seeds: Sequence[int],
     admission: Mapping[str, Any],
     fault_cells: set[str] | None,
+    hicache_ratio: float | None = None,
 ) -> list[Job]:
     out: list[Job] = []
+    h = hicache_ratio
     for f in cells:
         for seed in seeds:
-            out.append(Job(f, "off", seed=seed))
-            out.append(Job(f, "ceiling", seed=seed))
-            out.append(Job(f, "both", seed=seed, admission=admission))
+            out.append(Job(f, "off", seed=seed, hicache_ratio=h))
+            out.append(Job(f, "ceiling", seed=seed, hicache_ratio=h))
+            out.append(Job(f, "both", seed=seed, admission=admission, hicache_ratio=h))
             for fault in faults:
                 if fault == "none" or (fault_cells is not None and f.key not in fault_cells):
                     continue
-                out.append(Job(f, "both", fault=fault, seed=seed, admission=admission))
+                out.append(
+                    Job(f, "both", fault=fault, seed=seed, admission=admission, hicache_ratio=h)
+                )
     # Longest first: big fleets first keeps both processes busy to the end.
     out.sort(key=lambda j: -j.fleet.per_engine)
     return out
@@ -362,6 +380,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         metavar="KEY=VALUE",
         help="override an admission.* key for both (YAML value); repeatable",
     )
+    ap.add_argument(
+        "--hicache",
+        action="store_true",
+        help="engines of off and both run SGLang's hierarchical cache (ratio 2.0)",
+    )
+    ap.add_argument(
+        "--hicache-ratio",
+        type=float,
+        default=None,
+        help="the host pool / device pool; implies --hicache",
+    )
     ap.add_argument("--out", type=Path, default=Path("results/regime_grid.json"))
     ap.add_argument("--check", type=Path, default=None, help="judge a grid JSON and exit")
     ap.add_argument(
@@ -372,6 +401,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.check is not None:
         doc = json.loads(args.check.read_text())
         cells = distinct(cell_rows(doc["rows"]), doc.get("pools", {}))
+        if doc.get("hicache_ratio") is not None:
+            print(f"HiCache on (off and both): --hicache-ratio {doc['hicache_ratio']:g}")
         print(compact(cells) if args.compact else markdown(cells))
         print(json.dumps(judge(cells), indent=2))
         return 0
@@ -401,7 +432,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             if (_ratio(c.get("ceiling", {}).get("value"), c.get("off", {}).get("value")) or 0)
             >= 1.3
         }
-    jobs = jobs_for(grid, faults, _csv(args.seeds, int), admission, fault_cells)
+    hicache_ratio = args.hicache_ratio if args.hicache_ratio is not None else None
+    if hicache_ratio is None and args.hicache:
+        hicache_ratio = 2.0
+    jobs = jobs_for(grid, faults, _csv(args.seeds, int), admission, fault_cells, hicache_ratio)
     t0 = time.perf_counter()
     rows: list[dict[str, Any]] = []
     with ProcessPoolExecutor(max_workers=max(1, args.jobs)) as pool:
@@ -415,6 +449,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "commit": git_revision(),
         "seeds": _csv(args.seeds, int),
         "admission": admission,
+        **({} if hicache_ratio is None else {"hicache_ratio": hicache_ratio}),
         "wall_s": round(time.perf_counter() - t0, 1),
         "pools": pools,
         "rows": rows,

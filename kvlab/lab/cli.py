@@ -100,12 +100,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="KV pool per engine in (scaled) tokens (default: the preset's)",
     )
     parser.add_argument(
+        "--hicache",
+        action="store_true",
+        help="engines run SGLang's hierarchical cache (--enable-hierarchical-cache, "
+        "write_through) in every policy but ceiling",
+    )
+    parser.add_argument(
+        "--hicache-ratio",
+        type=float,
+        default=None,
+        metavar="R",
+        help="the host pool as R x the device pool (SGLang's --hicache-ratio; default 2.0); "
+        "implies --hicache",
+    )
+    parser.add_argument(
         "--signal-fault",
         choices=tuple(FAULTS),
         default="none",
         help="a fault of kvproxy's /metrics scrapes: none, windows (two 8 s outages), "
         "periodic (8 s a minute), quarter (a quarter of the time), lag (late readings)",
     )
+
+
+def hicache_ratio(args: argparse.Namespace) -> float | None:
+    """The engines' --hicache-ratio from ``--hicache`` / ``--hicache-ratio``; None: off."""
+    if args.hicache_ratio is not None:
+        return float(args.hicache_ratio)
+    return 2.0 if args.hicache else None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -136,6 +157,7 @@ def run(args: argparse.Namespace) -> int:
         workload_overrides=workload_overrides,
         admission_overrides=admission,
         signal_fault=args.signal_fault,
+        hicache_ratio=hicache_ratio(args),
     )
     try:
         results = run_matrix(cfg, args.policy, args.seeds)
@@ -151,6 +173,7 @@ def run(args: argparse.Namespace) -> int:
             "engines": args.engines,
             "token_scale": token_scale,
             "router_policy": args.router_policy,
+            "hicache_ratio": cfg.hicache_ratio,
             "seeds": args.seeds,
             "policies": {
                 name: {

@@ -91,6 +91,9 @@ class LabConfig:
     # A fault of kvproxy's /metrics scrapes (kvlab.lab.faults: none, windows,
     # periodic, quarter, lag); off and ceiling do not scrape.
     signal_fault: str = "none"
+    # SGLang's hierarchical cache on the engines (--enable-hierarchical-cache) with this
+    # --hicache-ratio; None: off. Never for ceiling (its pool never evicts).
+    hicache_ratio: float | None = None
     # Bound on simulated seconds; a run past it raises LabError.
     max_simulated_s: float = 7 * 24 * 3600.0
 
@@ -116,6 +119,8 @@ def _validate(cfg: LabConfig) -> None:
         raise LabError(f"sessions must be >= 1, got {cfg.sessions}")
     if cfg.token_scale < 1:
         raise LabError(f"token scale must be >= 1, got {cfg.token_scale}")
+    if cfg.hicache_ratio is not None and not cfg.hicache_ratio > 0:
+        raise LabError(f"hicache ratio must be > 0, got {cfg.hicache_ratio}")
     if cfg.signal_fault not in FAULTS:
         raise LabError(f"signal fault must be one of {', '.join(FAULTS)}, got {cfg.signal_fault!r}")
     if cfg.engine_urls is not None and len(set(cfg.engine_urls)) != cfg.engines:
@@ -169,7 +174,7 @@ def proxy_config(
 
 def build(cfg: LabConfig) -> tuple[Any, Any, int, int]:
     """(workload spec, scheduler config, sessions, concurrency) for ``cfg``."""
-    from kvlab.sim.presets import scheduler_config
+    from kvlab.sim.presets import hicache_config, scheduler_config
     from kvlab.workload.model import WorkloadError
     from kvlab.workload.spec import workload_spec
 
@@ -187,12 +192,13 @@ def build(cfg: LabConfig) -> tuple[Any, Any, int, int]:
         "enable_priority_scheduling": cfg.priority_scheduling,
         **dict(cfg.engine_overrides),
     }
+    preset = cfg.cost_model or spec.cost_model
     if cfg.policy == "ceiling":
         overrides["max_total_tokens"] = CEILING_POOL_TOKENS
+    elif cfg.hicache_ratio is not None:
+        overrides["hicache"] = hicache_config(preset, cfg.token_scale, ratio=cfg.hicache_ratio)
     try:
-        sched_cfg = scheduler_config(
-            cfg.cost_model or spec.cost_model, cfg.token_scale, **overrides
-        )
+        sched_cfg = scheduler_config(preset, cfg.token_scale, **overrides)
     except (KeyError, TypeError, ValueError) as exc:
         raise LabError(f"engine configuration: {exc}") from None
     return spec, sched_cfg, sessions, concurrency
@@ -259,6 +265,11 @@ async def _run(cfg: LabConfig) -> LabResult:
         aborted_requests=sum(e["aborted_requests"] for e in per_engine),
         engine_steps=sum(e["steps"] for e in per_engine),
         pool_tokens_per_engine=sched_cfg.max_total_tokens,
+        # HiCache on these engines (never for ceiling), its ratio, and what it moved.
+        hicache=sched_cfg.hicache is not None,
+        hicache_ratio=None if sched_cfg.hicache is None else sched_cfg.hicache.ratio,
+        loaded_back_tokens=sum(e.get("loaded_back_tokens", 0) for e in per_engine),
+        host_cached_tokens=sum(e.get("host_cached_tokens", 0) for e in per_engine),
         proxy_errors=dict(sorted(transport.errors.items())),
         admission_decisions=dict(sorted(proxy.decisions.items())),
         admission_counters=admission_counters,
@@ -296,6 +307,11 @@ def engine_counters(engine: LabEngine) -> dict[str, Any]:
     ):
         if hasattr(st, name):
             out[name] = getattr(st, name)
+    if s.hi is not None:
+        out["loaded_back_tokens"] = s.hi.loaded_back_total
+        out["host_cached_tokens"] = st.host_cached_tokens_total
+        out["host_evicted_tokens"] = s.hi.host_evicted_total
+        out["backed_up_tokens"] = s.hi.backed_up_total
     return out
 
 

@@ -223,3 +223,33 @@ def test_write_back_stall_is_charged_to_the_step() -> None:
     through, _ = two_sessions(HiCacheConfig(ratio=4.0))
     assert back.hi is not None and back.hi.backed_up_total > 0 and back.hi.stall_s == 0.0
     assert back.stats.busy_time_s > through.stats.busy_time_s
+
+
+@pytest.mark.parametrize("policy", ["write_through", "write_through_selective", "write_back"])
+@pytest.mark.parametrize("ratio", [0.5, 2.0])
+def test_multi_turn_sessions_under_pressure_keep_every_counter_exact(
+    policy: str, ratio: float
+) -> None:
+    """Twelve sessions of growing turns through a pool that holds about three: the
+    step() helper checks the device and host accounting after every step."""
+    from tests.unit.test_sim_scheduler import step
+
+    hc = HiCacheConfig(ratio=ratio, write_policy=policy)
+    s = Scheduler(
+        SchedulerConfig(max_total_tokens=2_000, cost=COST, hicache=hc, mode="session-radix")
+    )
+    c = Clock()
+    history = {i: seq(100_000 * (i + 1), 150) for i in range(12)}
+    for turn in range(4):
+        for i, ids in history.items():
+            r = s.submit(req(f"{i}-{turn}", ids, max_new=20, session_id=f"s{i}"), c.now)
+            for _ in range(3):  # a little overlap between sessions
+                step(s, c)
+            history[i] = [*ids, *seq(10_000_000 + 1000 * i + 100 * turn, 60)]
+            assert r is not None
+        drain(s, c)
+    assert s.hi is not None
+    s.check_invariants()
+    assert s.kv.evicted_total > 0
+    if ratio >= 2.0:
+        assert s.hi.loaded_back_total > 0 and s.stats.host_cached_tokens_total > 0
