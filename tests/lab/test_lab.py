@@ -131,6 +131,32 @@ def test_matrix_and_table() -> None:
     assert "sessions/min" in table and "ceiling" in table
 
 
+def test_hicache_loads_back_what_the_tiny_pool_evicts_and_ceiling_stays_without() -> None:
+    off = run_lab(dataclasses.replace(SMALL, policy="off", engine_overrides=TINY_POOL)).summary
+    hi_cfg = dataclasses.replace(SMALL, engine_overrides=TINY_POOL, hicache_ratio=4.0)
+    hi = run_lab(dataclasses.replace(hi_cfg, policy="off")).summary
+    assert (off["hicache"], hi["hicache"], hi["hicache_ratio"]) == (False, True, 4.0)
+    assert hi["evicted_tokens"] > 0 and hi["loaded_back_tokens"] > 0
+    assert hi["host_cached_tokens"] == hi["loaded_back_tokens"]
+    assert hi["recomputed_prefill_tokens"] < off["recomputed_prefill_tokens"]
+    assert hi["cache_hit_rate"] > off["cache_hit_rate"]
+    ceiling = run_lab(dataclasses.replace(hi_cfg, policy="ceiling")).summary
+    assert ceiling["hicache"] is False and ceiling["loaded_back_tokens"] == 0
+    with pytest.raises(LabError, match="hicache ratio"):
+        run_lab(dataclasses.replace(SMALL, hicache_ratio=0.0))
+
+
+def test_cli_hicache_flag(tmp_path: Path) -> None:
+    path = tmp_path / "lab.json"
+    argv = ["lab", "--sessions-per-engine", "2", "--sessions", "4", "--policy", "off"]
+    argv += ["--set", "turns_median=4", "--set", "turns_hi=6", "--json", str(path)]
+    assert main([*argv, "--hicache"]) == 0
+    doc = json.loads(path.read_text())
+    assert doc["hicache_ratio"] == 2.0 and doc["policies"]["off"]["median"]["hicache"] is True
+    assert main([*argv, "--hicache-ratio", "3"]) == 0
+    assert json.loads(path.read_text())["hicache_ratio"] == 3.0
+
+
 def test_cli_writes_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "lab.json"
     rc = main(
