@@ -314,7 +314,7 @@ class KVCache:
         total = 0
         for nodes in self._session_nodes.values():
             for node in nodes:
-                if node.id not in seen and node.lock_ref == 0:
+                if node.id not in seen and node.lock_ref == 0 and not node.evicted:
                     seen.add(node.id)
                     total += len(node.key)
         return total
