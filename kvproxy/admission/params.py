@@ -8,7 +8,7 @@ The defaults are not written here: a parameter that is a config key takes its de
 from :class:`~kvproxy.config.AdmissionConfig` (``ProgramParams()`` is
 ``ProgramParams.from_config(AdmissionConfig())``); only the controller's own constants
 (``target_cut``, ``target_step``, ``quiet_windows``, ``min_feedback_turns``,
-``growth_alpha``, ``cold_start_ratio``, ``min_inflight``) are set here.
+``engage_min_turns``, ``growth_alpha``, ``cold_start_ratio``, ``min_inflight``) are set here.
 """
 
 from __future__ import annotations
@@ -48,6 +48,9 @@ class ProgramParams:
     gate_off_below: float = _D.gate_off_below
     thrash_cached_fraction: float = _D.thrash_cached_fraction
     min_feedback_turns: int = 3  # continuing turns a window needs to judge its cached fraction
+    # Answers a window needs before its recompute cost (and exposure) is judged: on a
+    # thinner window one long recomputed prompt reads as thrash (docs/admission.md).
+    engage_min_turns: int = 6
     feedback_window_s: float = _D.feedback_window_s
     cut_interval_s: float = 2 * _D.feedback_window_s  # at most one cut per this long
     session_buffer_tokens: int = _D.session_buffer_tokens

@@ -518,9 +518,9 @@ class ProgramCore:
         changed = eng.engagement.judge(
             p.engage_rule,
             busy=eng.load.busy_fraction(eng.window_start, now),
-            cost=eng.load.recompute_cost(p.decode_token_weight, p.min_feedback_turns),
+            cost=eng.load.recompute_cost(p.decode_token_weight, p.engage_min_turns),
             idled=eng.load.idled,
-            exposure=eng.load.exposure(p.decode_token_weight, p.min_feedback_turns),
+            exposure=eng.load.exposure(p.decode_token_weight, p.engage_min_turns),
             oversubscribed=self._oversubscribed(url, eng, now),
         )
         if changed is True:

@@ -149,6 +149,7 @@ P = ProgramParams(
     engage_windows=1,
     release_windows=2,
     engage_cost=0.3,
+    engage_min_turns=3,
 )
 
 
@@ -197,6 +198,23 @@ def test_busy_and_recomputing_engages_and_then_the_gate_holds() -> None:
     assert c.engine_rows(5.0)[0]["engaged"] == 1.0
     v = c.request("n1", "new", E1, 400, 5.5)  # U = 3 x 330 + 400 > theta x C
     assert v.outcome is None and v.held is Held.NEW_SESSION_FIT
+
+
+@pytest.mark.parametrize(("min_turns", "engaged"), [(4, True), (5, False), (6, False)])
+def test_a_window_with_too_few_answers_is_not_judged(min_turns, engaged) -> None:
+    # Two sessions whose second turns recomputed their whole context: four answers in
+    # the window, busy all of it. Below engage_min_turns answers it is not judged.
+    c = ProgramCore(dataclasses.replace(P, engage_min_turns=min_turns))
+    c.ledger.observe_engine(E1, 0.0, max_total_num_tokens=1000)
+    for sid in "ab":
+        c.request(f"{sid}1", sid, E1, 300, 0.0)
+        answer(c, f"{sid}1", 0.5, 300, 0, 10)
+        c.request(f"{sid}2", sid, E1, 320, 0.5)
+    for sid in "ab":
+        answer(c, f"{sid}2", 5.0, 320, 0, 10)
+    c.request("keep", "a", E1, 330, 5.0)
+    c.tick(5.0)
+    assert c.ledger.engaged(E1) is engaged
 
 
 def test_an_engaged_engine_with_nothing_in_flight_takes_the_next_waiting_turn() -> None:

@@ -110,6 +110,7 @@ def test_program_params_take_their_defaults_from_the_config() -> None:
         "target_step",
         "quiet_windows",
         "min_feedback_turns",
+        "engage_min_turns",
         "growth_alpha",
         "cold_start_ratio",
         "min_inflight",
