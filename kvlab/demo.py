@@ -110,16 +110,8 @@ class Scenario:
 
     def mean_context_per_call(self, samples: int = 300) -> float:
         """Mean KV context of a request (scaled tokens), over ``samples`` seeded sessions."""
-        from kvlab.workload.plan import session_plans
-
-        calls: list[int] = []
-        for plan in itertools.islice(session_plans(self.spec(), 0), samples):
-            ctx = 0
-            for turn in plan.turns:
-                ctx += len(turn.new_input_ids)
-                calls.append(ctx)
-                ctx += turn.max_new_tokens
-        return statistics.fmean(calls) if calls else 0.0
+        overrides = tuple(sorted(self.workload_overrides.items()))
+        return _mean_context_per_call(self.workload, self.token_scale, overrides, samples)
 
     def live_working_set(self) -> int:
         """Per engine: live sessions x mean context per call (calibration.md's R numerator)."""
@@ -163,6 +155,26 @@ class Scenario:
             "live_working_set_per_engine": ws,
             "working_set_over_pool": round(ws / pool, 2),
         }
+
+
+@functools.lru_cache(maxsize=32)
+def _mean_context_per_call(
+    workload: str, token_scale: int, overrides: tuple[tuple[str, Any], ...], samples: int
+) -> float:
+    """:meth:`Scenario.mean_context_per_call`, drawn once per workload (sampling the
+    plans takes a fraction of a second; the demo sizes its pool several times)."""
+    from kvlab.workload.plan import session_plans
+    from kvlab.workload.spec import workload_spec
+
+    spec = workload_spec(workload, token_scale, **dict(overrides))
+    calls: list[int] = []
+    for plan in itertools.islice(session_plans(spec, 0), samples):
+        ctx = 0
+        for turn in plan.turns:
+            ctx += len(turn.new_input_ids)
+            calls.append(ctx)
+            ctx += turn.max_new_tokens
+    return statistics.fmean(calls) if calls else 0.0
 
 
 # The demo's W1: the calibrated swe workload (qwen3-8b-h100, K=16, 2 engines) at its
@@ -426,11 +438,12 @@ def _start_stack(
     if scenario.record_requests:
         engine_extra += ["--record-requests", str(scenario.record_requests)]
     ports: Sequence[int | None] = engine_ports or [None] * scenario.engines
+    pool = scenario.pool()  # sampled from the workload's plans: once, not per engine
 
     def engine_starter(port: int | None) -> Any:
         return stk.start_sim_engine(
             port=port,
-            max_total_tokens=scenario.pool(),
+            max_total_tokens=pool,
             mode="session-radix",
             eviction_policy="priority",
             cost_model=scenario.cost_model,
@@ -496,6 +509,7 @@ def run_config(
     """
     import asyncio
 
+    from kvlab import stack as stk
     from kvlab.workload.driver import run_http
 
     tag = f"{variant.name}-s{seed}"
@@ -504,10 +518,13 @@ def run_config(
     ts = scenario.time_scale
     my_pids: list[int] = []
     load_before = os.getloadavg()
+    procs: list[Any] = []
     with contextlib.ExitStack() as es:
+        # Every process is stopped on the way out, all at once (their shutdowns overlap).
+        es.callback(stk.stop_all, procs)
 
         def track(proc: Any) -> Any:
-            es.callback(proc.stop)
+            procs.append(proc)
             pids.append(proc.pid)
             my_pids.append(proc.pid)
             return proc
