@@ -9,14 +9,18 @@ and seed on a freshly started stack. kvproxy gets the documented defaults with o
 ``admission.enabled``, ``session_lifecycle.enabled``, ``router.policy`` and
 ``server.time_scale`` (= the engines' time scale, so its timers follow simulated time)
 set. Every configuration, ``off`` included, sends the same routing key
-(``X-SMG-Routing-Key: <session id>``) to the same router policy.
+(``X-SMG-Routing-Key: <session id>``, or with ``--quick`` and side by side a key that
+places the session as the lab does: :func:`lab_routing_keys`) to the same router policy.
+With 8 or more usable cores (``--parallel``/``--no-parallel`` to choose) the
+configurations of a seed run side by side, each on its own stack in its own process.
 
 Prints per-configuration medians over the seeds, ratios to ``off`` and a one-line
 verdict per feature, and writes ``results.json`` and ``chart.png``.
 
 ``kvproxy demo --lab`` prints the lab's policy and ablation tables (virtual time, no
 processes, about two minutes);
-``kvproxy demo --quick`` is a KV-bound smoke run of the real stack (about 1.5 minutes).
+``kvproxy demo --quick`` is a KV-bound smoke run of the real stack (about 30 s on a host
+with 8 or more cores, where off and both run side by side; about 50 s one after the other).
 
 Every process is started by :mod:`kvlab.stack` and stopped by its PID in a
 ``finally`` (also on Ctrl-C and SIGTERM). The machinery (:class:`Scenario`,
@@ -359,12 +363,12 @@ def lab_routing_keys(engine_urls: Sequence[str]) -> Callable[[str], str]:
 
     smg's consistent hashing places a session by its ``X-SMG-Routing-Key`` on a ring of
     the engines' URLs, so stacks on other ports (two side by side, or two invocations)
-    place the same sessions differently, and placement moves a small run's numbers (the
-    quick demo's off in the lab: up to 1.6x between port pairs on one seed). The key of
-    session ``sid`` is ``sid`` itself when the ring sends it to engine ``i``, where the
-    lab's ring (engines at ``http://127.0.0.1:30001``, ...) sends ``sid``; else
-    ``sid~n`` for the first ``n`` that does. ValueError for fewer than one URL or more
-    than 64 tries."""
+    place the same sessions differently, and placement moves a small run's numbers (in
+    the lab, off of a 48-session quick run: up to 1.6x between port pairs on one seed).
+    The key of session ``sid`` is ``sid`` itself when the ring sends it to engine ``i``,
+    where the lab's ring (engines at ``http://127.0.0.1:30001``, ...) sends ``sid``;
+    else ``sid~n`` for the first ``n`` that does. ValueError for fewer than one URL or
+    more than 64 tries."""
     from kvlab.lab.runner import LabConfig
     from kvlab.lab.runner import engine_urls as lab_engine_urls
     from kvproxy.fleet.ring import HashRing
@@ -1160,7 +1164,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--quick",
         action="store_true",
-        help="a KV-bound smoke run of the real stack, off vs both (about 1.5 minutes)",
+        help="a KV-bound smoke run of the real stack, off vs both (about 30 s side by side, "
+        "50 s one after the other)",
     )
     parser.add_argument(
         "--lab",
