@@ -780,6 +780,8 @@ def run_side_by_side(
                     errors[conns[conn]] = str(payload)
     finally:
         _stop_children(children, mine)
+        for conn in conns:
+            conn.close()
     missing = [v.name for v in variants if v.name not in results]
     if missing:
         why = "; ".join(f"{n}: {errors.get(n, 'exited without a result')}" for n in missing)
