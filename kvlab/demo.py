@@ -9,14 +9,18 @@ and seed on a freshly started stack. kvproxy gets the documented defaults with o
 ``admission.enabled``, ``session_lifecycle.enabled``, ``router.policy`` and
 ``server.time_scale`` (= the engines' time scale, so its timers follow simulated time)
 set. Every configuration, ``off`` included, sends the same routing key
-(``X-SMG-Routing-Key: <session id>``) to the same router policy.
+(``X-SMG-Routing-Key: <session id>``, or with ``--quick`` and side by side a key that
+places the session as the lab does: :func:`lab_routing_keys`) to the same router policy.
+With 8 or more usable cores (``--parallel``/``--no-parallel`` to choose) the
+configurations of a seed run side by side, each on its own stack in its own process.
 
 Prints per-configuration medians over the seeds, ratios to ``off`` and a one-line
 verdict per feature, and writes ``results.json`` and ``chart.png``.
 
 ``kvproxy demo --lab`` prints the lab's policy and ablation tables (virtual time, no
 processes, about two minutes);
-``kvproxy demo --quick`` is a KV-bound smoke run of the real stack (about 1.5 minutes).
+``kvproxy demo --quick`` is a KV-bound smoke run of the real stack (about 30 s on a host
+with 8 or more cores, where off and both run side by side; about 50 s one after the other).
 
 Every process is started by :mod:`kvlab.stack` and stopped by its PID in a
 ``finally`` (also on Ctrl-C and SIGTERM). The machinery (:class:`Scenario`,
@@ -42,11 +46,17 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from kvproxy.config import AdmissionConfig
 
 ProgressFn = Callable[[str], None]
+
+
+class PidSink(Protocol):
+    """Where :func:`run_config` puts each PID as soon as it is known (a list will do)."""
+
+    def append(self, pid: int, /) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +104,9 @@ class Scenario:
     # >0: the engines keep the last N requests as received (GET /sim/requests) and the
     # run reports what reached them (session ids, routing keys, closes, priorities).
     record_requests: int = 0
+    # True: the sessions are placed on the engines as in the lab (lab_routing_keys),
+    # whatever the engines' ports; False: as smg's ring over this run's ports places them.
+    lab_placement: bool = False
 
     @property
     def concurrency(self) -> int:
@@ -110,16 +123,8 @@ class Scenario:
 
     def mean_context_per_call(self, samples: int = 300) -> float:
         """Mean KV context of a request (scaled tokens), over ``samples`` seeded sessions."""
-        from kvlab.workload.plan import session_plans
-
-        calls: list[int] = []
-        for plan in itertools.islice(session_plans(self.spec(), 0), samples):
-            ctx = 0
-            for turn in plan.turns:
-                ctx += len(turn.new_input_ids)
-                calls.append(ctx)
-                ctx += turn.max_new_tokens
-        return statistics.fmean(calls) if calls else 0.0
+        overrides = tuple(sorted(self.workload_overrides.items()))
+        return _mean_context_per_call(self.workload, self.token_scale, overrides, samples)
 
     def live_working_set(self) -> int:
         """Per engine: live sessions x mean context per call (calibration.md's R numerator)."""
@@ -165,6 +170,26 @@ class Scenario:
         }
 
 
+@functools.lru_cache(maxsize=32)
+def _mean_context_per_call(
+    workload: str, token_scale: int, overrides: tuple[tuple[str, Any], ...], samples: int
+) -> float:
+    """:meth:`Scenario.mean_context_per_call`, drawn once per workload (sampling the
+    plans takes a fraction of a second; the demo sizes its pool several times)."""
+    from kvlab.workload.plan import session_plans
+    from kvlab.workload.spec import workload_spec
+
+    spec = workload_spec(workload, token_scale, **dict(overrides))
+    calls: list[int] = []
+    for plan in itertools.islice(session_plans(spec, 0), samples):
+        ctx = 0
+        for turn in plan.turns:
+            ctx += len(turn.new_input_ids)
+            calls.append(ctx)
+            ctx += turn.max_new_tokens
+    return statistics.fmean(calls) if calls else 0.0
+
+
 # The demo's W1: the calibrated swe workload (qwen3-8b-h100, K=16, 2 engines) at its
 # calibrated size, 48 live sessions per engine (192 sessions a run, two waves) on a pool
 # sized for twice their working set, compressed in time (0.05 wall seconds per simulated
@@ -182,21 +207,23 @@ DEMO_W1 = Scenario(
     request_timeout_sim_s=AdmissionConfig().new_session_max_wait_s + 600.0,
 )
 DEMO_SEEDS: tuple[int, ...] = (0,)
-# The quick demo: a smaller W1 that is still KV-bound (the lab's no-eviction bound is
-# 1.65x off on seed 0, 1.32-1.86x on seeds 0-2): 32 live sessions per engine on a pool of
-# two thirds of their working set, 96 sessions (three waves, so that the run is not one
-# wave's longest session), at 0.03 wall seconds per simulated second (at 0.02 the engines
-# fell up to 9% behind their clock on a 2-core host). Through the real stack both / off
-# was 1.47x, 1.76x, 1.23x on seeds 0-2 (docs/benchmarks.md, "Rollout through the real
-# stack").
+# The quick demo: a smaller W1 that is still KV-bound: 24 live sessions per engine on a
+# pool of half their working set, 56 sessions (more than one wave), tool calls capped at
+# 60 s (W1 caps them at 300 s: in a run this short one session's slow tool calls would
+# set the makespan, and off, both and the no-eviction ceiling would all end with it),
+# sessions placed as in the lab, at 0.03 wall seconds per simulated second (at 0.02 the
+# engines fell up to 9% behind their clock on a 2-core host). In the lab (seeds 0-2) the
+# no-eviction ceiling is 1.88-1.97x off and both 1.41-1.45x.
 QUICK_W1 = dataclasses.replace(
     DEMO_W1,
     name="w1-swe-quick",
-    sessions_per_engine=32,
-    pool_ratio=1.5,
-    sessions=96,
+    sessions_per_engine=24,
+    pool_ratio=2.0,
+    sessions=56,
     time_scale=0.03,
+    workload_overrides={"tool_latency_cap_s": 60},
     record_requests=8000,
+    lab_placement=True,
 )
 QUICK_SEEDS: tuple[int, ...] = (0,)
 
@@ -330,6 +357,45 @@ def reached_engines(engine_urls: Sequence[str]) -> dict[str, Any] | None:
     return {**total, "sessions_seen": len(engines_of), "sessions_on_two_engines": moved}
 
 
+def lab_routing_keys(engine_urls: Sequence[str]) -> Callable[[str], str]:
+    """Routing keys under which smg's ring over ``engine_urls`` places every session
+    on the engine the lab places it on. Pure.
+
+    smg's consistent hashing places a session by its ``X-SMG-Routing-Key`` on a ring of
+    the engines' URLs, so stacks on other ports (two side by side, or two invocations)
+    place the same sessions differently, and placement moves a small run's numbers (in
+    the lab, off of a 48-session quick run: up to 1.6x between port pairs on one seed).
+    The key of session ``sid`` is ``sid`` itself when the ring sends it to engine ``i``,
+    where the lab's ring (engines at ``http://127.0.0.1:30001``, ...) sends ``sid``;
+    else ``sid~n`` for the first ``n`` that does. ValueError for fewer than one URL or
+    more than 64 tries."""
+    from kvlab.lab.runner import LabConfig
+    from kvlab.lab.runner import engine_urls as lab_engine_urls
+    from kvproxy.fleet.ring import HashRing
+
+    real = HashRing(engine_urls)
+    if len(real) < 1:
+        raise ValueError("lab_routing_keys needs at least one engine URL")
+    lab = HashRing(lab_engine_urls(LabConfig(engines=len(real))))
+    real_index = {url: i for i, url in enumerate(real.urls)}
+    lab_index = {url: i for i, url in enumerate(lab.urls)}
+    keys: dict[str, str] = {}
+
+    def routing_key(sid: str) -> str:
+        key = keys.get(sid)
+        if key is not None:
+            return key
+        want = lab_index[lab.owner(sid) or ""]
+        for n in range(64):
+            key = f"{sid}~{n}" if n else sid
+            if real_index[real.owner(key) or ""] == want:
+                keys[sid] = key
+                return key
+        raise ValueError(f"no routing key for {sid!r} reaches engine {want} in 64 tries")
+
+    return routing_key
+
+
 def _start_parallel(starters: Sequence[Callable[[], Any]]) -> list[Any]:
     """Start several processes at once (each starter waits for its own readiness).
 
@@ -426,11 +492,12 @@ def _start_stack(
     if scenario.record_requests:
         engine_extra += ["--record-requests", str(scenario.record_requests)]
     ports: Sequence[int | None] = engine_ports or [None] * scenario.engines
+    pool = scenario.pool()  # sampled from the workload's plans: once, not per engine
 
     def engine_starter(port: int | None) -> Any:
         return stk.start_sim_engine(
             port=port,
-            max_total_tokens=scenario.pool(),
+            max_total_tokens=pool,
             mode="session-radix",
             eviction_policy="priority",
             cost_model=scenario.cost_model,
@@ -482,20 +549,24 @@ def run_config(
     *,
     seed: int,
     out_dir: Path,
-    pids: list[int],
+    pids: PidSink,
     progress: ProgressFn | None = None,
     engine_ports: Sequence[int] | None = None,
+    lab_placement: bool | None = None,
 ) -> dict[str, Any]:
     """Start a fresh stack (engines, smg, kvproxy), run one seed of the scenario through
     it, stop every process. Every PID is appended to ``pids`` as soon as it is known.
     ``engine_ports`` (one per engine; default: free ports) fixes the engines' URLs, and
-    with them smg's consistent-hashing placement, across the configurations compared.
+    with them smg's consistent-hashing placement, across the configurations compared;
+    ``lab_placement`` (default: the scenario's) places the sessions as the lab does
+    instead, whatever the ports (:func:`lab_routing_keys`).
 
     Returns ``{"summary" (simulated time), "wall_summary", "engine_deltas",
     "engine_clock", "reached_engines", "proxy_config", "load", "pids"}``.
     """
     import asyncio
 
+    from kvlab import stack as stk
     from kvlab.workload.driver import run_http
 
     tag = f"{variant.name}-s{seed}"
@@ -504,10 +575,13 @@ def run_config(
     ts = scenario.time_scale
     my_pids: list[int] = []
     load_before = os.getloadavg()
+    procs: list[Any] = []
     with contextlib.ExitStack() as es:
+        # Every process is stopped on the way out, all at once (their shutdowns overlap).
+        es.callback(stk.stop_all, procs)
 
         def track(proc: Any) -> Any:
-            es.callback(proc.stop)
+            procs.append(proc)
             pids.append(proc.pid)
             my_pids.append(proc.pid)
             return proc
@@ -522,6 +596,8 @@ def run_config(
             track=track,
         )
         engine_urls = stack.engine_urls
+        if lab_placement is None:
+            lab_placement = scenario.lab_placement
         run = asyncio.run(
             run_http(
                 scenario.spec(),
@@ -534,6 +610,7 @@ def run_config(
                 progress=_session_progress(tag, progress),
                 request_timeout_s=scenario.request_timeout_sim_s * ts,
                 run_timeout_s=scenario.run_timeout_sim_s * ts,
+                routing_key=lab_routing_keys(engine_urls) if lab_placement else None,
             )
         )
         wall = run.summary()
@@ -542,6 +619,7 @@ def run_config(
         result: dict[str, Any] = {
             "variant": variant.name,
             "seed": seed,
+            "lab_placement": lab_placement,
             "summary": summary,
             "wall_summary": {k: wall[k] for k in ("wall_s", "makespan_s") if k in wall},
             "engine_deltas": run.engine_deltas,
@@ -569,6 +647,169 @@ def clock_overrun_share(runs: Sequence[Mapping[str, Any]]) -> float | None:
     return None if worst is None else round(worst, 4)
 
 
+# Side by side, off and both run at once, each on its own stack (two engines, smg,
+# kvproxy and a workload driver: five busy processes); below this many usable cores the
+# engines fall behind their clock, so the default there is one after the other.
+SIDE_BY_SIDE_MIN_CORES = 8
+
+
+def usable_cores() -> int:
+    """CPU cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+class _PidPipe:
+    """``pids`` of :func:`run_config` in a side-by-side child: each PID goes to the
+    parent as soon as it is known."""
+
+    def __init__(self, conn: Any) -> None:
+        self._conn = conn
+
+    def append(self, pid: int, /) -> None:
+        self._conn.send(("pid", pid))
+
+
+def _run_config_child(conn: Any, variant: Variant, scenario: Scenario, kw: dict[str, Any]) -> None:
+    """A side-by-side child process: one :func:`run_config`; its PIDs, progress lines and
+    result (or error) go to the parent over ``conn``. SIGTERM stops its stack."""
+
+    def say(line: str) -> None:
+        conn.send(("say", line))
+
+    try:
+        with sigterm_as_interrupt():
+            message: tuple[str, Any] = (
+                "result",
+                run_config(variant, scenario, pids=_PidPipe(conn), progress=say, **kw),
+            )
+    except KeyboardInterrupt:
+        message = ("error", "interrupted")
+    except Exception as exc:
+        message = ("error", f"{type(exc).__name__}: {exc}")
+    with contextlib.suppress(OSError):
+        conn.send(message)
+        conn.close()
+
+
+def _stop_children(children: Sequence[Any], pids: Sequence[int]) -> None:
+    """Stop side-by-side children still running (SIGTERM: each stops its own stack);
+    if one must be killed, the processes it started (``pids``) are stopped by PID."""
+    for child in children:
+        if child.is_alive():
+            child.terminate()
+    killed = False
+    for child in children:
+        child.join(timeout=30)
+        if child.is_alive():
+            killed = True
+            child.kill()
+            child.join(timeout=10)
+    if killed:
+        for pid in pids:
+            if pid_alive(pid):
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGTERM)
+
+
+def run_side_by_side(
+    variants: Sequence[Variant],
+    scenario: Scenario,
+    *,
+    seed: int,
+    out_dir: Path,
+    pids: PidSink,
+    progress: ProgressFn | None = None,
+    engine_ports: Sequence[Sequence[int]],
+) -> dict[str, dict[str, Any]]:
+    """One seed of every configuration at once: each :func:`run_config` in its own
+    process (its own workload driver) on its own stack, on the engine ports
+    ``engine_ports[i]`` of configuration ``i``. Two stacks cannot share ports, and smg's
+    ring hashes them, so every session is placed as in the lab in every configuration
+    (:func:`lab_routing_keys`). Returns ``{variant name: run}``; raises
+    RuntimeError naming a configuration that failed. Every child is stopped before
+    this returns or raises (also on Ctrl-C and SIGTERM)."""
+    import multiprocessing
+    from multiprocessing.connection import Connection, wait
+
+    ctx = multiprocessing.get_context("spawn")
+    say = progress or (lambda _line: None)
+    conns: dict[Connection, str] = {}
+    children: list[Any] = []
+    mine: list[int] = []
+    results: dict[str, dict[str, Any]] = {}
+    errors: dict[str, str] = {}
+    try:
+        for variant, ports in zip(variants, engine_ports, strict=True):
+            recv, send = ctx.Pipe(duplex=False)
+            kw = {
+                "seed": seed,
+                "out_dir": out_dir,
+                "engine_ports": list(ports),
+                "lab_placement": True,
+            }
+            child = ctx.Process(
+                target=_run_config_child,
+                args=(send, variant, scenario, kw),
+                name=f"kvproxy-demo-{variant.name}-s{seed}",
+                daemon=True,
+            )
+            child.start()
+            send.close()
+            children.append(child)
+            conns[recv] = variant.name
+        waiting = list(conns)
+        while waiting:
+            ready = wait(waiting)
+            for conn in [c for c in waiting if c in ready]:
+                try:
+                    kind, payload = conn.recv()
+                except EOFError:
+                    waiting.remove(conn)
+                    continue
+                if kind == "pid":
+                    mine.append(payload)
+                    pids.append(payload)
+                elif kind == "say":
+                    say(payload)
+                elif kind == "result":
+                    results[conns[conn]] = payload
+                else:
+                    errors[conns[conn]] = str(payload)
+    finally:
+        _stop_children(children, mine)
+        for conn in conns:
+            conn.close()
+    missing = [v.name for v in variants if v.name not in results]
+    if missing:
+        why = "; ".join(f"{n}: {errors.get(n, 'exited without a result')}" for n in missing)
+        raise RuntimeError(f"side by side, seed {seed}: {why}")
+    return results
+
+
+def _distinct_ports(count: int) -> list[int]:
+    from kvlab import stack as stk
+
+    ports: list[int] = []
+    while len(ports) < count:
+        port = stk.free_port()
+        if port not in ports:
+            ports.append(port)
+    return ports
+
+
+def _run_done_line(i: int, n: int, res: Mapping[str, Any]) -> str:
+    s = res["summary"]
+    return (
+        f"[{i}/{n}] {res['variant']} seed {res['seed']}: {s['sessions_completed']}/"
+        f"{s['sessions_started']} sessions, {s['sessions_per_min']:.2f}/min simulated, "
+        f"recomputed {s['recomputed_prefill_tokens']:,}, wall "
+        f"{res['wall_summary'].get('wall_s', 0):.0f} s, load {res['load']['before'][0]}"
+    )
+
+
 def run_scenario(
     scenario: Scenario,
     variants: Sequence[Variant],
@@ -577,26 +818,49 @@ def run_scenario(
     out_dir: Path,
     pids: list[int],
     progress: ProgressFn | None = None,
+    side_by_side: bool = False,
 ) -> dict[str, Any]:
     """Every configuration x seed on a fresh stack; seeds interleave so that a change
-    of the host's load hits every configuration alike.
+    of the host's load hits every configuration alike. ``side_by_side``: the
+    configurations of a seed run at once (:func:`run_side_by_side`, sessions placed as
+    in the lab), for hosts with the cores for it.
 
-    Returns ``{"scenario", "seeds", "runs": {variant: {seed: run}}, "medians"}``.
+    Returns ``{"scenario", "seeds", "side_by_side", "runs": {variant: {seed: run}},
+    "medians", "clock_overrun_share"}``.
     """
-    from kvlab import stack as stk
-
     say = progress or (lambda _line: None)
     runs: dict[str, dict[int, dict[str, Any]]] = {v.name: {} for v in variants}
-    # The same engine URLs in every run: smg's ring hashes them, so every configuration
-    # and seed sees the same placement (as the lab does), not one drawn per run.
-    engine_ports: list[int] = []
-    while len(engine_ports) < scenario.engines:
-        port = stk.free_port()
-        if port not in engine_ports:
-            engine_ports.append(port)
+    # The same engine URLs in every run of a configuration: smg's ring hashes them, so
+    # every seed sees the same placement, not one drawn per run; one after the other,
+    # every configuration shares them too (side by side each stack has its own, and
+    # the sessions are placed as in the lab).
+    shared = _distinct_ports(scenario.engines * (len(variants) if side_by_side else 1))
+    ports = [
+        shared[i * scenario.engines : (i + 1) * scenario.engines] for i in range(len(variants))
+    ]
     n = len(variants) * len(seeds)
     i = 0
     for seed in seeds:
+        if side_by_side:
+            names = ", ".join(v.name for v in variants)
+            say(
+                f"[{i + 1}-{i + len(variants)}/{n}] {scenario.name} {names} seed {seed} side by "
+                "side: starting the stacks"
+            )
+            per = run_side_by_side(
+                variants,
+                scenario,
+                seed=seed,
+                out_dir=out_dir,
+                pids=pids,
+                progress=progress,
+                engine_ports=ports,
+            )
+            for variant in variants:
+                i += 1
+                runs[variant.name][seed] = per[variant.name]
+                say(_run_done_line(i, n, per[variant.name]))
+            continue
         for variant in variants:
             i += 1
             say(f"[{i}/{n}] {scenario.name} {variant.name} seed {seed}: starting the stack")
@@ -607,19 +871,14 @@ def run_scenario(
                 out_dir=out_dir,
                 pids=pids,
                 progress=progress,
-                engine_ports=engine_ports,
+                engine_ports=shared,
             )
             runs[variant.name][seed] = res
-            s = res["summary"]
-            say(
-                f"[{i}/{n}] {variant.name} seed {seed}: {s['sessions_completed']}/"
-                f"{s['sessions_started']} sessions, {s['sessions_per_min']:.2f}/min simulated, "
-                f"recomputed {s['recomputed_prefill_tokens']:,}, wall "
-                f"{res['wall_summary'].get('wall_s', 0):.0f} s, load {res['load']['before'][0]}"
-            )
+            say(_run_done_line(i, n, res))
     return {
         "scenario": scenario.describe(),
         "seeds": list(seeds),
+        "side_by_side": side_by_side,
         "runs": {v: {str(k): r for k, r in per.items()} for v, per in runs.items()},
         "medians": medians(runs),
         "clock_overrun_share": clock_overrun_share(
@@ -907,7 +1166,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--quick",
         action="store_true",
-        help="a KV-bound smoke run of the real stack, off vs both (about 1.5 minutes)",
+        help="a KV-bound smoke run of the real stack, off vs both (about 30 s side by side, "
+        "50 s one after the other)",
     )
     parser.add_argument(
         "--lab",
@@ -937,6 +1197,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=None,
         help=f"wall seconds per simulated second (default {DEMO_W1.time_scale:g})",
+    )
+    parser.add_argument(
+        "--parallel",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="run the configurations of a seed side by side, each on its own stack "
+        f"(default: on with {SIDE_BY_SIDE_MIN_CORES} or more cores, this host has "
+        f"{usable_cores()})",
     )
     parser.add_argument("--json-only", action="store_true", help="skip the PNG chart")
 
@@ -1028,6 +1296,10 @@ def run(args: argparse.Namespace) -> int:
     variants = args.only or [VARIANTS_BY_NAME["off"], VARIANTS_BY_NAME["both"]]
     out_dir = Path(args.out or f"results/demo-{time.strftime('%Y%m%d-%H%M%S')}")
     out_dir.mkdir(parents=True, exist_ok=True)
+    parallel = args.parallel
+    if parallel is None:
+        parallel = usable_cores() >= SIDE_BY_SIDE_MIN_CORES
+    side_by_side = bool(parallel) and len(variants) > 1
 
     def say(line: str) -> None:
         print(line, flush=True)
@@ -1039,7 +1311,8 @@ def run(args: argparse.Namespace) -> int:
         f"{d['pool_tokens_per_engine']:,} KV tokens each), {scenario.concurrency} live sessions, "
         f"{scenario.total_sessions} per run; live working set {d['working_set_over_pool']}x "
         f"the pool; smg {scenario.router_policy}; time scale {scenario.time_scale:g}; "
-        f"{', '.join(v.name for v in variants)} x seeds {seeds}; load "
+        f"{', '.join(v.name for v in variants)} x seeds {seeds}"
+        f"{' side by side' if side_by_side else ''}; load "
         f"{os.getloadavg()[0]:.2f}; output in {out_dir}"
     )
     pids: list[int] = []
@@ -1055,7 +1328,15 @@ def run(args: argparse.Namespace) -> int:
     try:
         with sigterm_as_interrupt():
             doc.update(
-                run_scenario(scenario, variants, seeds, out_dir=out_dir, pids=pids, progress=say)
+                run_scenario(
+                    scenario,
+                    variants,
+                    seeds,
+                    out_dir=out_dir,
+                    pids=pids,
+                    progress=say,
+                    side_by_side=side_by_side,
+                )
             )
     except KeyboardInterrupt:
         say("interrupted: every process started has been stopped")

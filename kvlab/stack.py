@@ -56,6 +56,7 @@ class ManagedProcess:
     url: str
     log_path: Path
     _stopped: bool = field(default=False, repr=False)
+    _signalled: bool = field(default=False, repr=False)
 
     @property
     def pid(self) -> int:
@@ -67,15 +68,26 @@ class ManagedProcess:
     def log_tail(self, max_bytes: int = 4000) -> str:
         return _tail(self.log_path, max_bytes)
 
+    def terminate(self) -> None:
+        """SIGTERM to this process's PID without waiting for it to exit (:meth:`stop`
+        then waits). Idempotent."""
+        if self._stopped or self._signalled:
+            return
+        self._signalled = True
+        if self.popen.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.popen.send_signal(signal.SIGTERM)
+
     def stop(self, timeout: float = 10.0) -> None:
-        """SIGTERM to this process's PID, SIGKILL after ``timeout``. Idempotent."""
+        """SIGTERM to this process's PID (unless :meth:`terminate` sent it), SIGKILL
+        after ``timeout``. Idempotent."""
         if self._stopped:
             return
+        self.terminate()
         self._stopped = True
         p = self.popen
         if p.poll() is None:
             try:
-                p.send_signal(signal.SIGTERM)
                 p.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
                 p.kill()
@@ -96,6 +108,15 @@ class ManagedProcess:
         tb: TracebackType | None,
     ) -> None:
         self.stop()
+
+
+def stop_all(procs: Sequence[ManagedProcess], timeout: float = 10.0) -> None:
+    """Stop several processes at once: SIGTERM to every PID first, then wait for each
+    (SIGKILL after ``timeout``), so that their shutdowns overlap."""
+    for proc in procs:
+        proc.terminate()
+    for proc in procs:
+        proc.stop(timeout)
 
 
 def _spawn(name: str, argv: Sequence[str], url: str, log_dir: Path) -> ManagedProcess:

@@ -5,7 +5,8 @@
 # verdict, results.json and a chart.
 #
 #   scripts/demo.sh            # about four minutes on 2 cores
-#   scripts/demo.sh --quick    # a smaller KV-bound W1, about 1-1.5 minutes
+#   scripts/demo.sh --quick    # a smaller KV-bound W1: about 30 s with 8+ cores (off and
+#                              #   both side by side), about 50 s on 2 cores
 #   scripts/demo.sh --lab      # the lab's policy table (virtual time)
 #
 # Creates .venv (if absent) and installs kvproxy with its lab extra into it.

@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import json
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -155,6 +155,7 @@ class HttpTransport:
     ``session_control_scope``: Dynamo's ``nvext`` per turn (:func:`nvext_for`). With
     ``speculative_prefill`` the requests are not streamed (as the Dynamo benchmarks ran;
     kvproxy prefills after a streamed answer too), so TTFT reads as the request's latency.
+    ``routing_key``: the ``X-SMG-Routing-Key`` of a session's requests (default: its id).
     """
 
     def __init__(
@@ -170,6 +171,7 @@ class HttpTransport:
         speculative_prefill: bool = False,
         session_timeout_s: float | None = None,
         session_control_scope: str = "all",
+        routing_key: Callable[[str], str] | None = None,
     ) -> None:
         nvext_for(
             "probe",
@@ -191,6 +193,7 @@ class HttpTransport:
         self.speculative_prefill = speculative_prefill
         self.session_timeout_s = session_timeout_s
         self.session_control_scope = session_control_scope
+        self.routing_key = routing_key
         self._started: set[str] = set()
         # session id -> HTTP status of its /close_session (None: no answer).
         self.close_status: dict[str, int | None] = {}
@@ -199,7 +202,7 @@ class HttpTransport:
         return {
             "Content-Type": "application/json",
             SESSION_HEADER: session_id,
-            ROUTING_KEY_HEADER: session_id,
+            ROUTING_KEY_HEADER: self.routing_key(session_id) if self.routing_key else session_id,
         }
 
     def _turn_request(
@@ -442,9 +445,11 @@ async def run_http(
     speculative_prefill: bool = False,
     session_timeout_s: float | None = None,
     session_control_scope: str = "all",
+    routing_key: Callable[[str], str] | None = None,
 ) -> HttpRun:
     """Run ``spec`` against ``base_url`` over HTTP. ``engine_urls`` are scraped
-    (``/metrics``) before and after; ``read_stats`` reads ``{base}/kvproxy/stats``."""
+    (``/metrics``) before and after; ``read_stats`` reads ``{base}/kvproxy/stats``;
+    ``routing_key`` maps a session id to its ``X-SMG-Routing-Key`` (default: the id)."""
     base = base_url.rstrip("/")
     loop = asyncio.get_running_loop()
     connector = aiohttp.TCPConnector(limit=max(16, 2 * concurrency + 8))
@@ -463,6 +468,7 @@ async def run_http(
             speculative_prefill=speculative_prefill,
             session_timeout_s=session_timeout_s,
             session_control_scope=session_control_scope,
+            routing_key=routing_key,
         )
         start = loop.time()
         run.result = await run_workload(

@@ -19,14 +19,17 @@ from kvlab.demo import (
     DEMO_W1,
     QUICK_W1,
     VARIANTS,
+    VARIANTS_BY_NAME,
     format_table,
     gap_closed,
     lab_policies,
+    lab_routing_keys,
     pid_alive,
     proxy_config,
     ratio,
     report_lines,
     run_lab_table,
+    run_scenario,
     to_simulated,
     verdict,
 )
@@ -68,7 +71,7 @@ def test_proxy_config_is_the_documented_defaults_plus_three_keys(variant) -> Non
 
 
 @pytest.mark.parametrize(
-    ("scenario", "ratio"), [(DEMO_W1, 2.0), (QUICK_W1, 1.5)], ids=["w1", "quick"]
+    ("scenario", "ratio"), [(DEMO_W1, 2.0), (QUICK_W1, 2.0)], ids=["w1", "quick"]
 )
 def test_demo_scenarios_are_kv_bound_w1(scenario, ratio) -> None:  # type: ignore[no-untyped-def]
     scenario.check()
@@ -173,6 +176,29 @@ def test_lab_table_runs_every_policy_of_the_lab() -> None:
     assert doc["policies"]["off"]["median"]["sessions"] == QUICK_W1.total_sessions
 
 
+def test_lab_routing_keys_place_every_session_as_the_lab_does() -> None:
+    from kvlab.lab.runner import LabConfig, engine_urls
+    from kvproxy.fleet.ring import HashRing
+
+    lab = HashRing(engine_urls(LabConfig(engines=2)))
+    ids = [f"s{i}" for i in range(200)]
+    for ports in [(30001, 30002), (41234, 52345), (52345, 41234)]:
+        urls = [f"http://127.0.0.1:{p}" for p in ports]
+        key = lab_routing_keys(urls)
+        real = HashRing(urls)
+        keys = [key(sid) for sid in ids]
+        # Every session reaches the engine of the lab's index, under a key of its own.
+        assert [urls.index(real.owner(k) or "") for k in keys] == [
+            lab.urls.index(lab.owner(sid) or "") for sid in ids
+        ]
+        assert len(set(keys)) == len(ids)
+        assert all(k == sid or k.startswith(f"{sid}~") for k, sid in zip(keys, ids, strict=True))
+        assert [key(sid) for sid in ids] == keys  # stable
+    # On the lab's own URLs every key is the session id itself.
+    same = lab_routing_keys(list(lab.urls))
+    assert [same(sid) for sid in ids] == ids
+
+
 def test_pid_alive() -> None:
     assert pid_alive(os.getpid())
     proc = subprocess.Popen([sys.executable, "-c", "pass"])
@@ -255,3 +281,70 @@ def test_quick_demo_runs_clean_and_both_features_reach_the_engines(tmp_path: Pat
 
     if has_mpl:
         assert (out / "chart.png").stat().st_size > 1000
+
+
+# A few short sessions: a run of a second or two of wall time.
+TINY = dataclasses.replace(
+    QUICK_W1,
+    name="tiny",
+    sessions_per_engine=2,
+    sessions=6,
+    pool_ratio=None,
+    pool_tokens=4000,
+    time_scale=0.05,
+    workload_overrides={"turns_median": 3, "turns_lo": 2, "turns_hi": 4, "tool_latency_cap_s": 2},
+    record_requests=0,
+)
+
+
+def _shape(doc: object) -> object:
+    """The structure of a document: its keys and value types, not its numbers (nor
+    which engine URLs, the keys of ``engine_deltas``)."""
+    if isinstance(doc, dict):
+        return {("<url>" if k.startswith("http") else k): _shape(v) for k, v in doc.items()}
+    if isinstance(doc, list):
+        return [_shape(v) for v in doc[:1]]
+    return type(doc).__name__ if doc is not None else None
+
+
+@needs_smg
+def test_side_by_side_runs_each_configuration_on_its_own_stack(tmp_path: Path) -> None:
+    variants = [VARIANTS_BY_NAME["off"], VARIANTS_BY_NAME["both"]]
+    lines: list[str] = []
+    docs = {}
+    pids: dict[bool, list[int]] = {}
+    for side in (False, True):
+        pids[side] = []
+        docs[side] = run_scenario(
+            TINY,
+            variants,
+            [0],
+            out_dir=tmp_path / str(side),
+            pids=pids[side],
+            progress=lines.append,
+            side_by_side=side,
+        )
+    one, two = docs[False], docs[True]
+    assert (one["side_by_side"], two["side_by_side"]) == (False, True)
+    # Every process each started (2 engines, smg, kvproxy per run) was stopped.
+    for started in pids.values():
+        assert len(started) == 2 * (TINY.engines + 2)
+        assert [p for p in started if pid_alive(p)] == []
+    for doc in (one, two):
+        for name in ("off", "both"):
+            s = doc["runs"][name]["0"]["summary"]
+            assert s["sessions_started"] == TINY.total_sessions, (name, s)
+            assert s["sessions_failed"] == 0, (name, s["errors"])
+    # The same results document either way (its numbers aside) ...
+    assert _shape({k: v for k, v in one.items() if k != "side_by_side"}) == _shape(
+        {k: v for k, v in two.items() if k != "side_by_side"}
+    )
+    # ... but side by side, the two stacks ran on different engines at the same time.
+    off, both = (two["runs"][n]["0"] for n in ("off", "both"))
+    assert set(off["proxy_config"]["router"]["engines"]).isdisjoint(
+        both["proxy_config"]["router"]["engines"]
+    )
+    seq = [one["runs"][n]["0"]["proxy_config"]["router"]["engines"] for n in ("off", "both")]
+    assert seq[0] == seq[1]
+    assert any("side by side" in line for line in lines)
+    assert any(line.startswith("  [off-s0]") for line in lines)

@@ -167,3 +167,32 @@ def test_managed_process_stop_is_idempotent(tmp_path: Path) -> None:
     assert not proc.alive() and time.monotonic() - t0 < 10
     proc.stop()
     assert stack.free_port() > 0
+
+
+def test_stop_all_overlaps_the_shutdowns(tmp_path: Path) -> None:
+    import subprocess
+
+    # Each takes 2 s to exit after SIGTERM: stopped one after the other, 4 s.
+    slow_exit = (
+        "import signal, sys, time\n"
+        "signal.signal(signal.SIGTERM, lambda *_: (time.sleep(2), sys.exit(0)))\n"
+        "print('ready', flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    procs = []
+    for i in range(2):
+        popen = subprocess.Popen(
+            [sys.executable, "-c", slow_exit], stdout=subprocess.PIPE, text=True
+        )
+        assert popen.stdout is not None and popen.stdout.readline() == "ready\n"
+        procs.append(
+            stack.ManagedProcess(f"slow-{i}", popen, "http://127.0.0.1:1", tmp_path / "x.log")
+        )
+    t0 = time.monotonic()
+    stack.stop_all(procs)
+    assert not any(p.alive() for p in procs)
+    assert time.monotonic() - t0 < 3.5
+    stack.stop_all(procs)  # idempotent
+    for p in procs:
+        assert p.popen.stdout is not None
+        p.popen.stdout.close()
