@@ -163,6 +163,9 @@ class Engine:
     # KV held by the engine's streaming sessions (pinned: never evicted, never decays).
     streaming_held: int = 0
     streaming_sessions: int = 0
+    # The engine's host KV tier (SGLang's HiCache, sglang:hicache_host_total_tokens):
+    # KV evicted from the pool goes there and is loaded back instead of recomputed.
+    host_tokens: int = 0
     # Feedback window (since window_start).
     window_start: float = 0.0
     evicted_delta: int = 0
@@ -224,9 +227,12 @@ class EngineLedger:
         retracted_total: int | None = None,
         streaming_held: int | None = None,
         streaming_sessions: int | None = None,
+        host_tokens: int | None = None,
     ) -> bool:
         """One scrape of ``url``; returns whether it carried a capacity (fresh)."""
         eng = self.engine(url, now)
+        if host_tokens is not None:
+            eng.host_tokens = max(0, host_tokens)
         # Absent (engine without --enable-streaming-session): nothing pinned.
         eng.streaming_held = streaming_held or 0
         eng.streaming_sessions = streaming_sessions or 0

@@ -112,6 +112,7 @@ class Poller:
                 retracted_total=m.num_retracted_requests_total,
                 streaming_held=m.streaming_session_held_tokens,
                 streaming_sessions=m.num_streaming_sessions,
+                host_tokens=m.hicache_host_total_tokens,
             )
 
     async def probe(self, urls: Sequence[str], known: Container[str]) -> list[EngineSessionMode]:

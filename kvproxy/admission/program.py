@@ -533,14 +533,17 @@ class ProgramCore:
 
     def _oversubscribed(self, url: str, eng: Engine, now: float) -> bool:
         """The cold start's condition: at least ``cold_start_sessions`` sessions on the
-        engine, expected to grow to more than ``cold_start_ratio`` x its capacity."""
+        engine, expected to grow to more than ``cold_start_ratio`` x its capacity, its
+        host tier counted (what overflows the pool into host memory comes back by a
+        load, not a recompute: the exposure the cold start assumes is not there)."""
         p, led = self.p, self.ledger
         e = eng.engagement
         if p.cold_start_sessions <= 0 or e.engaged or e.failures > 0:
             return False  # (after a starved release, only measured thrash engages)
         if len(eng.sessions) < p.cold_start_sessions:
             return False
-        return led.reserved(url, now) > p.cold_start_ratio * led.capacity(url)
+        room = led.capacity(url) + eng.host_tokens
+        return led.reserved(url, now) > p.cold_start_ratio * room
 
     # -- reads ---------------------------------------------------------------------
 
@@ -558,6 +561,7 @@ class ProgramCore:
                     "fresh": led.fresh(url, now),
                     "capacity": led.capacity(url),
                     "max_total_num_tokens": eng.max_total_num_tokens,
+                    "host_tokens": float(eng.host_tokens),
                     "committed": led.committed(url, now),
                     "footprint": float(led.undecayed(url)),
                     "reserved": led.reserved(url, now),

@@ -22,7 +22,7 @@ Aggregation across label sets, per gauge:
 * series that differ in ``dp_rank`` come from separate schedulers, each with its own
   KV pool and queue: token counts and request counts (``max_total_num_tokens``,
   ``num_used_tokens``, ``kv_evictable_tokens``, ``num_running_reqs``,
-  ``num_queue_reqs``) are SUMMED across DP ranks, while the usage fractions
+  ``num_queue_reqs``, ``hicache_host_total_tokens``) are SUMMED across DP ranks, while the usage fractions
   (``token_usage``, ``full_token_usage``) take the MAX across DP ranks, because the
   fullest pool is the one that thrashes first.
 
@@ -54,6 +54,8 @@ _NAMES = (
     # Streaming sessions (--enable-streaming-session): pinned KV outside eviction.
     "num_streaming_sessions",
     "streaming_session_held_tokens",
+    # The host KV tier (--enable-hierarchical-cache): its capacity in tokens.
+    "hicache_host_total_tokens",
 )
 # One sample line of interest: "\n" prefix name, optional {labels}, whitespace, value.
 # The labels group runs to the last "}" on the line, so a "}" inside a label value
@@ -80,6 +82,7 @@ class EngineMetrics:
     num_retracted_requests_total: int | None = None
     num_streaming_sessions: int | None = None
     streaming_session_held_tokens: int | None = None
+    hicache_host_total_tokens: int | None = None
     usage_source: str | None = None
 
 
@@ -151,6 +154,7 @@ def parse_engine_metrics(text: str) -> EngineMetrics:
         num_retracted_requests_total=_sum_over_dp(found.get("num_retracted_requests_total")),
         num_streaming_sessions=_sum_over_dp(found.get("num_streaming_sessions")),
         streaming_session_held_tokens=_sum_over_dp(found.get("streaming_session_held_tokens")),
+        hicache_host_total_tokens=_sum_over_dp(found.get("hicache_host_total_tokens")),
         usage_source=source,
     )
 

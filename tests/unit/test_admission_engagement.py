@@ -356,6 +356,24 @@ def test_a_cold_start_engages_a_busy_engine_before_it_thrashes(
     assert c.ledger.engaged(E1) is engaged
 
 
+@pytest.mark.parametrize(("host_tokens", "engaged"), [(0, True), (1000, False)])
+def test_a_host_tier_that_holds_the_overflow_keeps_the_cold_start_off(host_tokens, engaged) -> None:
+    # The same three sessions expected to grow to ~2.5x the pool: with a host tier
+    # (HiCache) as large as the pool again, what overflows is loaded back, not recomputed.
+    c = ProgramCore(COLD)
+    c.ledger.observe_engine(E1, 0.0, max_total_num_tokens=1000, host_tokens=host_tokens)
+    for sid in "abc":
+        c.request(f"{sid}1", sid, E1, 300, 0.0)
+        answer(c, f"{sid}1", 1.0, 300, 0, 10)
+    c.tick(5.0)
+    for sid in "abc":
+        c.request(f"{sid}2", sid, E1, 330, 5.0)
+    for sid in "abc":
+        answer(c, f"{sid}2", 9.0, 330, 310, 10)
+    c.tick(10.0)
+    assert c.ledger.engaged(E1) is engaged
+
+
 @pytest.mark.parametrize(("floor", "released"), [(1, 0), (2, 1), (3, 2)])
 def test_an_engaged_engine_below_its_floor_takes_held_work(floor, released) -> None:
     c = engaged_core()  # one turn ("keep") in flight

@@ -215,6 +215,16 @@ def _g(name: str, labels: str, value: str) -> str:
             id="comments-garbage-longer-names-timestamps-crlf",
         ),
         pytest.param(
+            [
+                _g("max_total_num_tokens", 'tp_rank="0"', "1000"),
+                _g("hicache_host_total_tokens", 'tp_rank="0"', "2000"),
+                _g("hicache_host_total_tokens", 'tp_rank="1"', "2000"),
+                _g("hicache_host_used_tokens", 'tp_rank="0"', "700"),
+            ],
+            EngineMetrics(max_total_num_tokens=1000, hicache_host_total_tokens=2000),
+            id="hicache-host-tier-once-per-engine",
+        ),
+        pytest.param(
             [_g("token_usage", "", "1.7")],
             EngineMetrics(token_usage=1.0, usage_source="token_usage"),
             id="usage-clamped",
