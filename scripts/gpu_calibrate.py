@@ -608,6 +608,27 @@ def torch_backend(
     return model, timer, described, is_oom, release
 
 
+def cuda_graph(step: Callable[[], object]) -> Callable[[], object]:
+    """``step`` captured once in a CUDA graph (after two warm-up runs on a side stream,
+    as PyTorch's capture requires); the returned call replays it."""
+    torch = _torch()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+
+    def replay() -> object:
+        graph.replay()
+        return None
+
+    return replay
+
+
 def default_preset(device_name: str) -> str:
     return "qwen3-8b-h200" if "H200" in device_name.upper() else "qwen3-8b-h100"
 
@@ -624,6 +645,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=5, help="timed calls per point (default 5)")
     ap.add_argument("--warmup", type=int, default=2, help="untimed calls per point (default 2)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--cuda-graphs",
+        action="store_true",
+        help="capture each decode step in a CUDA graph and time its replay, as SGLang runs "
+        "decode (prefill stays eager)",
+    )
     a = ap.parse_args(argv)
     if a.budget_s <= 0 or a.repeats < 1 or a.warmup < 0:
         ap.error("need --budget-s > 0, --repeats >= 1, --warmup >= 0")
@@ -637,6 +664,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             if point.kind == "prefill"
             else decoder.decode(point.a, point.b)
         )
+
+    if a.cuda_graphs:
+        if a.device != "cuda":
+            ap.error("--cuda-graphs needs --device cuda")
+        eager = prepare
+
+        def prepare(point: Point) -> Callable[[], object]:
+            step = eager(point)
+            return step if point.kind == "prefill" else cuda_graph(step)
 
     points, skipped = run_points(
         plan_points(a.shape),
