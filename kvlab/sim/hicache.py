@@ -127,13 +127,7 @@ class HiKVCache(KVCache):
         self._count_hits(node)
         node = last
         if pos < n:
-            leaf = Node(list(ids[pos:]), node, self._new_id())
-            self._touch(leaf, now)
-            leaf.priority = priority
-            node.children[ids[pos]] = leaf
-            self.num_nodes += 1
-            self.evictable += n - pos
-            node = leaf
+            leaf = node = self._add_leaf(node, ids, pos, now, priority)
             if self.write_policy != "write_back":
                 leaf.hits = 1
                 if self.write_threshold <= 1:

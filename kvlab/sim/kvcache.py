@@ -230,20 +230,25 @@ class KVCache:
         counting it as private) and frees its own copy of the tokens that were
         already cached beyond what it had locked.
         """
-        n = len(ids)
         pos, node = self._walk(ids, now, priority)
         already = pos
-        if pos < n:
-            leaf = Node(list(ids[pos:]), node, self._new_id())
-            self._touch(leaf, now)
-            leaf.priority = priority
-            node.children[ids[pos]] = leaf
-            self.num_nodes += 1
-            # The new leaf starts unlocked (evictable); a caller that keeps using it locks it.
-            self.evictable += n - pos
-            node = leaf
+        if pos < len(ids):
+            node = self._add_leaf(node, ids, pos, now, priority)
         self._push_if_evictable_leaf(node)
         return already, node
+
+    def _add_leaf(
+        self, parent: Node, ids: Sequence[int], pos: int, now: float, priority: int
+    ) -> Node:
+        """A new leaf under ``parent`` holding ``ids[pos:]``. It starts unlocked
+        (evictable); a caller that keeps using it locks it."""
+        leaf = Node(list(ids[pos:]), parent, self._new_id())
+        self._touch(leaf, now)
+        leaf.priority = priority
+        parent.children[ids[pos]] = leaf
+        self.num_nodes += 1
+        self.evictable += len(ids) - pos
+        return leaf
 
     # ---------------------------------------------------------------- locks
 

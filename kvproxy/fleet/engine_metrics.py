@@ -22,9 +22,9 @@ Aggregation across label sets, per gauge:
 * series that differ in ``dp_rank`` come from separate schedulers, each with its own
   KV pool and queue: token counts and request counts (``max_total_num_tokens``,
   ``num_used_tokens``, ``kv_evictable_tokens``, ``num_running_reqs``,
-  ``num_queue_reqs``, ``hicache_host_total_tokens``) are SUMMED across DP ranks, while the usage fractions
-  (``token_usage``, ``full_token_usage``) take the MAX across DP ranks, because the
-  fullest pool is the one that thrashes first.
+  ``num_queue_reqs``, ``hicache_host_total_tokens``) are SUMMED across DP ranks, while
+  the usage fractions (``token_usage``, ``full_token_usage``) take the MAX across DP
+  ranks, because the fullest pool is the one that thrashes first.
 
 Usage: ``token_usage`` when present, else ``full_token_usage``, else
 ``num_used_tokens / max_total_num_tokens`` (per DP rank, then MAX). As in the Relax
