@@ -18,6 +18,8 @@ continuing-turn TTFT p99 of off and both, and both's first-turn wait p99.
 (``--enable-hierarchical-cache``, ``--hicache-ratio`` 2.0 unless ``--hicache-ratio R``);
 ceiling never evicts, so it runs as before. Its rows carry ``hicache`` (true where it
 was on), ``hicache_ratio`` and ``loaded_back_tokens``, and the JSON ``hicache_ratio``.
+``--hicache-link-gb-s G`` sets the host link's bandwidth (a what-if; a very large G
+makes every load-back free, the most any prefetch of host-resident KV could save).
 
 Writes ``results/regime_grid.json`` (every row) and prints the markdown tables and the
 acceptance criteria of docs/benchmarks.md ("Regime grid").
@@ -106,6 +108,7 @@ class Job:
     seed: int = 0
     admission: Mapping[str, Any] = field(default_factory=dict)
     hicache_ratio: float | None = None  # SGLang's HiCache on the engines; None: off
+    hicache_link_gb_s: float | None = None  # its host link; None: the preset's
 
     def config(self) -> LabConfig:
         sc = self.fleet.scenario()
@@ -121,6 +124,7 @@ class Job:
             admission_overrides=dict(self.admission),
             signal_fault=self.fault,
             hicache_ratio=self.hicache_ratio,
+            hicache_link_gb_s=self.hicache_link_gb_s,
         )
 
 
@@ -192,20 +196,19 @@ def jobs_for(
     admission: Mapping[str, Any],
     fault_cells: set[str] | None,
     hicache_ratio: float | None = None,
+    hicache_link_gb_s: float | None = None,
 ) -> list[Job]:
     out: list[Job] = []
-    h = hicache_ratio
+    h: dict[str, Any] = {"hicache_ratio": hicache_ratio, "hicache_link_gb_s": hicache_link_gb_s}
     for f in cells:
         for seed in seeds:
-            out.append(Job(f, "off", seed=seed, hicache_ratio=h))
-            out.append(Job(f, "ceiling", seed=seed, hicache_ratio=h))
-            out.append(Job(f, "both", seed=seed, admission=admission, hicache_ratio=h))
+            out.append(Job(f, "off", seed=seed, **h))
+            out.append(Job(f, "ceiling", seed=seed, **h))
+            out.append(Job(f, "both", seed=seed, admission=admission, **h))
             for fault in faults:
                 if fault == "none" or (fault_cells is not None and f.key not in fault_cells):
                     continue
-                out.append(
-                    Job(f, "both", fault=fault, seed=seed, admission=admission, hicache_ratio=h)
-                )
+                out.append(Job(f, "both", fault=fault, seed=seed, admission=admission, **h))
     # Longest first: big fleets first keeps both processes busy to the end.
     out.sort(key=lambda j: -j.fleet.per_engine)
     return out
@@ -391,6 +394,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=None,
         help="the host pool / device pool; implies --hicache",
     )
+    ap.add_argument(
+        "--hicache-link-gb-s",
+        type=float,
+        default=None,
+        help="the host link's GB/s (a what-if; default the preset's, 50); implies --hicache",
+    )
     ap.add_argument("--out", type=Path, default=Path("results/regime_grid.json"))
     ap.add_argument("--check", type=Path, default=None, help="judge a grid JSON and exit")
     ap.add_argument(
@@ -402,7 +411,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         doc = json.loads(args.check.read_text())
         cells = distinct(cell_rows(doc["rows"]), doc.get("pools", {}))
         if doc.get("hicache_ratio") is not None:
-            print(f"HiCache on (off and both): --hicache-ratio {doc['hicache_ratio']:g}")
+            link = doc.get("hicache_link_gb_s")
+            on = f"--hicache-ratio {doc['hicache_ratio']:g}"
+            on += "" if link is None else f", host link {link:g} GB/s"
+            print(f"HiCache on (off and both): {on}")
         print(compact(cells) if args.compact else markdown(cells))
         print(json.dumps(judge(cells), indent=2))
         return 0
@@ -433,9 +445,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             >= 1.3
         }
     hicache_ratio = args.hicache_ratio if args.hicache_ratio is not None else None
-    if hicache_ratio is None and args.hicache:
+    if hicache_ratio is None and (args.hicache or args.hicache_link_gb_s is not None):
         hicache_ratio = 2.0
-    jobs = jobs_for(grid, faults, _csv(args.seeds, int), admission, fault_cells, hicache_ratio)
+    link = args.hicache_link_gb_s
+    seeds = _csv(args.seeds, int)
+    jobs = jobs_for(grid, faults, seeds, admission, fault_cells, hicache_ratio, link)
     t0 = time.perf_counter()
     rows: list[dict[str, Any]] = []
     with ProcessPoolExecutor(max_workers=max(1, args.jobs)) as pool:
@@ -447,9 +461,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     doc = {
         "command": "python scripts/regime_grid.py " + " ".join(argv or sys.argv[1:]),
         "commit": git_revision(),
-        "seeds": _csv(args.seeds, int),
+        "seeds": seeds,
         "admission": admission,
         **({} if hicache_ratio is None else {"hicache_ratio": hicache_ratio}),
+        **({} if link is None else {"hicache_link_gb_s": link}),
         "wall_s": round(time.perf_counter() - t0, 1),
         "pools": pools,
         "rows": rows,

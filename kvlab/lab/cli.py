@@ -114,6 +114,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "implies --hicache",
     )
     parser.add_argument(
+        "--hicache-link-gb-s",
+        type=float,
+        default=None,
+        metavar="G",
+        help="the host link's bandwidth in GB/s, a simulator what-if (default: the preset's, "
+        "PCIe Gen5 x16 at 50; a very large G makes every load-back free: the most any "
+        "prefetch could save); implies --hicache",
+    )
+    parser.add_argument(
         "--signal-fault",
         choices=tuple(FAULTS),
         default="none",
@@ -126,7 +135,7 @@ def hicache_ratio(args: argparse.Namespace) -> float | None:
     """The engines' --hicache-ratio from ``--hicache`` / ``--hicache-ratio``; None: off."""
     if args.hicache_ratio is not None:
         return float(args.hicache_ratio)
-    return 2.0 if args.hicache else None
+    return 2.0 if args.hicache or args.hicache_link_gb_s is not None else None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -158,6 +167,7 @@ def run(args: argparse.Namespace) -> int:
         admission_overrides=admission,
         signal_fault=args.signal_fault,
         hicache_ratio=hicache_ratio(args),
+        hicache_link_gb_s=args.hicache_link_gb_s,
     )
     try:
         results = run_matrix(cfg, args.policy, args.seeds)
@@ -174,6 +184,7 @@ def run(args: argparse.Namespace) -> int:
             "token_scale": token_scale,
             "router_policy": args.router_policy,
             "hicache_ratio": cfg.hicache_ratio,
+            "hicache_link_gb_s": cfg.hicache_link_gb_s,
             "seeds": args.seeds,
             "policies": {
                 name: {

@@ -94,6 +94,9 @@ class LabConfig:
     # SGLang's hierarchical cache on the engines (--enable-hierarchical-cache) with this
     # --hicache-ratio; None: off. Never for ceiling (its pool never evicts).
     hicache_ratio: float | None = None
+    # The host link's bandwidth in GB/s with HiCache on; None: the preset's (PCIe Gen5
+    # x16). A what-if (a faster link, or none at all: what any prefetch could save).
+    hicache_link_gb_s: float | None = None
     # Bound on simulated seconds; a run past it raises LabError.
     max_simulated_s: float = 7 * 24 * 3600.0
 
@@ -121,6 +124,8 @@ def _validate(cfg: LabConfig) -> None:
         raise LabError(f"token scale must be >= 1, got {cfg.token_scale}")
     if cfg.hicache_ratio is not None and not cfg.hicache_ratio > 0:
         raise LabError(f"hicache ratio must be > 0, got {cfg.hicache_ratio}")
+    if cfg.hicache_link_gb_s is not None and not cfg.hicache_link_gb_s > 0:
+        raise LabError(f"hicache link bandwidth must be > 0 GB/s, got {cfg.hicache_link_gb_s}")
     if cfg.signal_fault not in FAULTS:
         raise LabError(f"signal fault must be one of {', '.join(FAULTS)}, got {cfg.signal_fault!r}")
     if cfg.engine_urls is not None and len(set(cfg.engine_urls)) != cfg.engines:
@@ -196,7 +201,12 @@ def build(cfg: LabConfig) -> tuple[Any, Any, int, int]:
     if cfg.policy == "ceiling":
         overrides["max_total_tokens"] = CEILING_POOL_TOKENS
     elif cfg.hicache_ratio is not None:
-        overrides["hicache"] = hicache_config(preset, cfg.token_scale, ratio=cfg.hicache_ratio)
+        overrides["hicache"] = hicache_config(
+            preset,
+            cfg.token_scale,
+            ratio=cfg.hicache_ratio,
+            host_link_gb_s=cfg.hicache_link_gb_s,
+        )
     try:
         sched_cfg = scheduler_config(preset, cfg.token_scale, **overrides)
     except (KeyError, TypeError, ValueError) as exc:
@@ -268,6 +278,7 @@ async def _run(cfg: LabConfig) -> LabResult:
         # HiCache on these engines (never for ceiling), its ratio, and what it moved.
         hicache=sched_cfg.hicache is not None,
         hicache_ratio=None if sched_cfg.hicache is None else sched_cfg.hicache.ratio,
+        hicache_link_gb_s=None if sched_cfg.hicache is None else sched_cfg.hicache.host_link_gb_s,
         loaded_back_tokens=sum(e.get("loaded_back_tokens", 0) for e in per_engine),
         host_cached_tokens=sum(e.get("host_cached_tokens", 0) for e in per_engine),
         proxy_errors=dict(sorted(transport.errors.items())),

@@ -230,10 +230,12 @@ def hicache_config(
     ratio: float = 2.0,
     size_gb: int = 0,
     write_policy: str = "write_through",
+    host_link_gb_s: float | None = None,
 ) -> HiCacheConfig:
     """SGLang's HiCache for ``preset`` (defaults: SGLang's, ratio 2.0 and write_through):
-    the preset's KV bytes per token, layers and host link, at ``token_scale``. The legacy
-    preset, which has no model, uses Qwen3-8B's shape."""
+    the preset's KV bytes per token, layers and host link (``host_link_gb_s`` overrides
+    the link), at ``token_scale``. The legacy preset, which has no model, uses Qwen3-8B's
+    shape."""
     _check_scale(token_scale)
     p = get_preset(preset)
     return HiCacheConfig(
@@ -241,7 +243,7 @@ def hicache_config(
         size_gb=size_gb,
         write_policy=write_policy,
         kv_bytes_per_token=p.kv_bytes_per_token,
-        host_link_gb_s=p.host_link_gb_s,
+        host_link_gb_s=p.host_link_gb_s if host_link_gb_s is None else host_link_gb_s,
         num_layers=p.num_layers,
         token_scale=token_scale,
     )

@@ -146,6 +146,18 @@ def test_hicache_loads_back_what_the_tiny_pool_evicts_and_ceiling_stays_without(
         run_lab(dataclasses.replace(SMALL, hicache_ratio=0.0))
 
 
+def test_the_host_link_sets_what_a_load_back_costs() -> None:
+    hi_cfg = dataclasses.replace(SMALL, policy="off", engine_overrides=TINY_POOL, hicache_ratio=4.0)
+    preset = run_lab(hi_cfg).summary
+    slow = run_lab(dataclasses.replace(hi_cfg, hicache_link_gb_s=0.05)).summary
+    free = run_lab(dataclasses.replace(hi_cfg, hicache_link_gb_s=1e6)).summary
+    assert (preset["hicache_link_gb_s"], slow["hicache_link_gb_s"]) == (50.0, 0.05)
+    assert min(slow["loaded_back_tokens"], free["loaded_back_tokens"]) > 0
+    assert slow["makespan_s"] > preset["makespan_s"] >= free["makespan_s"]
+    with pytest.raises(LabError, match="link bandwidth"):
+        run_lab(dataclasses.replace(hi_cfg, hicache_link_gb_s=0.0))
+
+
 def test_cli_hicache_flag(tmp_path: Path) -> None:
     path = tmp_path / "lab.json"
     argv = ["lab", "--sessions-per-engine", "2", "--sessions", "4", "--policy", "off"]
@@ -155,6 +167,10 @@ def test_cli_hicache_flag(tmp_path: Path) -> None:
     assert doc["hicache_ratio"] == 2.0 and doc["policies"]["off"]["median"]["hicache"] is True
     assert main([*argv, "--hicache-ratio", "3"]) == 0
     assert json.loads(path.read_text())["hicache_ratio"] == 3.0
+    assert main([*argv, "--hicache-link-gb-s", "400"]) == 0  # implies --hicache
+    doc = json.loads(path.read_text())
+    assert (doc["hicache_ratio"], doc["hicache_link_gb_s"]) == (2.0, 400.0)
+    assert doc["policies"]["off"]["median"]["hicache_link_gb_s"] == 400.0
 
 
 def test_cli_writes_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -34,6 +34,9 @@ def test_hicache_jobs_carry_the_ratio_and_ceiling_runs_without(grid: ModuleType)
     assert all(j.config().hicache_ratio == 2.0 for j in jobs)  # the lab skips ceiling
     plain = grid.jobs_for([fleet], ["none"], [0], {}, None)
     assert all(j.config().hicache_ratio is None for j in plain)
+    fast = grid.jobs_for([fleet], ["none"], [0], {}, None, 2.0, 400.0)
+    assert all(j.config().hicache_link_gb_s == 400.0 for j in fast)
+    assert all(j.config().hicache_link_gb_s is None for j in jobs)  # the preset's link
 
 
 def test_check_reads_a_hicache_grid(
