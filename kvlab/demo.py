@@ -107,6 +107,9 @@ class Scenario:
     # True: the sessions are placed on the engines as in the lab (lab_routing_keys),
     # whatever the engines' ports; False: as smg's ring over this run's ports places them.
     lab_placement: bool = False
+    # SGLang's hierarchical cache on the engines (--enable-hierarchical-cache) with this
+    # --hicache-ratio; None: off. The lab's `--hicache` through the real stack.
+    hicache_ratio: float | None = None
 
     @property
     def concurrency(self) -> int:
@@ -148,6 +151,8 @@ class Scenario:
             raise ValueError(f"{self.name}: engines, sessions per engine and sessions must be >= 1")
         if not 0 < self.time_scale <= 10:
             raise ValueError(f"{self.name}: time scale must be in (0, 10] (got {self.time_scale})")
+        if self.hicache_ratio is not None and not self.hicache_ratio > 0:
+            raise ValueError(f"{self.name}: hicache ratio must be > 0 (got {self.hicache_ratio})")
         context = int(self.spec().context_length)
         pool = self.pool()
         if context > pool:
@@ -491,6 +496,12 @@ def _start_stack(
     engine_extra = ["--enable-priority-scheduling", "--time-scale", f"{ts:g}"]
     if scenario.record_requests:
         engine_extra += ["--record-requests", str(scenario.record_requests)]
+    if scenario.hicache_ratio is not None:
+        engine_extra += [
+            "--enable-hierarchical-cache",
+            "--hicache-ratio",
+            f"{scenario.hicache_ratio:g}",
+        ]
     ports: Sequence[int | None] = engine_ports or [None] * scenario.engines
     pool = scenario.pool()  # sampled from the workload's plans: once, not per engine
 
@@ -1206,6 +1217,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         f"(default: on with {SIDE_BY_SIDE_MIN_CORES} or more cores, this host has "
         f"{usable_cores()})",
     )
+    parser.add_argument(
+        "--hicache",
+        action="store_true",
+        help="the engines run SGLang's hierarchical cache (--enable-hierarchical-cache, "
+        "host pool twice the device pool): off+HiCache against both+HiCache",
+    )
     parser.add_argument("--json-only", action="store_true", help="skip the PNG chart")
 
 
@@ -1258,6 +1275,8 @@ def _scenario_from_args(args: argparse.Namespace) -> Any:
         if not 0 < args.time_scale <= 10:
             raise ValueError("--time-scale must be in (0, 10]")
         scenario = dataclasses.replace(scenario, time_scale=args.time_scale)
+    if getattr(args, "hicache", False):
+        scenario = dataclasses.replace(scenario, hicache_ratio=2.0)
     scenario.check()
     return scenario
 
@@ -1305,12 +1324,15 @@ def run(args: argparse.Namespace) -> int:
         print(line, flush=True)
 
     d = scenario.describe()
+    hicache = (
+        "" if scenario.hicache_ratio is None else f" (HiCache, host {scenario.hicache_ratio:g}x)"
+    )
     say(
         f"kvproxy demo ({'quick' if args.quick else 'W1'}): workload {scenario.workload} on "
         f"{scenario.engines} x {scenario.cost_model} (K={scenario.token_scale}, "
         f"{d['pool_tokens_per_engine']:,} KV tokens each), {scenario.concurrency} live sessions, "
         f"{scenario.total_sessions} per run; live working set {d['working_set_over_pool']}x "
-        f"the pool; smg {scenario.router_policy}; time scale {scenario.time_scale:g}; "
+        f"the pool{hicache}; smg {scenario.router_policy}; time scale {scenario.time_scale:g}; "
         f"{', '.join(v.name for v in variants)} x seeds {seeds}"
         f"{' side by side' if side_by_side else ''}; load "
         f"{os.getloadavg()[0]:.2f}; output in {out_dir}"

@@ -28,6 +28,7 @@ ENGINE_COUNTERS: tuple[str, ...] = (
     "num_retracted_requests_total",
     "retracted_requests_total",
     "num_retractions_total",
+    "load_back_tokens_total",  # SGLang's HiCache: host -> device (only with it on)
 )
 ENGINE_GAUGES: tuple[str, ...] = ("num_retracted_reqs",)
 # Counters kept per value of one label: ``realtime_tokens_total{mode="decode"}`` is

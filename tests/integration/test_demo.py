@@ -308,6 +308,30 @@ def _shape(doc: object) -> object:
 
 
 @needs_smg
+def test_hicache_reaches_the_engines(tmp_path: Path) -> None:
+    hicache = dataclasses.replace(TINY, hicache_ratio=2.0)
+    pids: list[int] = []
+    doc = run_scenario(
+        hicache,
+        [VARIANTS_BY_NAME["off"]],
+        [0],
+        out_dir=tmp_path,
+        pids=pids,
+        progress=lambda line: None,
+        side_by_side=False,
+    )
+    run = doc["runs"]["off"]["0"]
+    assert run["summary"]["sessions_failed"] == 0, run["summary"]["errors"]
+    # Only an engine with --enable-hierarchical-cache exports SGLang's load-back counter.
+    deltas = run["engine_deltas"]
+    assert len(deltas) == TINY.engines
+    assert all("load_back_tokens_total" in d for d in deltas.values()), deltas
+    assert [p for p in pids if pid_alive(p)] == []
+    with pytest.raises(ValueError, match="hicache ratio"):
+        dataclasses.replace(TINY, hicache_ratio=0.0).check()
+
+
+@needs_smg
 def test_side_by_side_runs_each_configuration_on_its_own_stack(tmp_path: Path) -> None:
     variants = [VARIANTS_BY_NAME["off"], VARIANTS_BY_NAME["both"]]
     lines: list[str] = []
