@@ -437,13 +437,25 @@ class ProgramCore:
         out = self.drain(now)
         urls = set(self.ledger.engines) | set(self.queues.by_engine)
         for url in urls:
-            if self.p.pause and self.ledger.engaged(url) and self.ledger.fresh(url, now):
+            if self._pauses(url, now):
                 self._pause(url, now)
             if self.p.feedback or self.p.engage_on_thrash:
                 self._feedback(url, now)
         if out or urls:
             out.extend(self.drain(now))
         return out
+
+    def _pauses(self, url: str, now: float) -> bool:
+        """Whether the engine's idle sessions may be paused now: it is engaged and fresh,
+        and it has no host KV tier. With one (SGLang's HiCache) a paused session's context
+        goes to host memory and comes back by a load, not a recompute: a pause would save
+        a load and cost the session its turn. The growth gate on new sessions still holds
+        there (measured: docs/benchmarks.md, "SGLang's host tier")."""
+        led = self.ledger
+        if not (self.p.pause and led.engaged(url) and led.fresh(url, now)):
+            return False
+        eng = led.engines.get(url)
+        return eng is None or eng.host_tokens <= 0
 
     def _pause(self, url: str, now: float) -> None:
         led = self.ledger

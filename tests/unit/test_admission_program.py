@@ -262,6 +262,23 @@ def test_no_pause_while_the_gate_is_off_or_disabled() -> None:
     assert c2.events[Event.PAUSED] == 0
 
 
+@pytest.mark.parametrize(("host_tokens", "paused"), [(0, 2), (2000, 0)])
+def test_an_engine_with_a_host_tier_pauses_nobody_but_still_gates_new_sessions(
+    host_tokens, paused
+) -> None:
+    # With a host KV tier (SGLang's HiCache) a paused session's context would go to host
+    # memory and come back by a load: pausing saves no recompute there.
+    c = core(dataclasses.replace(P, feedback=False))
+    c.ledger.observe_engine(E1, 0.0, max_total_num_tokens=1000, host_tokens=host_tokens)
+    fill(c, {"big": 500, "mid": 300, "small": 100, "tiny": 60})  # U = 960 > 950
+    c.tick(6.0)
+    assert c.events[Event.PAUSED] == paused
+    # The largest stays active either way, and a new session still waits for room.
+    assert c.ledger.sessions["big"].state is SessionState.ACTIVE
+    v = turn(c, "n0", "new", 200, 6.5)
+    assert v.outcome is None and v.held is Held.NEW_SESSION_FIT
+
+
 def test_with_no_idle_session_the_smallest_running_one_pauses_at_its_response() -> None:
     c = core(dataclasses.replace(P, feedback=False))
     turn(c, "a0", "a", 600, 0.0)
