@@ -1275,7 +1275,7 @@ def _scenario_from_args(args: argparse.Namespace) -> Any:
         if not 0 < args.time_scale <= 10:
             raise ValueError("--time-scale must be in (0, 10]")
         scenario = dataclasses.replace(scenario, time_scale=args.time_scale)
-    if getattr(args, "hicache", False):
+    if args.hicache:
         scenario = dataclasses.replace(scenario, hicache_ratio=2.0)
     scenario.check()
     return scenario

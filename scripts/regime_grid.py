@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from kvlab.demo import Scenario, git_revision
+from kvlab.lab.cli import hicache_ratio as engines_hicache_ratio
 from kvlab.lab.faults import FAULTS
 from kvlab.lab.runner import LabConfig, LabError, run_lab
 
@@ -444,9 +445,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             if (_ratio(c.get("ceiling", {}).get("value"), c.get("off", {}).get("value")) or 0)
             >= 1.3
         }
-    hicache_ratio = args.hicache_ratio if args.hicache_ratio is not None else None
-    if hicache_ratio is None and (args.hicache or args.hicache_link_gb_s is not None):
-        hicache_ratio = 2.0
+    hicache_ratio = engines_hicache_ratio(args)  # the lab's flags, the lab's reading
     link = args.hicache_link_gb_s
     seeds = _csv(args.seeds, int)
     jobs = jobs_for(grid, faults, seeds, admission, fault_cells, hicache_ratio, link)
