@@ -282,6 +282,18 @@ class EngineLedger:
             return 0.0
         return eng.max_total_num_tokens * self.p.headroom
 
+    def kv_room(self, url: str) -> float:
+        """The distinct KV the engine keeps without recomputing any: its capacity, or
+        with a host tier (SGLang's HiCache) the host pool where that is larger. Under
+        SGLang's default write policy (``write_through``) every device node is copied to
+        the host too, so the host pool, not device plus host, bounds what the engine
+        holds; what overflows the device comes back by a load, not a recompute."""
+        cap = self.capacity(url)
+        eng = self.engines.get(url)
+        if eng is None or cap <= 0:
+            return cap
+        return max(cap, eng.host_tokens * self.p.headroom)
+
     # -- footprints ----------------------------------------------------------------
 
     def weight(self, s: Session, now: float) -> float:
@@ -358,8 +370,9 @@ class EngineLedger:
     def fits_new(self, url: str, s: Session, tokens: int, now: float) -> bool:
         """A new session's first turn of ``tokens``: it fits now (``fits``) and, with
         growth reservation on, what the admitted sessions and it are expected to grow to
-        fits ``growth_target x C`` (the crossover does not apply: a first turn is small,
-        its growth is not). An engine with no active session takes it anyway."""
+        fits ``growth_target x`` the engine's KV room (``kv_room``: C, or its host pool
+        where larger; the crossover does not apply: a first turn is small, its growth is
+        not). An engine with no active session takes it anyway."""
         if not self.fits(url, tokens, now):
             return False
         if not self.p.growth_reservation:
@@ -369,7 +382,7 @@ class EngineLedger:
             return True  # an empty engine takes any session it fits (no deadlock)
         probe = Session(sid=s.sid, engine=url, since=now, ctx=s.ctx, est=max(s.est, tokens))
         need = self.reservation(probe, url)
-        return self.reserved(url, now) + need <= self.p.growth_target * self.capacity(url)
+        return self.reserved(url, now) + need <= self.p.growth_target * self.kv_room(url)
 
     # -- sessions ------------------------------------------------------------------
 

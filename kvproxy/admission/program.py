@@ -547,7 +547,15 @@ class ProgramCore:
         """The cold start's condition: at least ``cold_start_sessions`` sessions on the
         engine, expected to grow to more than ``cold_start_ratio`` x its capacity, its
         host tier counted (what overflows the pool into host memory comes back by a
-        load, not a recompute: the exposure the cold start assumes is not there)."""
+        load, not a recompute: the exposure the cold start assumes is not there).
+
+        The room here is pool + host, the most the two tiers hold (SGLang's write-back);
+        under its default write-through the host also copies the device's KV, so the
+        room is really ``kv_room``, max(pool, host), as the growth gate counts it. The
+        cold start is a prediction made before any thrash shows, so it keeps the larger
+        room and errs towards not engaging: with ``kv_room`` it engaged RL fleets whose
+        working set the host tier held and lost up to 6% (docs/benchmarks.md, "SGLang's
+        host tier")."""
         p, led = self.p, self.ledger
         e = eng.engagement
         if p.cold_start_sessions <= 0 or e.engaged or e.failures > 0:

@@ -139,6 +139,26 @@ def test_a_new_session_waits_until_what_the_engines_sessions_grow_to_fits() -> N
     assert [(r.ticket, r.outcome) for r in c.drain(2.0)] == [("c1", Outcome.NEW_WAITED)]
 
 
+@pytest.mark.parametrize(
+    ("host_tokens", "held"),
+    [(0, True), (1000, True), (1400, False)],  # host as large as the pool: a copy, no room
+)
+def test_a_host_tier_larger_than_the_pool_is_the_room_the_growth_gate_fills(
+    host_tokens, held
+) -> None:
+    # With SGLang's host tier (write-through: the host holds the device's KV too) what
+    # the sessions grow to beyond the pool is loaded back, not recomputed: the gate fills
+    # the host pool, not the device's.
+    c = core()
+    c.ledger.observe_engine(E1, 0.0, max_total_num_tokens=1000, host_tokens=host_tokens)
+    learn_peaks(c, [400, 400])
+    run_turn(c, "a1", "a", 50, 1.0)
+    run_turn(c, "b1", "b", 50, 1.0)
+    v = c.request("c1", "c", E1, 50, 1.0)  # 1200 > 0.9 x 1000, <= 0.9 x 1400
+    assert (v.held is Held.NEW_SESSION_FIT) is held
+    assert (v.outcome is Outcome.NEW_ADMITTED) is not held
+
+
 def test_continuing_turns_are_never_held_by_the_growth_reservation() -> None:
     c = core()
     learn_peaks(c, [600, 600])
