@@ -127,7 +127,8 @@ class AdmissionConfig:
     cold_start_sessions: int = 24
     # Growth-aware admission of new sessions: a new session starts only if what the
     # engine's admitted sessions and it are expected to grow to (each: max(footprint,
-    # expected peak context)) fits growth_target x capacity. The expected peak is the
+    # expected peak context)) fits growth_target x capacity (x the host pool where an
+    # engine has a host tier larger than its pool). The expected peak is the
     # growth_quantile of the last growth_window closed sessions' final contexts once
     # growth_min_closed have closed; before, context + the fleet's per-turn growth x
     # growth_horizon_turns (the engine's context length before any growth is seen),
