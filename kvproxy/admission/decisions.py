@@ -73,6 +73,9 @@ _FAIL_OPEN = frozenset(
 class Event(StrEnum):
     PAUSED = "paused"  # an idle session paused under growth pressure
     PAUSE_MARKED = "pause_marked"  # no idle one: a running one pauses at its response
+    # A paused turn the work-conserving floor released: its pause only delayed it (the
+    # engine pauses nobody until a feedback window passes without one).
+    PAUSE_UNDONE = "pause_undone"
     MOVED = "moved"  # a session re-attributed after a worker-set / health change
     IDLE_EXPIRED = "idle_expired"  # a session idle past idle_ttl_s left the ledger
     CLOSED = "closed"  # a session closed (end_session)

@@ -50,6 +50,10 @@ class Load:
     exposed: int = 0  # the context continuing turns left behind, evicted or not
     turns: int = 0
     idled: int = 0  # work-conserving releases this window (held work, idle engine)
+    # Paused turns the work-conserving floor released, this window and the last: the
+    # engine had room in its batch for them, so their pauses only delayed them.
+    floor_resumes: int = 0
+    floor_resumes_last: int = 0
 
     def worked(self, computed: int, recomputed: int, decoded: int, exposed: int = 0) -> None:
         self.computed += computed
@@ -76,6 +80,11 @@ class Load:
         work = float(self.computed - self.recomputed + self.exposed)
         work += decode_token_weight * self.decoded
         return self.exposed / work if work > 0 else 0.0
+
+    @property
+    def pauses_undone(self) -> bool:
+        """Whether the floor released a paused turn in this window or the last."""
+        return self.floor_resumes + self.floor_resumes_last > 0
 
     def started(self, now: float) -> None:
         if self.inflight == 0:
@@ -108,6 +117,7 @@ class Load:
         self.busy_s = 0.0
         self.computed = self.recomputed = self.decoded = self.exposed = 0
         self.turns = self.idled = 0
+        self.floor_resumes_last, self.floor_resumes = self.floor_resumes, 0
         if self.busy_since is not None:
             self.busy_since = now
 

@@ -338,6 +338,9 @@ class ProgramCore:
                 break
             if load.inflight == 0:
                 load.idled += 1
+            if which == "paused":
+                load.floor_resumes += 1
+                self.events[Event.PAUSE_UNDONE] += 1
             out.append(self._release(url, which, Outcome.IDLE_ENGINE, now))
         return out
 
@@ -447,15 +450,23 @@ class ProgramCore:
 
     def _pauses(self, url: str, now: float) -> bool:
         """Whether the engine's idle sessions may be paused now: it is engaged and fresh,
-        and it has no host KV tier. With one (SGLang's HiCache) a paused session's context
-        goes to host memory and comes back by a load, not a recompute: a pause would save
-        a load and cost the session its turn. The growth gate on new sessions still holds
-        there (measured: docs/benchmarks.md, "SGLang's host tier")."""
+        it has no host KV tier, and no pause of it was undone lately.
+
+        * With a host tier (SGLang's HiCache) a paused session's context goes to host
+          memory and comes back by a load, not a recompute: a pause would save a load and
+          cost the session its turn. The growth gate on new sessions still holds there.
+        * A paused turn that the work-conserving floor released (this feedback window or
+          the last) found the engine with room in its batch: that pause only delayed it,
+          and the next would too, until a whole window passes without one.
+
+        Measured: docs/benchmarks.md ("SGLang's host tier", "The regime grid")."""
         led = self.ledger
         if not (self.p.pause and led.engaged(url) and led.fresh(url, now)):
             return False
         eng = led.engines.get(url)
-        return eng is None or eng.host_tokens <= 0
+        if eng is None:
+            return True
+        return eng.host_tokens <= 0 and not eng.load.pauses_undone
 
     def _pause(self, url: str, now: float) -> None:
         led = self.ledger

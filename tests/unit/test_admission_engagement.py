@@ -9,6 +9,7 @@ import pytest
 
 from kvproxy.admission.decisions import Event, Held, Outcome
 from kvproxy.admission.engagement import Engagement, EngageRule, Load
+from kvproxy.admission.engine_ledger import SessionState
 from kvproxy.admission.params import ProgramParams
 from kvproxy.admission.program import ProgramCore
 
@@ -384,3 +385,29 @@ def test_an_engaged_engine_below_its_floor_takes_held_work(floor, released) -> N
     assert [r.outcome for r in out] == [Outcome.IDLE_ENGINE] * released
     # releases while turns were in flight are no sign of starvation
     assert c.ledger.engine(E1).load.idled == 0
+
+
+def test_a_pause_the_floor_undoes_stops_the_engines_pausing_for_a_window() -> None:
+    # engaged_core: a, b and c hold 330 each (U = 990 > 950); a's "keep" is in flight.
+    c = engaged_core()
+
+    def tick(now: float) -> None:
+        c.ledger.observe_engine(E1, now, max_total_num_tokens=1000)  # fresh readings
+        c.tick(now)
+
+    tick(11.0)  # b and c idle 6 s: one pause takes U to 660
+    assert c.events[Event.PAUSED] == 1
+    paused = next(s.sid for s in c.ledger.sessions.values() if s.state is SessionState.PAUSED)
+    v = c.request("back", paused, E1, 340, 12.0)  # does not fit yet: it waits...
+    assert v.held is Held.PAUSED_FIT
+    # ...and the floor (3 turns in flight) takes it: the pause only delayed it.
+    assert [r.outcome for r in c.drain(12.0)] == [Outcome.IDLE_ENGINE]
+    assert c.events[Event.PAUSE_UNDONE] == 1
+    answer(c, "back", 13.0, 340, 330, 10)
+    # The pressure is back (U = 1010), but nobody pauses in the window of the undone
+    # pause (to 18) or the next (to 27)...
+    for now in (18.0, 22.0, 27.0):
+        tick(now)
+        assert c.events[Event.PAUSED] == 1
+    tick(28.0)  # ...and after a whole window without one, pausing resumes
+    assert c.events[Event.PAUSED] == 2
