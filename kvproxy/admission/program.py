@@ -463,9 +463,7 @@ class ProgramCore:
         led = self.ledger
         if not (self.p.pause and led.engaged(url) and led.fresh(url, now)):
             return False
-        eng = led.engines.get(url)
-        if eng is None:
-            return True
+        eng = led.engines[url]  # (fresh: the engine is known)
         return eng.host_tokens <= 0 and not eng.load.pauses_undone
 
     def _pause(self, url: str, now: float) -> None:
