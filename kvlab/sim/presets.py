@@ -29,7 +29,9 @@ MAX_TOKEN_SCALE = 1024
 # Effective host <-> device bandwidth of a PCIe Gen5 x16 link (H100 / H200 SXM hosts), in
 # GB/s: 64 GB/s per direction on paper, about 51-57 GB/s measured with pinned memory
 # (docs/simulator.md, "HiCache"); 50 allows for a write-through copy in the other
-# direction and SGLang's gather kernel on scattered pages.
+# direction and SGLang's gather kernel on scattered pages. Measured on one H200
+# (scripts/gpu_hostlink.py): 55 GB/s one way, 48 GB/s with the other direction busy,
+# 47-49 GB/s through a gather kernel reading pinned host memory.
 PCIE5_X16_EFFECTIVE_GB_S = 50.0
 
 
