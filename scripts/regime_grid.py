@@ -19,7 +19,8 @@ continuing-turn TTFT p99 of off and both, and both's first-turn wait p99.
 ceiling never evicts, so it runs as before. Its rows carry ``hicache`` (true where it
 was on), ``hicache_ratio`` and ``loaded_back_tokens``, and the JSON ``hicache_ratio``.
 ``--hicache-link-gb-s G`` sets the host link's bandwidth (a what-if; a very large G
-makes every load-back free, the most any prefetch of host-resident KV could save).
+makes every load-back free, the most any prefetch of host-resident KV could save);
+``--hicache-write-policy P`` SGLang's write policy (default write_through).
 
 Writes ``results/regime_grid.json`` (every row) and prints the markdown tables and the
 acceptance criteria of docs/benchmarks.md ("Regime grid").
@@ -45,6 +46,7 @@ from kvlab.demo import Scenario, git_revision
 from kvlab.lab.cli import hicache_ratio as engines_hicache_ratio
 from kvlab.lab.faults import FAULTS
 from kvlab.lab.runner import LabConfig, LabError, run_lab
+from kvlab.sim.config import HICACHE_WRITE_POLICIES
 
 WORKLOADS = ("swe", "rl", "subagents")
 CONTEXTS = {"short": 5_120, "long": None}  # real tokens; None: the preset's
@@ -110,6 +112,7 @@ class Job:
     admission: Mapping[str, Any] = field(default_factory=dict)
     hicache_ratio: float | None = None  # SGLang's HiCache on the engines; None: off
     hicache_link_gb_s: float | None = None  # its host link; None: the preset's
+    hicache_write_policy: str | None = None  # its write policy; None: write_through
 
     def config(self) -> LabConfig:
         sc = self.fleet.scenario()
@@ -126,6 +129,7 @@ class Job:
             signal_fault=self.fault,
             hicache_ratio=self.hicache_ratio,
             hicache_link_gb_s=self.hicache_link_gb_s,
+            hicache_write_policy=self.hicache_write_policy,
         )
 
 
@@ -198,9 +202,14 @@ def jobs_for(
     fault_cells: set[str] | None,
     hicache_ratio: float | None = None,
     hicache_link_gb_s: float | None = None,
+    hicache_write_policy: str | None = None,
 ) -> list[Job]:
     out: list[Job] = []
-    h: dict[str, Any] = {"hicache_ratio": hicache_ratio, "hicache_link_gb_s": hicache_link_gb_s}
+    h: dict[str, Any] = {
+        "hicache_ratio": hicache_ratio,
+        "hicache_link_gb_s": hicache_link_gb_s,
+        "hicache_write_policy": hicache_write_policy,
+    }
     for f in cells:
         for seed in seeds:
             out.append(Job(f, "off", seed=seed, **h))
@@ -401,6 +410,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=None,
         help="the host link's GB/s (a what-if; default the preset's, 50); implies --hicache",
     )
+    ap.add_argument(
+        "--hicache-write-policy",
+        choices=HICACHE_WRITE_POLICIES,
+        default=None,
+        help="SGLang's write policy (default write_through); implies --hicache",
+    )
     ap.add_argument("--out", type=Path, default=Path("results/regime_grid.json"))
     ap.add_argument("--check", type=Path, default=None, help="judge a grid JSON and exit")
     ap.add_argument(
@@ -415,6 +430,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             link = doc.get("hicache_link_gb_s")
             on = f"--hicache-ratio {doc['hicache_ratio']:g}"
             on += "" if link is None else f", host link {link:g} GB/s"
+            policy = doc.get("hicache_write_policy")
+            on += "" if policy is None else f", {policy}"
             print(f"HiCache on (off and both): {on}")
         print(compact(cells) if args.compact else markdown(cells))
         print(json.dumps(judge(cells), indent=2))
@@ -447,8 +464,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         }
     hicache_ratio = engines_hicache_ratio(args)  # the lab's flags, the lab's reading
     link = args.hicache_link_gb_s
+    policy = args.hicache_write_policy
     seeds = _csv(args.seeds, int)
-    jobs = jobs_for(grid, faults, seeds, admission, fault_cells, hicache_ratio, link)
+    jobs = jobs_for(grid, faults, seeds, admission, fault_cells, hicache_ratio, link, policy)
     t0 = time.perf_counter()
     rows: list[dict[str, Any]] = []
     with ProcessPoolExecutor(max_workers=max(1, args.jobs)) as pool:
@@ -464,6 +482,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "admission": admission,
         **({} if hicache_ratio is None else {"hicache_ratio": hicache_ratio}),
         **({} if link is None else {"hicache_link_gb_s": link}),
+        **({} if policy is None else {"hicache_write_policy": policy}),
         "wall_s": round(time.perf_counter() - t0, 1),
         "pools": pools,
         "rows": rows,

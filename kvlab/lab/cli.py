@@ -13,6 +13,7 @@ import yaml
 from kvlab.lab.faults import FAULTS
 from kvlab.lab.router import ROUTER_POLICIES
 from kvlab.lab.runner import POLICIES, LabConfig, LabError, format_table, run_matrix
+from kvlab.sim.config import HICACHE_WRITE_POLICIES
 from kvlab.workload.driver import parse_sets
 from kvlab.workload.model import WorkloadError
 from kvlab.workload.spec import resolve_token_scale
@@ -123,6 +124,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "prefetch could save); implies --hicache",
     )
     parser.add_argument(
+        "--hicache-write-policy",
+        choices=HICACHE_WRITE_POLICIES,
+        default=None,
+        help="SGLang's --hicache-write-policy (default: its default, write_through); "
+        "implies --hicache",
+    )
+    parser.add_argument(
         "--signal-fault",
         choices=tuple(FAULTS),
         default="none",
@@ -135,7 +143,8 @@ def hicache_ratio(args: argparse.Namespace) -> float | None:
     """The engines' --hicache-ratio from ``--hicache`` / ``--hicache-ratio``; None: off."""
     if args.hicache_ratio is not None:
         return float(args.hicache_ratio)
-    return 2.0 if args.hicache or args.hicache_link_gb_s is not None else None
+    implied = args.hicache_link_gb_s is not None or args.hicache_write_policy is not None
+    return 2.0 if args.hicache or implied else None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -168,6 +177,7 @@ def run(args: argparse.Namespace) -> int:
         signal_fault=args.signal_fault,
         hicache_ratio=hicache_ratio(args),
         hicache_link_gb_s=args.hicache_link_gb_s,
+        hicache_write_policy=args.hicache_write_policy,
     )
     try:
         results = run_matrix(cfg, args.policy, args.seeds)
@@ -185,6 +195,7 @@ def run(args: argparse.Namespace) -> int:
             "router_policy": args.router_policy,
             "hicache_ratio": cfg.hicache_ratio,
             "hicache_link_gb_s": cfg.hicache_link_gb_s,
+            "hicache_write_policy": cfg.hicache_write_policy,
             "seeds": args.seeds,
             "policies": {
                 name: {

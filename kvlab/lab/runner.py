@@ -29,6 +29,7 @@ from kvlab.lab.faults import FAULTS
 from kvlab.lab.proxy import LabProxy
 from kvlab.lab.router import ROUTER_POLICIES, Placement
 from kvlab.lab.vloop import run_virtual
+from kvlab.sim.config import HICACHE_WRITE_POLICIES
 from kvproxy.config import AdmissionConfig, Config, ServerConfig, SessionLifecycleConfig
 
 POLICIES = ("off", "lifecycle", "admission", "both", "ceiling")
@@ -97,6 +98,8 @@ class LabConfig:
     # The host link's bandwidth in GB/s with HiCache on; None: the preset's (PCIe Gen5
     # x16). A what-if (a faster link, or none at all: what any prefetch could save).
     hicache_link_gb_s: float | None = None
+    # SGLang's --hicache-write-policy with HiCache on; None: its default, write_through.
+    hicache_write_policy: str | None = None
     # Bound on simulated seconds; a run past it raises LabError.
     max_simulated_s: float = 7 * 24 * 3600.0
 
@@ -126,6 +129,14 @@ def _validate(cfg: LabConfig) -> None:
         raise LabError(f"hicache ratio must be > 0, got {cfg.hicache_ratio}")
     if cfg.hicache_link_gb_s is not None and not cfg.hicache_link_gb_s > 0:
         raise LabError(f"hicache link bandwidth must be > 0 GB/s, got {cfg.hicache_link_gb_s}")
+    if (
+        cfg.hicache_write_policy is not None
+        and cfg.hicache_write_policy not in HICACHE_WRITE_POLICIES
+    ):
+        raise LabError(
+            f"hicache write policy must be one of {', '.join(HICACHE_WRITE_POLICIES)}, "
+            f"got {cfg.hicache_write_policy!r}"
+        )
     if cfg.signal_fault not in FAULTS:
         raise LabError(f"signal fault must be one of {', '.join(FAULTS)}, got {cfg.signal_fault!r}")
     if cfg.engine_urls is not None and len(set(cfg.engine_urls)) != cfg.engines:
@@ -205,6 +216,7 @@ def build(cfg: LabConfig) -> tuple[Any, Any, int, int]:
             preset,
             cfg.token_scale,
             ratio=cfg.hicache_ratio,
+            write_policy=cfg.hicache_write_policy or "write_through",
             host_link_gb_s=cfg.hicache_link_gb_s,
         )
     try:
@@ -279,6 +291,7 @@ async def _run(cfg: LabConfig) -> LabResult:
         hicache=sched_cfg.hicache is not None,
         hicache_ratio=None if sched_cfg.hicache is None else sched_cfg.hicache.ratio,
         hicache_link_gb_s=None if sched_cfg.hicache is None else sched_cfg.hicache.host_link_gb_s,
+        hicache_write_policy=None if sched_cfg.hicache is None else sched_cfg.hicache.write_policy,
         loaded_back_tokens=sum(e.get("loaded_back_tokens", 0) for e in per_engine),
         host_cached_tokens=sum(e.get("host_cached_tokens", 0) for e in per_engine),
         proxy_errors=dict(sorted(transport.errors.items())),

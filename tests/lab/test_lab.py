@@ -158,6 +158,24 @@ def test_the_host_link_sets_what_a_load_back_costs() -> None:
         run_lab(dataclasses.replace(hi_cfg, hicache_link_gb_s=0.0))
 
 
+def test_the_write_policy_reaches_the_engines() -> None:
+    hi_cfg = dataclasses.replace(SMALL, policy="off", engine_overrides=TINY_POOL, hicache_ratio=4.0)
+    through = run_lab(hi_cfg).summary
+    back = run_lab(dataclasses.replace(hi_cfg, hicache_write_policy="write_back")).summary
+    assert (through["hicache_write_policy"], back["hicache_write_policy"]) == (
+        "write_through",
+        "write_back",
+    )
+    # write-back copies only what the device evicts: the host never holds the device's KV
+    # twice, so it keeps more, and loads more back than write-through's copies lose.
+    assert back["evicted_tokens"] > 0 and back["loaded_back_tokens"] > 0
+    assert back["recomputed_prefill_tokens"] <= through["recomputed_prefill_tokens"]
+    both = run_lab(dataclasses.replace(hi_cfg, policy="both", hicache_write_policy="write_back"))
+    assert both.summary["hicache_write_policy"] == "write_back"
+    with pytest.raises(LabError, match="write policy"):
+        run_lab(dataclasses.replace(hi_cfg, hicache_write_policy="write_sometimes"))
+
+
 def test_cli_hicache_flag(tmp_path: Path) -> None:
     path = tmp_path / "lab.json"
     argv = ["lab", "--sessions-per-engine", "2", "--sessions", "4", "--policy", "off"]
@@ -171,6 +189,9 @@ def test_cli_hicache_flag(tmp_path: Path) -> None:
     doc = json.loads(path.read_text())
     assert (doc["hicache_ratio"], doc["hicache_link_gb_s"]) == (2.0, 400.0)
     assert doc["policies"]["off"]["median"]["hicache_link_gb_s"] == 400.0
+    assert main([*argv, "--hicache-write-policy", "write_back"]) == 0  # implies --hicache
+    doc = json.loads(path.read_text())
+    assert (doc["hicache_ratio"], doc["hicache_write_policy"]) == (2.0, "write_back")
 
 
 def test_cli_writes_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
