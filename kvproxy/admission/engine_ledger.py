@@ -166,6 +166,9 @@ class Engine:
     # The engine's host KV tier (SGLang's HiCache, sglang:hicache_host_total_tokens):
     # KV evicted from the pool goes there and is loaded back instead of recomputed.
     host_tokens: int = 0
+    # Its write policy is write_back (/server_info): the host holds only what the device
+    # evicted, so the two tiers add up (see EngineLedger.kv_room).
+    host_write_back: bool = False
     # Feedback window (since window_start).
     window_start: float = 0.0
     evicted_delta: int = 0
@@ -284,15 +287,23 @@ class EngineLedger:
 
     def kv_room(self, url: str) -> float:
         """The distinct KV the engine keeps without recomputing any: its capacity, or
-        with a host tier (SGLang's HiCache) the host pool where that is larger. Under
-        SGLang's default write policy (``write_through``) every device node is copied to
-        the host too, so the host pool, not device plus host, bounds what the engine
-        holds; what overflows the device comes back by a load, not a recompute."""
+        with a host tier (SGLang's HiCache) what the two tiers hold together; what
+        overflows the device comes back by a load, not a recompute.
+
+        * ``write_through`` (SGLang's default) and ``write_through_selective``: a device
+          node is copied to the host when it is hit (once; twice for the selective
+          policy), so the host holds the device's KV too and the larger tier bounds
+          what the engine keeps: max(capacity, host). (Selective leaves some device
+          nodes without a copy, so this undercounts it a little: the safe side.)
+        * ``write_back``: a node is copied only when the device evicts it
+          (``HiRadixCache.evict``, sgl-project/sglang ``mem_cache/hiradix_cache.py``),
+          so the host holds what the device does not: capacity + host."""
         cap = self.capacity(url)
         eng = self.engines.get(url)
         if eng is None or cap <= 0:
             return cap
-        return max(cap, eng.host_tokens * self.p.headroom)
+        host = eng.host_tokens * self.p.headroom
+        return cap + host if eng.host_write_back else max(cap, host)
 
     # -- footprints ----------------------------------------------------------------
 
@@ -351,6 +362,10 @@ class EngineLedger:
     def set_context_length(self, url: str, context_length: int | None) -> None:
         eng = self.engine(url)
         eng.context_length = context_length if context_length and context_length > 0 else None
+
+    def set_host_write_policy(self, url: str, policy: str | None) -> None:
+        """The engine's host tier write policy (``/server_info``); None: none known."""
+        self.engine(url).host_write_back = policy == "write_back"
 
     def reservation(self, s: Session, url: str | None = None) -> int:
         """What the session is expected to hold at its peak: max(footprint, peak)."""

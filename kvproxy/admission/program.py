@@ -614,10 +614,13 @@ class ProgramCore:
         """Forget everything; returns the tickets that were waiting."""
         tickets = list(self.queues.entries)
         self.queues = Queues()
-        lengths = {url: eng.context_length for url, eng in self.ledger.engines.items()}
+        # What /server_info said (read once per engine) outlives the clear.
+        info = {u: (e.context_length, e.host_write_back) for u, e in self.ledger.engines.items()}
         self.ledger = EngineLedger(self.p)
-        for url, n in lengths.items():  # (from /server_info, read once per engine)
+        for url, (n, write_back) in info.items():
             if n is not None:
                 self.ledger.set_context_length(url, n)
+            if write_back:
+                self.ledger.set_host_write_policy(url, "write_back")
         self._inflight.clear()
         return tickets

@@ -177,6 +177,7 @@ class ProgramGate:
     def note_mode(self, mode: EngineSessionMode) -> None:
         self.modes[mode.url] = mode
         self.core.ledger.set_context_length(mode.url, mode.context_length)
+        self.core.ledger.set_host_write_policy(mode.url, mode.hicache_write_policy)
 
     @property
     def priority_steering(self) -> bool:

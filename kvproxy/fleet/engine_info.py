@@ -10,7 +10,9 @@ only deletes a legacy session record (if any) and frees nothing.
 ``/server_info`` (``/get_server_info`` on older engines) returns the engine's server
 arguments at the top level; this module reads ``enable_session_radix_cache``,
 ``radix_eviction_policy``, ``enable_streaming_session``, ``enable_priority_scheduling``,
-``disable_radix_cache`` and ``version``. Parsing is pure; :func:`probe` does the I/O.
+``disable_radix_cache``, ``version``, ``context_length`` and, for the host KV tier,
+``enable_hierarchical_cache`` with ``hicache_write_policy``. Parsing is pure;
+:func:`probe` does the I/O.
 """
 
 from __future__ import annotations
@@ -56,6 +58,9 @@ class EngineSessionMode:
     recognised: bool = True
     # The engine's context_length (tokens per request), when it reports one.
     context_length: int | None = None
+    # Its host KV tier's write policy (SGLang's --hicache-write-policy) when it runs
+    # one (--enable-hierarchical-cache); None without a host tier.
+    hicache_write_policy: str | None = None
 
     @property
     def mode(self) -> str:
@@ -86,6 +91,7 @@ class EngineSessionMode:
             "version": self.version,
             "model": self.model,
             "as_assumed": self.as_assumed,
+            "hicache_write_policy": self.hicache_write_policy,
         }
 
 
@@ -120,7 +126,17 @@ def parse_server_info(url: str, info: Mapping[str, Any]) -> EngineSessionMode:
         model=_text(info.get("served_model_name") or info.get("model_path")),
         recognised=any(key in info for key in _SESSION_KEYS),
         context_length=_positive_int(info.get("context_length")),
+        hicache_write_policy=_hicache_write_policy(info),
     )
+
+
+def _hicache_write_policy(info: Mapping[str, Any]) -> str | None:
+    """The host tier's write policy; SGLang's default (``write_through``) when HiCache is
+    on and the reply names none, None when HiCache is off."""
+    if not _flag(info.get("enable_hierarchical_cache")):
+        return None
+    policy = _text(info.get("hicache_write_policy"))
+    return policy.lower() if policy else "write_through"
 
 
 def _positive_int(value: Any) -> int | None:

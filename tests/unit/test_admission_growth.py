@@ -159,6 +159,40 @@ def test_a_host_tier_larger_than_the_pool_is_the_room_the_growth_gate_fills(
     assert (v.outcome is Outcome.NEW_ADMITTED) is not held
 
 
+@pytest.mark.parametrize(
+    ("policy", "held"),
+    [
+        (None, True),  # no write policy known: the host copies the device (max)
+        ("write_through", True),  # max(1000, 1000) = 1000: 1200 > 900
+        ("write_through_selective", True),
+        ("write_back", False),  # the tiers add up: 1200 <= 0.9 x 2000
+    ],
+)
+def test_under_write_back_the_growth_gate_fills_the_pool_and_the_host_together(
+    policy, held
+) -> None:
+    # SGLang's write-back copies a node to the host only when the device evicts it, so
+    # the host holds what the device does not; the write-through policies copy what
+    # the device holds, so the larger tier bounds the room. Read from /server_info.
+    c = core()
+    c.ledger.observe_engine(E1, 0.0, max_total_num_tokens=1000, host_tokens=1000)
+    info = {"enable_session_radix_cache": True, "enable_hierarchical_cache": policy is not None}
+    if policy is not None:
+        info["hicache_write_policy"] = policy
+    mode = parse_server_info(E1, info)
+    c.ledger.set_host_write_policy(E1, mode.hicache_write_policy)
+    assert c.ledger.kv_room(E1) == (2000 if policy == "write_back" else 1000)
+    learn_peaks(c, [400, 400])
+    run_turn(c, "a1", "a", 50, 1.0)
+    run_turn(c, "b1", "b", 50, 1.0)
+    v = c.request("c1", "c", E1, 50, 1.0)
+    assert (v.held is Held.NEW_SESSION_FIT) is held
+    assert c.clear() == (["c1"] if held else [])
+    assert c.ledger.kv_room(E1) == 0  # (capacity forgotten until the next scrape)
+    c.ledger.observe_engine(E1, 3.0, max_total_num_tokens=1000, host_tokens=1000)
+    assert c.ledger.kv_room(E1) == (2000 if policy == "write_back" else 1000)  # kept
+
+
 def test_continuing_turns_are_never_held_by_the_growth_reservation() -> None:
     c = core()
     learn_peaks(c, [600, 600])

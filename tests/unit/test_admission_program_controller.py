@@ -230,3 +230,29 @@ async def test_waiters_go_when_program_mode_is_switched_off(lab) -> None:
     d = await asyncio.wait_for(waiting, 1.0)
     assert (d.action, d.reason) == ("bypass", "bypass_no_placement")
     assert ctl.waiting == 0
+
+
+async def test_each_engines_host_write_policy_is_read_from_its_server_info() -> None:
+    # An engine whose host tier is write-back keeps pool + host distinct; the others
+    # (write-through, SGLang's default, or no host tier) keep the larger tier's worth.
+    info = {
+        A: {
+            "radix_eviction_policy": "priority",
+            "enable_hierarchical_cache": True,
+            "hicache_write_policy": "write_back",
+        },
+        B: {"radix_eviction_policy": "priority", "enable_hierarchical_cache": True},
+    }
+    ctl = AdmissionController(
+        AdmissionConfig(enabled=True, headroom=1.0),
+        healthy_engines=lambda: [A, B],
+        http=None,
+        fetch_metrics=lambda url: asyncio.sleep(0, metrics(1000)),
+        router_policy="consistent_hashing",
+        server_info=info,
+    )
+    led = ctl.program.ledger
+    assert (led.engine(A).host_write_back, led.engine(B).host_write_back) == (True, False)
+    for url in (A, B):
+        led.observe_engine(url, 0.0, max_total_num_tokens=1000, host_tokens=2000)
+    assert (led.kv_room(A), led.kv_room(B)) == (3000, 2000)

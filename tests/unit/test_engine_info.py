@@ -81,6 +81,31 @@ def test_parse_fields() -> None:
 
 
 @pytest.mark.parametrize(
+    ("fields", "policy"),
+    [
+        ({}, None),  # no host tier
+        ({"enable_hierarchical_cache": False, "hicache_write_policy": "write_back"}, None),
+        ({"enable_hierarchical_cache": True}, "write_through"),  # SGLang's default
+        ({"enable_hierarchical_cache": True, "hicache_write_policy": "write_back"}, "write_back"),
+        (
+            {"enable_hierarchical_cache": "true", "hicache_write_policy": " Write_Back "},
+            "write_back",
+        ),
+        (
+            {"enable_hierarchical_cache": True, "hicache_write_policy": "write_through_selective"},
+            "write_through_selective",
+        ),
+    ],
+)
+def test_the_host_tiers_write_policy_is_read_only_where_the_tier_is_on(
+    fields: dict[str, Any], policy: str | None
+) -> None:
+    m = parse_server_info(U, {**RADIX_PRIORITY, **fields})
+    assert m.hicache_write_policy == policy
+    assert m.to_json()["hicache_write_policy"] == policy
+
+
+@pytest.mark.parametrize(
     ("text", "expected"),
     [
         ("0.5.23", (0, 5, 23)),
