@@ -564,12 +564,16 @@ class ProgramCore:
         cold start is a prediction made before any thrash shows, so it keeps the larger
         room and errs towards not engaging: with ``kv_room`` it engaged RL fleets whose
         working set the host tier held and lost up to 6% (docs/benchmarks.md, "SGLang's
-        host tier")."""
+        host tier"). An engine whose host tier is write-back gets no cold start at all:
+        its two tiers hold distinct KV, so off already keeps most of what a fleet comes
+        back to, and a prediction from the context-length prior held W3 to 0.95-0.97x
+        off there (measured thrash still engages it; docs/benchmarks.md, "Under
+        write-back")."""
         p, led = self.p, self.ledger
         e = eng.engagement
         if p.cold_start_sessions <= 0 or e.engaged or e.failures > 0:
             return False  # (after a starved release, only measured thrash engages)
-        if len(eng.sessions) < p.cold_start_sessions:
+        if len(eng.sessions) < p.cold_start_sessions or eng.host_write_back:
             return False
         room = led.capacity(url) + eng.host_tokens
         return led.reserved(url, now) > p.cold_start_ratio * room

@@ -357,12 +357,24 @@ def test_a_cold_start_engages_a_busy_engine_before_it_thrashes(
     assert c.ledger.engaged(E1) is engaged
 
 
-@pytest.mark.parametrize(("host_tokens", "engaged"), [(0, True), (1000, False)])
-def test_a_host_tier_that_holds_the_overflow_keeps_the_cold_start_off(host_tokens, engaged) -> None:
+@pytest.mark.parametrize(
+    ("host_tokens", "policy", "engaged"),
+    [
+        (0, None, True),
+        (1000, "write_through", False),
+        (200, "write_through", True),  # a small host tier: pool + host still overflows
+        (200, "write_back", False),  # write-back: no cold start at all
+    ],
+)
+def test_a_host_tier_that_holds_the_overflow_keeps_the_cold_start_off(
+    host_tokens, policy, engaged
+) -> None:
     # The same three sessions expected to grow to ~2.5x the pool: with a host tier
-    # (HiCache) as large as the pool again, what overflows is loaded back, not recomputed.
+    # (HiCache) as large as the pool again, what overflows is loaded back, not recomputed;
+    # a write-back tier holds what the device does not, and never gets a cold start.
     c = ProgramCore(COLD)
     c.ledger.observe_engine(E1, 0.0, max_total_num_tokens=1000, host_tokens=host_tokens)
+    c.ledger.set_host_write_policy(E1, policy)
     for sid in "abc":
         c.request(f"{sid}1", sid, E1, 300, 0.0)
         answer(c, f"{sid}1", 1.0, 300, 0, 10)
