@@ -1,15 +1,18 @@
 """HiCache through the simulated engine's HTTP surface (in-process, app factory): a
-turn whose prefix was evicted to host memory is served with that prefix loaded back."""
+turn whose prefix was evicted to host memory is served with that prefix loaded back, and
+kvproxy's probe reads the host tier's write policy from its /server_info."""
 
 from __future__ import annotations
 
 from typing import Any
 
+import aiohttp
 import orjson
 from aiohttp.test_utils import TestClient
 
 from kvlab.sim.presets import hicache_config, sim_config
 from kvlab.sim.server import create_sim_app
+from kvproxy.fleet.engine_info import probe
 
 LABELS = (
     'engine_type="unified",model_name="kvproxy/sim-model",moe_ep_rank="0",pp_rank="0",tp_rank="0"'
@@ -62,3 +65,19 @@ async def test_a_turn_evicted_to_host_is_loaded_back_faster_than_a_recompute(
     assert state["ranks"][0]["hicache"]["loaded_back_total"] == 2003
     off_text = await (await off.get("/metrics")).text()
     assert "hicache" not in off_text and "load_back" not in off_text
+
+
+async def test_the_proxy_reads_the_engines_write_policy_over_http(aiohttp_server: Any) -> None:
+    # kvproxy's /server_info probe against the simulated engine's HTTP surface: the host
+    # tier's write policy (what the growth gate's room and the cold start depend on).
+    base = {"max_total_tokens": 3_000, "time_scale": 0.0}
+    policies = {}
+    for policy in (None, "write_through", "write_back"):
+        hicache = None if policy is None else hicache_config("qwen3-8b-h100", write_policy=policy)
+        server = await aiohttp_server(
+            create_sim_app(sim_config("qwen3-8b-h100", 1, hicache=hicache, **base))
+        )
+        async with aiohttp.ClientSession() as http:
+            mode = await probe(http, str(server.make_url("")), 5.0)
+        policies[policy] = mode.hicache_write_policy
+    assert policies == {None: None, "write_through": "write_through", "write_back": "write_back"}
