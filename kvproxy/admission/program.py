@@ -595,6 +595,8 @@ class ProgramCore:
                     "capacity": led.capacity(url),
                     "max_total_num_tokens": eng.max_total_num_tokens,
                     "host_tokens": float(eng.host_tokens),
+                    "host_write_back": eng.host_write_back,
+                    "kv_room": led.kv_room(url),
                     "committed": led.committed(url, now),
                     "footprint": float(led.undecayed(url)),
                     "reserved": led.reserved(url, now),

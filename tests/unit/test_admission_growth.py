@@ -182,6 +182,11 @@ def test_under_write_back_the_growth_gate_fills_the_pool_and_the_host_together(
     mode = parse_server_info(E1, info)
     c.ledger.set_host_write_policy(E1, mode.hicache_write_policy)
     assert c.ledger.kv_room(E1) == (2000 if policy == "write_back" else 1000)
+    (row,) = [r for r in c.engine_rows(0.0) if r["url"] == E1]  # what operators see
+    assert (row["host_write_back"], row["kv_room"]) == (
+        policy == "write_back",
+        c.ledger.kv_room(E1),
+    )
     learn_peaks(c, [400, 400])
     run_turn(c, "a1", "a", 50, 1.0)
     run_turn(c, "b1", "b", 50, 1.0)
