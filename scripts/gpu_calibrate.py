@@ -144,8 +144,11 @@ def predicted_s(model: CostModel, point: Point) -> float:
     return model.decode_s(point.a, point.a * point.b)
 
 
-def ratio(measured: float, predicted: float) -> float | None:
-    """measured / predicted, or None where either is not a positive finite number."""
+def ratio(measured: float | None, predicted: float | None) -> float | None:
+    """measured / predicted, or None where either is missing or not a positive finite
+    number."""
+    if measured is None or predicted is None:
+        return None
     ok = all(math.isfinite(x) and x > 0 for x in (measured, predicted))
     return measured / predicted if ok else None
 
@@ -395,12 +398,12 @@ def markdown(doc: dict[str, Any]) -> str:
 # ------------------------------------------------------------ the model (PyTorch only)
 
 
-def _torch() -> Any:
+def _torch(script: str = "gpu_calibrate") -> Any:
     try:
         import torch
     except ImportError:
         raise SystemExit(
-            "gpu_calibrate: PyTorch is needed for the measurement (pip install torch)"
+            f"{script}: PyTorch is needed for the measurement (pip install torch)"
         ) from None
     return torch
 

@@ -81,7 +81,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import math
 import mmap
 import random
 import statistics
@@ -89,11 +88,15 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from gpu_calibrate import Budget, default_preset, ratio  # the same harness pieces
+from gpu_calibrate import _torch as _calibrate_torch
 
 from kvlab.sim.cost import CostModel
 from kvlab.sim.presets import Preset, cost_model, get_preset, hicache_config
@@ -265,14 +268,6 @@ def recompute_s(preset: str, model: CostModel, tokens: int) -> float:
     return model.prefill_tokens_s(tokens, 0, get_preset(preset).chunked_prefill_size)
 
 
-def ratio(measured: float | None, predicted: float | None) -> float | None:
-    """measured / predicted, or None where either is not a positive finite number."""
-    if measured is None or predicted is None:
-        return None
-    ok = all(math.isfinite(x) and x > 0 for x in (measured, predicted))
-    return measured / predicted if ok else None
-
-
 def gb_s(nbytes: int, seconds: float | None) -> float | None:
     """Bandwidth in GB/s (1e9 bytes, as ``host_link_gb_s``)."""
     return None if seconds is None or not seconds > 0 else nbytes / seconds / 1e9
@@ -317,24 +312,6 @@ Step = Callable[[], dict[str, float]]
 
 class Unsupported(Exception):
     """A point this device or this PyTorch cannot measure (it is skipped, with why)."""
-
-
-@dataclass(slots=True)
-class Budget:
-    """Seconds left for the measurement, on an injected clock."""
-
-    seconds: float
-    clock: Callable[[], float] = time.monotonic
-    start: float = field(default=0.0)
-
-    def __post_init__(self) -> None:
-        self.start = self.clock()
-
-    def elapsed(self) -> float:
-        return self.clock() - self.start
-
-    def left(self) -> float:
-        return self.seconds - self.elapsed()
 
 
 def measure(
@@ -530,13 +507,7 @@ def markdown(doc: dict[str, Any]) -> str:
 
 
 def _torch() -> Any:
-    try:
-        import torch
-    except ImportError:
-        raise SystemExit(
-            "gpu_hostlink: PyTorch is needed for the measurement (pip install torch)"
-        ) from None
-    return torch
+    return _calibrate_torch("gpu_hostlink")
 
 
 class _CpuEvent:
@@ -931,10 +902,6 @@ def _pcie() -> str:
     except OSError:
         return link
     return f"{link}, GPU on NUMA node {node} of {nodes}"
-
-
-def default_preset(device_name: str) -> str:
-    return "qwen3-8b-h200" if "H200" in device_name.upper() else "qwen3-8b-h100"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
