@@ -63,12 +63,12 @@ class AdmissionConfig:
     # (false, the default: a continuing turn is forwarded at once, never held).
     hold_continuing: bool = False
     # Pause idle sessions under growth pressure; a paused session's next turn waits at
-    # most paused_max_wait_s (then goes anyway), ahead of new sessions. 30 s: chosen in
-    # the lab (docs/admission.md#defaults): the bound is the lever of the gain and sets
-    # the continuing-turn TTFT tail; 30 s is the largest that keeps that tail no worse
-    # than without kvproxy on W1 (8 s gains nothing; 60 s more throughput, worse tail).
+    # most paused_max_wait_s (then goes anyway), ahead of new sessions. 60 s: chosen over
+    # the regime grid (docs/admission.md#defaults): the bound is the lever of the gain
+    # where the gate engages and sets the continuing-turn TTFT tail there (the p99 is
+    # the bound); 30 s keeps W1's tail at off's but leaves its throughput at 1.6x.
     pause: bool = True
-    paused_max_wait_s: float = 30.0
+    paused_max_wait_s: float = 60.0
     # A new session waits in its engine's FIFO at most this long, then goes anyway (the
     # first-turn wait bound). 1800 s: the measured trade-off (docs/admission.md#defaults):
     # over the regime grid the first-turn wait p99 reached 1,870 s without a tighter

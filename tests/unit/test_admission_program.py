@@ -456,7 +456,7 @@ def test_reattribution_moves_sessions_and_their_waiting_turns() -> None:
 
 
 def test_params_scale_every_duration_by_the_time_scale() -> None:
-    cfg = AdmissionConfig(enabled=True)
+    cfg = AdmissionConfig(enabled=True, paused_max_wait_s=30.0)
     p = ProgramParams.from_config(cfg, time_scale=0.5)
     assert (p.tick_s, p.paused_max_wait_s, p.idle_lease_s, p.idle_half_life_s) == (
         0.5,
