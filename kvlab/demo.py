@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from kvlab.sim.config import HICACHE_WRITE_POLICIES
 from kvproxy.config import AdmissionConfig
 
 ProgressFn = Callable[[str], None]
@@ -110,6 +111,9 @@ class Scenario:
     # SGLang's hierarchical cache on the engines (--enable-hierarchical-cache) with this
     # --hicache-ratio; None: off. The lab's `--hicache` through the real stack.
     hicache_ratio: float | None = None
+    # Its --hicache-write-policy (one of HICACHE_WRITE_POLICIES); None: SGLang's default,
+    # write_through. Only with hicache_ratio.
+    hicache_write_policy: str | None = None
 
     @property
     def concurrency(self) -> int:
@@ -153,6 +157,14 @@ class Scenario:
             raise ValueError(f"{self.name}: time scale must be in (0, 10] (got {self.time_scale})")
         if self.hicache_ratio is not None and not self.hicache_ratio > 0:
             raise ValueError(f"{self.name}: hicache ratio must be > 0 (got {self.hicache_ratio})")
+        if self.hicache_write_policy is not None:
+            if self.hicache_ratio is None:
+                raise ValueError(f"{self.name}: a hicache write policy needs the hicache on")
+            if self.hicache_write_policy not in HICACHE_WRITE_POLICIES:
+                raise ValueError(
+                    f"{self.name}: hicache write policy must be one of "
+                    f"{', '.join(HICACHE_WRITE_POLICIES)} (got {self.hicache_write_policy!r})"
+                )
         context = int(self.spec().context_length)
         pool = self.pool()
         if context > pool:
@@ -320,6 +332,16 @@ def engine_clock(engine_url: str) -> dict[str, float] | None:
         out["late_steps"] += float(r.get("late_steps", 0.0))
         out["steps"] += float(r.get("steps", 0.0))
     return {k: round(v, 3) for k, v in out.items()}
+
+
+def engine_hicache(engine_url: str) -> dict[str, Any] | None:
+    """The engine's host tier as its ``/server_info`` reports it (SGLang's server args):
+    ``enable_hierarchical_cache``, ``hicache_ratio``, ``hicache_write_policy``."""
+    data = _get_json(f"{engine_url}/server_info")
+    if not isinstance(data, dict):
+        return None
+    keys = ("enable_hierarchical_cache", "hicache_ratio", "hicache_write_policy")
+    return {k: data.get(k) for k in keys}
 
 
 def reached_engines(engine_urls: Sequence[str]) -> dict[str, Any] | None:
@@ -502,6 +524,8 @@ def _start_stack(
             "--hicache-ratio",
             f"{scenario.hicache_ratio:g}",
         ]
+        if scenario.hicache_write_policy is not None:
+            engine_extra += ["--hicache-write-policy", scenario.hicache_write_policy]
     ports: Sequence[int | None] = engine_ports or [None] * scenario.engines
     pool = scenario.pool()  # sampled from the workload's plans: once, not per engine
 
@@ -635,6 +659,11 @@ def run_config(
             "wall_summary": {k: wall[k] for k in ("wall_s", "makespan_s") if k in wall},
             "engine_deltas": run.engine_deltas,
             "engine_clock": [engine_clock(u) for u in engine_urls],
+            "engine_hicache": (
+                [engine_hicache(u) for u in engine_urls]
+                if scenario.hicache_ratio is not None
+                else None
+            ),
             "reached_engines": reached_engines(engine_urls) if scenario.record_requests else None,
             "proxy_config": stack.proxy_config,
             "load": {"before": [round(x, 2) for x in load_before]},
@@ -1223,6 +1252,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the engines run SGLang's hierarchical cache (--enable-hierarchical-cache, "
         "host pool twice the device pool): off+HiCache against both+HiCache",
     )
+    parser.add_argument(
+        "--hicache-write-policy",
+        choices=HICACHE_WRITE_POLICIES,
+        default=None,
+        help="the engines' --hicache-write-policy (default: SGLang's, write_through); "
+        "implies --hicache",
+    )
     parser.add_argument("--json-only", action="store_true", help="skip the PNG chart")
 
 
@@ -1268,15 +1304,18 @@ def _run_lab(args: argparse.Namespace) -> int:
     return 0
 
 
-def _scenario_from_args(args: argparse.Namespace) -> Any:
-    """The scenario --quick and --time-scale name, checked; ValueError names the problem."""
+def scenario_from_args(args: argparse.Namespace) -> Any:
+    """The scenario --quick, --time-scale and the host-tier flags name, checked; ValueError
+    names the problem."""
     scenario = QUICK_W1 if args.quick else DEMO_W1
     if args.time_scale is not None:
         if not 0 < args.time_scale <= 10:
             raise ValueError("--time-scale must be in (0, 10]")
         scenario = dataclasses.replace(scenario, time_scale=args.time_scale)
-    if args.hicache:
-        scenario = dataclasses.replace(scenario, hicache_ratio=2.0)
+    if args.hicache or args.hicache_write_policy is not None:
+        scenario = dataclasses.replace(
+            scenario, hicache_ratio=2.0, hicache_write_policy=args.hicache_write_policy
+        )
     scenario.check()
     return scenario
 
@@ -1307,7 +1346,7 @@ def run(args: argparse.Namespace) -> int:
     if args.lab:
         return _run_lab(args)
     try:
-        scenario = _scenario_from_args(args)
+        scenario = scenario_from_args(args)
     except ValueError as exc:
         print(f"kvproxy demo: {exc}", file=sys.stderr)
         return 2
@@ -1324,8 +1363,11 @@ def run(args: argparse.Namespace) -> int:
         print(line, flush=True)
 
     d = scenario.describe()
+    policy = "" if scenario.hicache_write_policy is None else f", {scenario.hicache_write_policy}"
     hicache = (
-        "" if scenario.hicache_ratio is None else f" (HiCache, host {scenario.hicache_ratio:g}x)"
+        ""
+        if scenario.hicache_ratio is None
+        else f" (HiCache, host {scenario.hicache_ratio:g}x{policy})"
     )
     say(
         f"kvproxy demo ({'quick' if args.quick else 'W1'}): workload {scenario.workload} on "

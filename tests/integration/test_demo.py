@@ -4,6 +4,7 @@ smg consistent_hashing, kvproxy) that checks what reached the engines."""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import importlib.util
 import json
@@ -20,6 +21,7 @@ from kvlab.demo import (
     QUICK_W1,
     VARIANTS,
     VARIANTS_BY_NAME,
+    add_arguments,
     format_table,
     gap_closed,
     lab_policies,
@@ -30,6 +32,7 @@ from kvlab.demo import (
     report_lines,
     run_lab_table,
     run_scenario,
+    scenario_from_args,
     to_simulated,
     verdict,
 )
@@ -309,7 +312,7 @@ def _shape(doc: object) -> object:
 
 @needs_smg
 def test_hicache_reaches_the_engines(tmp_path: Path) -> None:
-    hicache = dataclasses.replace(TINY, hicache_ratio=2.0)
+    hicache = dataclasses.replace(TINY, hicache_ratio=2.0, hicache_write_policy="write_back")
     pids: list[int] = []
     doc = run_scenario(
         hicache,
@@ -326,9 +329,38 @@ def test_hicache_reaches_the_engines(tmp_path: Path) -> None:
     deltas = run["engine_deltas"]
     assert len(deltas) == TINY.engines
     assert all("load_back_tokens_total" in d for d in deltas.values()), deltas
+    # The write policy reached every engine, as SGLang's /server_info reports it.
+    tier = {"enable_hierarchical_cache": True, "hicache_ratio": 2.0}
+    assert run["engine_hicache"] == [{**tier, "hicache_write_policy": "write_back"}] * TINY.engines
     assert [p for p in pids if pid_alive(p)] == []
-    with pytest.raises(ValueError, match="hicache ratio"):
-        dataclasses.replace(TINY, hicache_ratio=0.0).check()
+
+
+@pytest.mark.parametrize(
+    ("ratio", "policy", "error"),
+    [
+        (0.0, None, "hicache ratio must be > 0"),
+        (None, "write_back", "needs the hicache on"),
+        (2.0, "write_around", "must be one of write_through, write_through_selective, write_back"),
+    ],
+)
+def test_a_bad_hicache_scenario_is_refused(
+    ratio: float | None, policy: str | None, error: str
+) -> None:
+    with pytest.raises(ValueError, match=error):
+        dataclasses.replace(TINY, hicache_ratio=ratio, hicache_write_policy=policy).check()
+
+
+def test_the_write_policy_flag_turns_the_hicache_on() -> None:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    scenario = scenario_from_args(
+        parser.parse_args(["--quick", "--hicache-write-policy", "write_back"])
+    )
+    assert (scenario.hicache_ratio, scenario.hicache_write_policy) == (2.0, "write_back")
+    plain = scenario_from_args(parser.parse_args(["--quick", "--hicache"]))
+    assert (plain.hicache_ratio, plain.hicache_write_policy) == (2.0, None)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--hicache-write-policy", "write_around"])
 
 
 @needs_smg
