@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from kvlab.sim.config import HICACHE_WRITE_POLICIES
+from kvlab.sim.config import HICACHE_WRITE_POLICIES, HiCacheConfig, validate_hicache
 from kvproxy.config import AdmissionConfig
 
 ProgressFn = Callable[[str], None]
@@ -155,16 +155,16 @@ class Scenario:
             raise ValueError(f"{self.name}: engines, sessions per engine and sessions must be >= 1")
         if not 0 < self.time_scale <= 10:
             raise ValueError(f"{self.name}: time scale must be in (0, 10] (got {self.time_scale})")
-        if self.hicache_ratio is not None and not self.hicache_ratio > 0:
-            raise ValueError(f"{self.name}: hicache ratio must be > 0 (got {self.hicache_ratio})")
-        if self.hicache_write_policy is not None:
-            if self.hicache_ratio is None:
-                raise ValueError(f"{self.name}: a hicache write policy needs the hicache on")
-            if self.hicache_write_policy not in HICACHE_WRITE_POLICIES:
-                raise ValueError(
-                    f"{self.name}: hicache write policy must be one of "
-                    f"{', '.join(HICACHE_WRITE_POLICIES)} (got {self.hicache_write_policy!r})"
-                )
+        if self.hicache_ratio is not None:
+            tier = HiCacheConfig(ratio=self.hicache_ratio)
+            if self.hicache_write_policy is not None:
+                tier = dataclasses.replace(tier, write_policy=self.hicache_write_policy)
+            try:
+                validate_hicache(tier)  # the simulated engine's own check
+            except ValueError as exc:
+                raise ValueError(f"{self.name}: {exc}") from None
+        elif self.hicache_write_policy is not None:
+            raise ValueError(f"{self.name}: a hicache write policy needs the hicache on")
         context = int(self.spec().context_length)
         pool = self.pool()
         if context > pool:
@@ -315,10 +315,10 @@ def sim_overrun_s(engine_url: str, timeout_s: float = 2.0) -> float | None:
     return round(sum(float(r.get("overrun_s", 0.0)) for r in ranks if isinstance(r, dict)), 3)
 
 
-def engine_clock(engine_url: str) -> dict[str, float] | None:
-    """The simulator's clock block of ``/server_info`` summed over ranks: ``overrun_s``
-    (wall seconds behind the cost model), ``max_lag_s``, ``late_steps``, ``steps``."""
-    data = _get_json(f"{engine_url}/server_info")
+def engine_clock(data: Any) -> dict[str, float] | None:
+    """The simulator's clock block of an engine's ``/server_info`` document summed over
+    ranks: ``overrun_s`` (wall seconds behind the cost model), ``max_lag_s``,
+    ``late_steps``, ``steps``."""
     sim = data.get("kvproxy_sim") if isinstance(data, dict) else None
     ranks = sim.get("clock") if isinstance(sim, dict) else None
     if not isinstance(ranks, list) or not ranks:
@@ -334,10 +334,10 @@ def engine_clock(engine_url: str) -> dict[str, float] | None:
     return {k: round(v, 3) for k, v in out.items()}
 
 
-def engine_hicache(engine_url: str) -> dict[str, Any] | None:
-    """The engine's host tier as its ``/server_info`` reports it (SGLang's server args):
-    ``enable_hierarchical_cache``, ``hicache_ratio``, ``hicache_write_policy``."""
-    data = _get_json(f"{engine_url}/server_info")
+def engine_hicache(data: Any) -> dict[str, Any] | None:
+    """The engine's host tier as its ``/server_info`` document reports it (SGLang's
+    server args): ``enable_hierarchical_cache``, ``hicache_ratio``,
+    ``hicache_write_policy``."""
     if not isinstance(data, dict):
         return None
     keys = ("enable_hierarchical_cache", "hicache_ratio", "hicache_write_policy")
@@ -649,6 +649,7 @@ def run_config(
             )
         )
         wall = run.summary()
+        infos = [_get_json(f"{u}/server_info") for u in engine_urls]
         summary = to_simulated(wall, ts)
         summary["first_turn_wait_p99_s"] = first_turn_wait_p99_s(run.result, ts)
         result: dict[str, Any] = {
@@ -658,9 +659,9 @@ def run_config(
             "summary": summary,
             "wall_summary": {k: wall[k] for k in ("wall_s", "makespan_s") if k in wall},
             "engine_deltas": run.engine_deltas,
-            "engine_clock": [engine_clock(u) for u in engine_urls],
+            "engine_clock": [engine_clock(info) for info in infos],
             "engine_hicache": (
-                [engine_hicache(u) for u in engine_urls]
+                [engine_hicache(info) for info in infos]
                 if scenario.hicache_ratio is not None
                 else None
             ),
@@ -1304,7 +1305,7 @@ def _run_lab(args: argparse.Namespace) -> int:
     return 0
 
 
-def scenario_from_args(args: argparse.Namespace) -> Any:
+def scenario_from_args(args: argparse.Namespace) -> Scenario:
     """The scenario --quick, --time-scale and the host-tier flags name, checked; ValueError
     names the problem."""
     scenario = QUICK_W1 if args.quick else DEMO_W1

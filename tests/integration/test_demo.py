@@ -340,7 +340,7 @@ def test_hicache_reaches_the_engines(tmp_path: Path) -> None:
     [
         (0.0, None, "hicache ratio must be > 0"),
         (None, "write_back", "needs the hicache on"),
-        (2.0, "write_around", "must be one of write_through, write_through_selective, write_back"),
+        (2.0, "write_around", "hicache write policy must be one of"),
     ],
 )
 def test_a_bad_hicache_scenario_is_refused(
