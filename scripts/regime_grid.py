@@ -12,6 +12,7 @@ continuing-turn TTFT p99 of off and both, and both's first-turn wait p99.
     python scripts/regime_grid.py --jobs 2                     # the whole grid, seed 0
     python scripts/regime_grid.py --workloads swe --sizes 4,48 --ratios 2.5 --faults all
     python scripts/regime_grid.py --check results/regime_grid.json   # the criteria only
+    python scripts/regime_grid.py --check seeds01.json seeds23.json  # several runs' seeds together
     python scripts/regime_grid.py --hicache --out results/regime_grid_hicache.json
 
 ``--hicache`` runs the engines of off and both with SGLang's hierarchical cache
@@ -23,7 +24,9 @@ makes every load-back free, the most any prefetch of host-resident KV could save
 ``--hicache-write-policy P`` SGLang's write policy (default write_through).
 
 Writes ``results/regime_grid.json`` (every row) and prints the markdown tables and the
-acceptance criteria of docs/benchmarks.md ("Regime grid").
+acceptance criteria of docs/benchmarks.md ("The regime grid"): over the cells' medians,
+and under ``by_seed`` run by run, both / off paired with the same seed's off (runs below
+0.97x per seed, cells whose median is below it, the KV-bound cells' median and gap).
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ from kvlab.lab.runner import LabConfig, LabError, run_lab
 from kvlab.sim.config import HICACHE_WRITE_POLICIES
 
 WORKLOADS = ("swe", "rl", "subagents")
+HICACHE_KEYS = ("hicache_ratio", "hicache_link_gb_s", "hicache_write_policy")
 CONTEXTS = {"short": 5_120, "long": None}  # real tokens; None: the preset's
 SIZES = (4, 8, 16, 32, 48, 64)
 RATIOS = (0.8, 1.5, 2.5, 4.0)
@@ -281,6 +285,108 @@ def judge(cells: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
     }
 
 
+BELOW = 0.97  # the admission issue's floor: both at least 0.97x off in every cell
+
+
+def paired(rows: Iterable[Mapping[str, Any]]) -> dict[str, dict[int, dict[str, float]]]:
+    """Per cell and seed, both / off, ceiling / off and both's continuing-turn TTFT p99
+    over off's, paired by seed (fault runs left out; a seed without all three, left out)."""
+    by: dict[tuple[str, int], dict[str, Mapping[str, Any]]] = {}
+    for r in rows:
+        if r.get("fault", "none") == "none":
+            by.setdefault((r["fleet"], r["seed"]), {})[r["policy"]] = r
+    out: dict[str, dict[int, dict[str, float]]] = {}
+    for (fleet, seed), runs in by.items():
+        metric = "output_tokens_per_s" if fleet.split("/")[0] == "rl" else "sessions_per_min"
+        off, both, ceil = (runs.get(p, {}).get(metric) for p in ("off", "both", "ceiling"))
+        b, c = _ratio(both, off), _ratio(ceil, off)
+        if b is None or c is None:
+            continue
+        seen: dict[str, float] = {"both": b, "ceiling": c}
+        tb, to = (runs[p].get("ttft_p99_continuing_s") for p in ("both", "off"))
+        t = _ratio(tb, to)
+        if t is not None and tb is not None and tb > 1.0:  # a tail under a second is no tail
+            seen["ttft"] = t
+        wait = runs["both"].get("first_turn_wait_p99_s")
+        if isinstance(wait, int | float):
+            seen["first_wait"] = float(wait)
+        out.setdefault(fleet, {})[seed] = seen
+    return out
+
+
+def judge_seeds(rows: Iterable[Mapping[str, Any]], keys: Iterable[str]) -> dict[str, Any]:
+    """The criteria run by run and per cell over the seeds, ratios paired by seed: runs
+    below 0.97x off (per seed), cells whose median is below it, and over the KV-bound
+    cells (median ceiling / off at least 1.3) the median of the cells' medians and the
+    gap closed of those medians."""
+    runs = paired(rows)
+    seeds = sorted({s for per in runs.values() for s in per})
+    below: dict[int, int] = dict.fromkeys(seeds, 0)
+    worst: tuple[float, str, int] | None = None
+    cells_below: list[dict[str, Any]] = []
+    kv: list[tuple[float, float]] = []
+    tails: list[str] = []
+    tail_runs = 0
+    waits: list[float] = []
+    for key in sorted(set(keys) & set(runs), key=_sort_key):
+        per = runs[key]
+        ratios = [per[s]["both"] for s in sorted(per)]
+        for s, v in per.items():
+            below[s] += v["both"] < BELOW
+            if worst is None or v["both"] < worst[0]:
+                worst = (v["both"], key, s)
+            waits += [v["first_wait"]] if "first_wait" in v else []
+        mid, bound = (
+            statistics.median(ratios),
+            statistics.median(v["ceiling"] for v in per.values()),
+        )
+        if mid < BELOW:
+            cells_below.append({"cell": key, "median": mid, "per_seed": ratios})
+        if bound >= 1.3:
+            kv.append((mid, bound))
+        elif bound < 1.1:
+            tail = [v["ttft"] for v in per.values() if "ttft" in v]
+            tail_runs += sum(t > 1.2 for t in tail)
+            if tail and statistics.median(tail) > 1.2:
+                tails.append(key)
+    return {
+        "seeds": seeds,
+        "runs": sum(len(runs[k]) for k in set(keys) & set(runs)),
+        "runs_below": {"total": sum(below.values()), "by_seed": below},
+        "worst_run": None
+        if worst is None
+        else {"ratio": worst[0], "cell": worst[1], "seed": worst[2]},
+        "cells_median_below": cells_below,
+        "kv_bound_cells": len(kv),
+        "kv_bound_median_both_over_off": _median(m for m, _ in kv),
+        "kv_bound_median_gap_closed": _median((m - 1) / (b - 1) for m, b in kv),
+        "not_kv_bound_tail_over_1_2x": {"runs": tail_runs, "cells_by_median": tails},
+        "first_turn_wait_p99_worst_s": max(waits, default=None),
+    }
+
+
+def merge_grids(docs: Sequence[Mapping[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The rows and pools of several grid files of the same engines: a run (cell, policy,
+    fault, seed) in two files, or files whose host tier differs, is refused."""
+    rows: list[dict[str, Any]] = []
+    pools: dict[str, Any] = {}
+    seen: set[tuple[str, str, str, int]] = set()
+    tier = [{k: d.get(k) for k in HICACHE_KEYS} for d in docs]
+    if any(t != tier[0] for t in tier):
+        raise ValueError(f"the grids' host tiers differ: {tier}")
+    for doc in docs:
+        for r in doc["rows"]:
+            run = (r["fleet"], r["policy"], r.get("fault", "none"), r["seed"])
+            if run in seen:
+                raise ValueError(f"run {'/'.join(map(str, run))} is in two of the grids")
+            seen.add(run)
+            rows.append(r)
+        for key, pool in doc.get("pools", {}).items():
+            if pools.setdefault(key, pool) != pool:
+                raise ValueError(f"cell {key} has two pools: {pools[key]}, {pool}")
+    return rows, pools
+
+
 def _fmt(v: float | None, spec: str = "{:.2f}") -> str:
     return "-" if v is None else spec.format(v)
 
@@ -417,15 +523,31 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="SGLang's write policy (default write_through); implies --hicache",
     )
     ap.add_argument("--out", type=Path, default=Path("results/regime_grid.json"))
-    ap.add_argument("--check", type=Path, default=None, help="judge a grid JSON and exit")
+    ap.add_argument(
+        "--check",
+        type=Path,
+        nargs="+",
+        default=None,
+        help="judge grid JSONs (several: their seeds together) and exit",
+    )
     ap.add_argument(
         "--compact", action="store_true", help="with --check: one table per workload and context"
     )
     args = ap.parse_args(argv)
 
     if args.check is not None:
-        doc = json.loads(args.check.read_text())
-        cells = distinct(cell_rows(doc["rows"]), doc.get("pools", {}))
+        docs = [json.loads(p.read_text()) for p in args.check]
+        try:
+            merged, merged_pools = merge_grids(docs)
+        except ValueError as exc:
+            ap.error(str(exc))
+        for p, d in zip(args.check, docs, strict=True):
+            seeds_run = ",".join(map(str, d.get("seeds", [])))
+            print(
+                f"{p}: commit {d.get('commit')}, seeds {seeds_run}, admission {d.get('admission')}"
+            )
+        doc = docs[0]
+        cells = distinct(cell_rows(merged), merged_pools)
         if doc.get("hicache_ratio") is not None:
             link = doc.get("hicache_link_gb_s")
             on = f"--hicache-ratio {doc['hicache_ratio']:g}"
@@ -434,7 +556,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             on += "" if policy is None else f", {policy}"
             print(f"HiCache on (off and both): {on}")
         print(compact(cells) if args.compact else markdown(cells))
-        print(json.dumps(judge(cells), indent=2))
+        print(json.dumps({**judge(cells), "by_seed": judge_seeds(merged, cells)}, indent=2))
         return 0
 
     import yaml
@@ -491,7 +613,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.out.write_text(json.dumps(doc, indent=1) + "\n")
     cells = distinct(cell_rows(rows), pools)
     print(markdown(cells))
-    print(json.dumps(judge(cells), indent=2))
+    print(json.dumps({**judge(cells), "by_seed": judge_seeds(rows, cells)}, indent=2))
     return 0
 
 
