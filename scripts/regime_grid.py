@@ -429,10 +429,15 @@ def markdown(cells: Mapping[str, Mapping[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def compact(cells: Mapping[str, Mapping[str, Any]]) -> str:
+def compact(
+    cells: Mapping[str, Mapping[str, Any]],
+    by_seed: Mapping[str, Mapping[int, Mapping[str, float]]] | None = None,
+) -> str:
     """One table per workload and context: both / off by fleet size (rows) and working
     set / pool (columns), the no-eviction bound ceiling / off in brackets; ``=`` marks a
-    pool raised to the longest context (the cell to its left, run once)."""
+    pool raised to the longest context (the cell to its left, run once). With
+    ``by_seed`` (:func:`paired`) each ratio is the median over the seeds of the ratio
+    paired by seed, else the ratio of the policies' medians."""
     out: list[str] = []
     groups: dict[tuple[str, str], dict[tuple[int, float], Mapping[str, Any]]] = {}
     for key, c in cells.items():
@@ -451,6 +456,12 @@ def compact(cells: Mapping[str, Mapping[str, Any]]) -> str:
                 c = g.get((n, r))
                 if c is None:
                     row.append("=")
+                    continue
+                per = (by_seed or {}).get(f"{w}/{ctx}/{n}/{r:g}")
+                if per:
+                    b = statistics.median(v["both"] for v in per.values())
+                    top = statistics.median(v["ceiling"] for v in per.values())
+                    row.append(f"{_fmt(b)} [{_fmt(top)}]")
                     continue
                 off, both, ceil = (c.get(p, {}).get("value") for p in ("off", "both", "ceiling"))
                 row.append(f"{_fmt(_ratio(both, off))} [{_fmt(_ratio(ceil, off))}]")
@@ -555,7 +566,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             policy = doc.get("hicache_write_policy")
             on += "" if policy is None else f", {policy}"
             print(f"HiCache on (off and both): {on}")
-        print(compact(cells) if args.compact else markdown(cells))
+        print(compact(cells, paired(merged)) if args.compact else markdown(cells))
         print(json.dumps({**judge(cells), "by_seed": judge_seeds(merged, cells)}, indent=2))
         return 0
 

@@ -163,3 +163,14 @@ def test_check_of_two_files_judges_their_seeds_together(
     assert judged["by_seed"]["cells_median_below"][0]["median"] == pytest.approx(0.955)
     with pytest.raises(SystemExit):
         grid.main(["--check", paths[0], paths[0]])
+
+
+def test_compact_shows_the_median_of_the_paired_ratios(grid: ModuleType) -> None:
+    rows = [
+        *_runs("swe/long/48/2.5", 0, off=10.0, both=20.0, ceiling=25.0),
+        *_runs("swe/long/48/2.5", 1, off=5.0, both=6.0, ceiling=12.5),
+    ]
+    cells = grid.cell_rows(rows)
+    # medians of the values: both 13 / off 7.5 = 1.73; paired: (2.0 + 1.2) / 2 = 1.60
+    assert "| 48 | = | = | 1.73 [2.50] | = |" in grid.compact(cells)
+    assert "| 48 | = | = | 1.60 [2.50] | = |" in grid.compact(cells, grid.paired(rows))
