@@ -19,7 +19,10 @@ nothing paused). It **engages** after ``engage_windows`` windows in a row busy a
 **cold start**), with an **exposure** (the cost were every context the continuing
 turns left behind evicted) at least ``cold_exposure`` while it runs many sessions
 expected to outgrow its pool (``oversubscribed``, judged by the caller from the
-ledger; not after a starved release). It goes permissive again after
+ledger; not after a starved release), and never while its pool holds fewer than
+``floor_room`` x ``min_inflight`` of the contexts its continuing turns come back to
+(``floor_fits``: the work-conserving floor alone would overflow it). It goes permissive
+again after
 ``release_windows`` windows in a row busy under ``release_busy``, or after
 ``starved_windows`` windows in a row in which held work left it idle (then it may not
 engage again for a back-off that doubles each time). While engaged, the gate is
@@ -49,6 +52,7 @@ class Load:
     decoded: int = 0
     exposed: int = 0  # the context continuing turns left behind, evicted or not
     turns: int = 0
+    returns: int = 0  # of the turns, those that came back to a context they left behind
     idled: int = 0  # work-conserving releases this window (held work, idle engine)
     # Paused turns the work-conserving floor released, this window and the last: the
     # engine had room in its batch for them, so their pauses only delayed them.
@@ -61,6 +65,8 @@ class Load:
         self.decoded += decoded
         self.exposed += max(exposed, recomputed)
         self.turns += 1
+        if exposed > 0:
+            self.returns += 1
 
     def recompute_cost(self, decode_token_weight: float, min_turns: int) -> float | None:
         """The window's share of the engine's work spent recomputing evicted context,
@@ -80,6 +86,10 @@ class Load:
         work = float(self.computed - self.recomputed + self.exposed)
         work += decode_token_weight * self.decoded
         return self.exposed / work if work > 0 else 0.0
+
+    def mean_return(self) -> float | None:
+        """The mean context a continuing turn came back to this window (None: none did)."""
+        return self.exposed / self.returns if self.returns else None
 
     @property
     def pauses_undone(self) -> bool:
@@ -116,7 +126,7 @@ class Load:
     def new_window(self, now: float) -> None:
         self.busy_s = 0.0
         self.computed = self.recomputed = self.decoded = self.exposed = 0
-        self.turns = self.idled = 0
+        self.turns = self.idled = self.returns = 0
         self.floor_resumes_last, self.floor_resumes = self.floor_resumes, 0
         if self.busy_since is not None:
             self.busy_since = now
@@ -140,6 +150,11 @@ class EngageRule:
     # The cold start's bar: the exposure (the cost were every context left behind
     # evicted) a window must show before any thrash is measured.
     cold_exposure: float = 0.5
+    # How many times the work-conserving floor's contexts the pool must hold for a
+    # window to count as hot: the floor keeps its turns running whatever is held, so
+    # where their contexts alone overflow the pool, holding delays work and cannot stop
+    # the eviction (measured: docs/benchmarks.md, "A pool the floor overflows").
+    floor_room: float = 2.0
 
 
 @dataclass(slots=True)
@@ -162,6 +177,7 @@ class Engagement:
         idled: int = 0,
         exposure: float | None = None,
         oversubscribed: bool = False,
+        floor_fits: bool = True,
     ) -> bool | None:
         """One window's verdict: True when it engages now, False when it releases now,
         None when nothing changes. ``cost`` None (too few answers this window): a
@@ -170,7 +186,8 @@ class Engagement:
         ``oversubscribed`` (the cold start): the engine runs enough sessions expected to
         outgrow its pool; with an ``exposure`` (the cost were every context left behind
         evicted) of at least ``engage_cost`` such a window counts as hot before any
-        thrash is measured."""
+        thrash is measured. ``floor_fits`` false (the pool holds fewer than
+        ``floor_room`` x the floor's contexts): no window counts as hot."""
         if not self.engaged:
             if self.backoff > 0:
                 self.backoff -= 1
@@ -180,7 +197,7 @@ class Engagement:
             costly = cost >= rule.engage_cost or (
                 oversubscribed and exposure is not None and exposure >= rule.cold_exposure
             )
-            hot = costly and busy >= rule.engage_busy
+            hot = costly and busy >= rule.engage_busy and floor_fits
             self.hot = self.hot + 1 if hot else 0
             if self.hot >= rule.engage_windows:
                 self.engaged, self.hot, self.cool = True, 0, 0

@@ -8,7 +8,8 @@ The defaults are not written here: a parameter that is a config key takes its de
 from :class:`~kvproxy.config.AdmissionConfig` (``ProgramParams()`` is
 ``ProgramParams.from_config(AdmissionConfig())``); only the controller's own constants
 (``target_cut``, ``target_step``, ``quiet_windows``, ``min_feedback_turns``,
-``engage_min_turns``, ``growth_alpha``, ``cold_start_ratio``, ``min_inflight``) are set here.
+``engage_min_turns``, ``growth_alpha``, ``cold_start_ratio``, ``min_inflight``,
+``floor_room``) are set here.
 """
 
 from __future__ import annotations
@@ -77,6 +78,9 @@ class ProgramParams:
     # Work conservation while engaged: an engine with fewer turns in flight takes the
     # next held turn.
     min_inflight: int = 3
+    # How many times the floor's contexts the pool must hold for a window to count as
+    # hot (kvproxy.admission.engagement.EngageRule.floor_room).
+    floor_room: float = 2.0
     staleness_s: float = _D.effective_staleness_s
     max_queue: int = _D.max_queue
     max_sessions: int = _D.max_sessions
@@ -89,6 +93,7 @@ class ProgramParams:
             release_busy=self.release_busy,
             engage_windows=self.engage_windows,
             release_windows=self.release_windows,
+            floor_room=self.floor_room,
         )
 
     @classmethod

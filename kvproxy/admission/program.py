@@ -543,6 +543,7 @@ class ProgramCore:
             idled=eng.load.idled,
             exposure=eng.load.exposure(p.decode_token_weight, p.engage_min_turns),
             oversubscribed=self._oversubscribed(url, eng, now),
+            floor_fits=self._floor_fits(url, eng),
         )
         if changed is True:
             self.events[Event.ENGAGED] += 1
@@ -551,6 +552,20 @@ class ProgramCore:
             self.events[Event.DISENGAGED] += 1
             for s in self.ledger.on_engine(url):
                 s.pause_pending = False  # permissive: nobody pauses
+
+    def _floor_fits(self, url: str, eng: Engine) -> bool:
+        """Whether the engine's pool holds ``floor_room`` x ``min_inflight`` of the
+        contexts its continuing turns came back to this window. The work-conserving
+        floor keeps ``min_inflight`` turns running whatever is held; where their
+        contexts alone overflow the pool, the running turns evict each other anyway
+        and holding only delays work (measured on small fleets whose pool holds two
+        or three contexts: docs/benchmarks.md, "A pool the floor overflows"). True
+        while the capacity or the contexts are unknown."""
+        back = eng.load.mean_return()
+        cap = self.ledger.capacity(url)
+        if back is None or cap <= 0:
+            return True
+        return cap >= self.p.engage_rule.floor_room * max(1, self.p.min_inflight) * back
 
     def _oversubscribed(self, url: str, eng: Engine, now: float) -> bool:
         """The cold start's condition: at least ``cold_start_sessions`` sessions on the

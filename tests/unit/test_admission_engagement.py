@@ -151,6 +151,9 @@ P = ProgramParams(
     release_windows=2,
     engage_cost=0.3,
     engage_min_turns=3,
+    # These tables run pools of three contexts, which the floor's own three turns would
+    # overflow; that rule has its own table below (floor_room).
+    floor_room=0.0,
 )
 
 
@@ -423,3 +426,55 @@ def test_a_pause_the_floor_undoes_stops_the_engines_pausing_for_a_window() -> No
         assert c.events[Event.PAUSED] == 1
     tick(28.0)  # ...and after a whole window without one, pausing resumes
     assert c.events[Event.PAUSED] == 2
+
+
+def test_mean_return_counts_only_the_turns_that_came_back_to_a_context() -> None:
+    load = Load()
+    assert load.mean_return() is None
+    load.worked(computed=300, recomputed=0, decoded=10)  # a first turn: nothing left behind
+    load.worked(computed=320, recomputed=300, decoded=10, exposed=300)
+    load.worked(computed=20, recomputed=0, decoded=10, exposed=500)
+    assert load.mean_return() == 400.0
+    load.new_window(5.0)
+    assert load.mean_return() is None
+
+
+@pytest.mark.parametrize(
+    ("capacity", "floor_room", "engaged"),
+    [
+        (1000, 2.0, False),  # 1000 < 2 x 3 x 310: the floor's turns overflow the pool
+        (1860, 2.0, True),  # 2 x 3 x 310 = 1860: the pool holds them twice over
+        (1859, 2.0, False),
+        (1000, 1.0, True),  # 1000 >= 1 x 3 x 310
+        (1000, 0.0, True),  # the rule off
+    ],
+)
+def test_an_engine_whose_pool_the_floor_overflows_never_engages(
+    capacity: int, floor_room: float, engaged: bool
+) -> None:
+    # engaged_core's window, on a pool of the given size: busy all window, and every
+    # continuing turn recomputed the 310-token context it came back to.
+    c = ProgramCore(dataclasses.replace(P, floor_room=floor_room))
+    c.ledger.observe_engine(E1, 0.0, max_total_num_tokens=capacity)
+    for i, sid in enumerate("abc"):
+        c.request(f"{sid}1", sid, E1, 300, 0.0)
+        answer(c, f"{sid}1", 0.5, 300, 0, 10)
+        c.request(f"{sid}2", sid, E1, 320, 0.5 + i * 0.01)
+    for sid in "abc":
+        answer(c, f"{sid}2", 5.0, 320, 0, 10)
+    c.request("keep", "a", E1, 330, 5.0)
+    c.tick(5.0)
+    assert c.ledger.engaged(E1) is engaged
+    assert c.events[Event.ENGAGED] == int(engaged)
+
+
+def test_floor_fits_decides_only_a_permissive_engine() -> None:
+    rule = EngageRule(
+        engage_cost=0.4, engage_busy=0.75, release_busy=0.5, engage_windows=1, release_windows=2
+    )
+    e = Engagement()
+    assert e.judge(rule, busy=1.0, cost=0.9, floor_fits=False) is None
+    assert e.judge(rule, busy=1.0, cost=0.9, floor_fits=True) is True
+    # Once engaged, it is released by the usual rules, not by the pool.
+    assert e.judge(rule, busy=1.0, cost=0.9, floor_fits=False) is None
+    assert e.engaged
