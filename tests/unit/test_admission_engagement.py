@@ -440,22 +440,24 @@ def test_mean_return_counts_only_the_turns_that_came_back_to_a_context() -> None
 
 
 @pytest.mark.parametrize(
-    ("capacity", "floor_room", "engaged"),
+    ("capacity", "host", "floor_room", "engaged"),
     [
-        (1000, 2.0, False),  # 1000 < 2 x 3 x 310: the floor's turns overflow the pool
-        (1860, 2.0, True),  # 2 x 3 x 310 = 1860: the pool holds them twice over
-        (1859, 2.0, False),
-        (1000, 1.0, True),  # 1000 >= 1 x 3 x 310
-        (1000, 0.0, True),  # the rule off
+        (1000, None, 2.0, False),  # 1000 < 2 x 3 x 310: the floor's turns overflow the pool
+        (1860, None, 2.0, True),  # 2 x 3 x 310 = 1860: the pool holds them twice over
+        (1859, None, 2.0, False),
+        (1000, 1860, 2.0, True),  # a host tier of 1860 (write-through: max(pool, host))
+        (1000, 1859, 2.0, False),
+        (1000, None, 1.0, True),  # 1000 >= 1 x 3 x 310
+        (1000, None, 0.0, True),  # the rule off
     ],
 )
-def test_an_engine_whose_pool_the_floor_overflows_never_engages(
-    capacity: int, floor_room: float, engaged: bool
+def test_an_engine_whose_room_the_floor_overflows_never_engages(
+    capacity: int, host: int | None, floor_room: float, engaged: bool
 ) -> None:
     # engaged_core's window, on a pool of the given size: busy all window, and every
     # continuing turn recomputed the 310-token context it came back to.
     c = ProgramCore(dataclasses.replace(P, floor_room=floor_room))
-    c.ledger.observe_engine(E1, 0.0, max_total_num_tokens=capacity)
+    c.ledger.observe_engine(E1, 0.0, max_total_num_tokens=capacity, host_tokens=host)
     for i, sid in enumerate("abc"):
         c.request(f"{sid}1", sid, E1, 300, 0.0)
         answer(c, f"{sid}1", 0.5, 300, 0, 10)
