@@ -336,10 +336,8 @@ def judge_seeds(rows: Iterable[Mapping[str, Any]], keys: Iterable[str]) -> dict[
             if worst is None or v["both"] < worst[0]:
                 worst = (v["both"], key, s)
             waits += [v["first_wait"]] if "first_wait" in v else []
-        mid, bound = (
-            statistics.median(ratios),
-            statistics.median(v["ceiling"] for v in per.values()),
-        )
+        mid = statistics.median(ratios)
+        bound = statistics.median(v["ceiling"] for v in per.values())
         if mid < BELOW:
             cells_below.append({"cell": key, "median": mid, "per_seed": ratios})
         if bound >= 1.3:

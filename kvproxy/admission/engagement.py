@@ -19,9 +19,9 @@ nothing paused). It **engages** after ``engage_windows`` windows in a row busy a
 **cold start**), with an **exposure** (the cost were every context the continuing
 turns left behind evicted) at least ``cold_exposure`` while it runs many sessions
 expected to outgrow its pool (``oversubscribed``, judged by the caller from the
-ledger; not after a starved release), and never while its KV room holds fewer than
-``floor_room`` x ``min_inflight`` of the contexts its continuing turns come back to
-(``floor_fits``: the work-conserving floor alone would overflow it). It goes permissive
+ledger; not after a starved release), and never while its KV room cannot hold the
+work-conserving floor's own turns (``floor_fits``, judged by the caller: twice
+``min_inflight`` of the contexts its continuing turns come back to). It goes permissive
 again after
 ``release_windows`` windows in a row busy under ``release_busy``, or after
 ``starved_windows`` windows in a row in which held work left it idle (then it may not
@@ -150,11 +150,6 @@ class EngageRule:
     # The cold start's bar: the exposure (the cost were every context left behind
     # evicted) a window must show before any thrash is measured.
     cold_exposure: float = 0.5
-    # How many times the work-conserving floor's contexts the engine's KV room (its
-    # pool; with a host tier, what the two tiers keep) must hold for a window to count
-    # as hot: the floor keeps its turns running whatever is held, so where their
-    # contexts alone overflow the room, holding delays work and cannot stop the eviction (measured: docs/benchmarks.md, "A pool the floor overflows").
-    floor_room: float = 2.0
 
 
 @dataclass(slots=True)
@@ -186,8 +181,9 @@ class Engagement:
         ``oversubscribed`` (the cold start): the engine runs enough sessions expected to
         outgrow its pool; with an ``exposure`` (the cost were every context left behind
         evicted) of at least ``engage_cost`` such a window counts as hot before any
-        thrash is measured. ``floor_fits`` false (the KV room holds fewer than
-        ``floor_room`` x the floor's contexts): no window counts as hot."""
+        thrash is measured. ``floor_fits`` false (the engine's KV room cannot hold the
+        work-conserving floor's own turns, judged by the caller): no window counts as
+        hot."""
         if not self.engaged:
             if self.backoff > 0:
                 self.backoff -= 1

@@ -78,8 +78,11 @@ class ProgramParams:
     # Work conservation while engaged: an engine with fewer turns in flight takes the
     # next held turn.
     min_inflight: int = 3
-    # How many times the floor's contexts the pool must hold for a window to count as
-    # hot (kvproxy.admission.engagement.EngageRule.floor_room).
+    # How many times the floor's contexts (min_inflight of those its continuing turns
+    # come back to) the engine's KV room must hold for a window to count as hot: the
+    # floor keeps its turns running whatever is held, so where their contexts alone
+    # overflow the room, holding delays work and cannot stop the eviction (measured:
+    # docs/benchmarks.md, "A pool the floor overflows").
     floor_room: float = 2.0
     staleness_s: float = _D.effective_staleness_s
     max_queue: int = _D.max_queue
@@ -93,7 +96,6 @@ class ProgramParams:
             release_busy=self.release_busy,
             engage_windows=self.engage_windows,
             release_windows=self.release_windows,
-            floor_room=self.floor_room,
         )
 
     @classmethod

@@ -568,7 +568,7 @@ class ProgramCore:
         cap = self.ledger.kv_room(url)
         if back is None or cap <= 0:
             return True
-        return cap >= self.p.engage_rule.floor_room * max(1, self.p.min_inflight) * back
+        return cap >= self.p.floor_room * max(1, self.p.min_inflight) * back
 
     def _oversubscribed(self, url: str, eng: Engine, now: float) -> bool:
         """The cold start's condition: at least ``cold_start_sessions`` sessions on the
