@@ -23,6 +23,12 @@ was on), ``hicache_ratio`` and ``loaded_back_tokens``, and the JSON ``hicache_ra
 makes every load-back free, the most any prefetch of host-resident KV could save);
 ``--hicache-write-policy P`` SGLang's write policy (default write_through).
 
+``--caps 0.25,0.5`` runs, instead of off, both and ceiling, off with the live sessions
+capped at those fractions of each fleet's size (same pool, same sessions in all): a fixed
+cap chosen after the fact, the bound of a schedule that only limits concurrency. Its rows
+have policy ``cap`` and ``cap_per_engine``; judged with a grid file of the same cells
+(``--check grid.json caps.json``), the KV-bound cells' best cap is reported beside both.
+
 Writes ``results/regime_grid.json`` (every row) and prints the markdown tables and the
 acceptance criteria of docs/benchmarks.md ("The regime grid"): over the cells' medians,
 and under ``by_seed`` run by run, both / off paired with the same seed's off (runs below
@@ -52,6 +58,7 @@ from kvlab.lab.runner import LabConfig, LabError, run_lab
 from kvlab.sim.config import HICACHE_WRITE_POLICIES
 
 WORKLOADS = ("swe", "rl", "subagents")
+ENGINES = 2
 HICACHE_KEYS = ("hicache_ratio", "hicache_link_gb_s", "hicache_write_policy")
 CONTEXTS = {"short": 5_120, "long": None}  # real tokens; None: the preset's
 SIZES = (4, 8, 16, 32, 48, 64)
@@ -117,15 +124,18 @@ class Job:
     hicache_ratio: float | None = None  # SGLang's HiCache on the engines; None: off
     hicache_link_gb_s: float | None = None  # its host link; None: the preset's
     hicache_write_policy: str | None = None  # its write policy; None: write_through
+    cap: int | None = None  # policy "cap": off with this many live sessions per engine
 
     def config(self) -> LabConfig:
         sc = self.fleet.scenario()
         pool, _ = self.fleet.pool()
         return LabConfig(
             workload=self.fleet.workload,
-            engines=2,
-            sessions_per_engine=self.fleet.per_engine,
-            policy=self.policy,
+            engines=ENGINES,
+            sessions_per_engine=self.cap or self.fleet.per_engine,
+            # A cap runs the fleet's sessions (twice its live sessions) fewer at a time.
+            sessions=None if self.cap is None else 2 * ENGINES * self.fleet.per_engine,
+            policy="off" if self.policy == "cap" else self.policy,
             seed=self.seed,
             engine_overrides={"max_total_tokens": pool},
             workload_overrides=dict(sc.workload_overrides),
@@ -146,6 +156,8 @@ def run_job(job: Job) -> dict[str, Any]:
         summary = {"error": str(exc)}
     row = {k: summary.get(k) for k in KEEP}
     row.update(fleet=job.fleet.key, policy=job.policy, fault=job.fault, seed=job.seed)
+    if job.cap is not None:
+        row["cap_per_engine"] = job.cap
     if job.hicache_ratio is not None:
         row.update(
             hicache=summary.get("hicache"),
@@ -195,6 +207,27 @@ def distinct(
             continue
         seen.add((fleet, pool))
         out[key] = cells[key]
+    return out
+
+
+def caps_for(fleet: Fleet, fractions: Sequence[float]) -> list[int]:
+    """The distinct live sessions per engine that ``fractions`` of the fleet's size give,
+    below its size. rl runs whole GRPO groups (8 trajectories over the engines), so its
+    caps are whole groups too."""
+    step = 8 // ENGINES if fleet.workload == "rl" else 1
+    caps = {max(step, round(fleet.per_engine * f / step) * step) for f in fractions}
+    return sorted(c for c in caps if c < fleet.per_engine)
+
+
+def cap_jobs(cells: Sequence[Fleet], fractions: Sequence[float], seeds: Sequence[int]) -> list[Job]:
+    """Off at each cap of :func:`caps_for`, per fleet and seed, the longest first."""
+    out = [
+        Job(f, "cap", seed=seed, cap=cap)
+        for f in cells
+        for cap in caps_for(f, fractions)
+        for seed in seeds
+    ]
+    out.sort(key=lambda j: -j.fleet.per_engine)
     return out
 
 
@@ -290,11 +323,13 @@ BELOW = 0.97  # the admission issue's floor: both at least 0.97x off in every ce
 
 def paired(rows: Iterable[Mapping[str, Any]]) -> dict[str, dict[int, dict[str, float]]]:
     """Per cell and seed, both / off, ceiling / off and both's continuing-turn TTFT p99
-    over off's, paired by seed (fault runs left out; a seed without all three, left out)."""
+    over off's, paired by seed (fault runs left out; a seed without all three, left out),
+    and each fixed cap's run over off as ``cap/N`` (N live sessions per engine)."""
     by: dict[tuple[str, int], dict[str, Mapping[str, Any]]] = {}
     for r in rows:
         if r.get("fault", "none") == "none":
-            by.setdefault((r["fleet"], r["seed"]), {})[r["policy"]] = r
+            name = r["policy"] if r["policy"] != "cap" else f"cap/{r['cap_per_engine']}"
+            by.setdefault((r["fleet"], r["seed"]), {})[name] = r
     out: dict[str, dict[int, dict[str, float]]] = {}
     for (fleet, seed), runs in by.items():
         metric = "output_tokens_per_s" if fleet.split("/")[0] == "rl" else "sessions_per_min"
@@ -303,6 +338,10 @@ def paired(rows: Iterable[Mapping[str, Any]]) -> dict[str, dict[int, dict[str, f
         if b is None or c is None:
             continue
         seen: dict[str, float] = {"both": b, "ceiling": c}
+        for name, run in runs.items():
+            cap = _ratio(run.get(metric), off) if name.startswith("cap/") else None
+            if cap is not None:
+                seen[name] = cap
         tb, to = (runs[p].get("ttft_p99_continuing_s") for p in ("both", "off"))
         t = _ratio(tb, to)
         if t is not None and tb is not None and tb > 1.0:  # a tail under a second is no tail
@@ -318,13 +357,15 @@ def judge_seeds(rows: Iterable[Mapping[str, Any]], keys: Iterable[str]) -> dict[
     """The criteria run by run and per cell over the seeds, ratios paired by seed: runs
     below 0.97x off (per seed), cells whose median is below it, and over the KV-bound
     cells (median ceiling / off at least 1.3) the median of the cells' medians and the
-    gap closed of those medians."""
+    gap closed of those medians; where fixed caps ran, the same for each KV-bound cell's
+    best cap (:func:`best_cap`)."""
     runs = paired(rows)
     seeds = sorted({s for per in runs.values() for s in per})
     below: dict[int, int] = dict.fromkeys(seeds, 0)
     worst: tuple[float, str, int] | None = None
     cells_below: list[dict[str, Any]] = []
     kv: list[tuple[float, float]] = []
+    capped: list[dict[str, Any]] = []
     tails: list[str] = []
     tail_runs = 0
     waits: list[float] = []
@@ -342,6 +383,9 @@ def judge_seeds(rows: Iterable[Mapping[str, Any]], keys: Iterable[str]) -> dict[
             cells_below.append({"cell": key, "median": mid, "per_seed": ratios})
         if bound >= 1.3:
             kv.append((mid, bound))
+            best = best_cap(per)
+            if best is not None:
+                capped.append({"cell": key, "both": mid, "ceiling": bound, **best})
         elif bound < 1.1:
             tail = [v["ttft"] for v in per.values() if "ttft" in v]
             tail_runs += sum(t > 1.2 for t in tail)
@@ -360,6 +404,37 @@ def judge_seeds(rows: Iterable[Mapping[str, Any]], keys: Iterable[str]) -> dict[
         "kv_bound_median_gap_closed": _median((m - 1) / (b - 1) for m, b in kv),
         "not_kv_bound_tail_over_1_2x": {"runs": tail_runs, "cells_by_median": tails},
         "first_turn_wait_p99_worst_s": max(waits, default=None),
+        **({"kv_bound_best_cap": _caps_summary(capped)} if capped else {}),
+    }
+
+
+def best_cap(per: Mapping[int, Mapping[str, float]]) -> dict[str, Any] | None:
+    """A cell's best fixed cap, chosen after the fact: the cap whose median over the seeds
+    of cap / off is highest (no cap at all, off itself, when none beats 1.0); None where
+    no cap ran."""
+    names = {n for v in per.values() for n in v if n.startswith("cap/")}
+    if not names:
+        return None
+    medians = {n: statistics.median(v[n] for v in per.values() if n in v) for n in names}
+    name = max(sorted(medians, key=lambda n: int(n[4:])), key=lambda n: medians[n])
+    if medians[name] <= 1.0:
+        return {"cap_per_engine": None, "best_cap": 1.0}
+    return {"cap_per_engine": int(name[4:]), "best_cap": medians[name]}
+
+
+def _caps_summary(capped: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """Over the KV-bound cells with caps: the median of the best caps, their gap closed,
+    both's on the same cells, and the cells where the best cap beats both by 10% or more."""
+    return {
+        "cells": len(capped),
+        "median_best_cap_over_off": _median(c["best_cap"] for c in capped),
+        "median_gap_closed": _median((c["best_cap"] - 1) / (c["ceiling"] - 1) for c in capped),
+        "median_both_over_off": _median(c["both"] for c in capped),
+        "best_cap_beats_both_by_10pct": [
+            f"{c['cell']}: cap {c['cap_per_engine']} {c['best_cap']:.2f}x, both {c['both']:.2f}x"
+            for c in capped
+            if c["best_cap"] >= 1.1 * c["both"]
+        ],
     }
 
 
@@ -368,15 +443,22 @@ def merge_grids(docs: Sequence[Mapping[str, Any]]) -> tuple[list[dict[str, Any]]
     fault, seed) in two files, or files whose host tier differs, is refused."""
     rows: list[dict[str, Any]] = []
     pools: dict[str, Any] = {}
-    seen: set[tuple[str, str, str, int]] = set()
+    seen: set[tuple[str, str, str, int, int | None]] = set()
     tier = [{k: d.get(k) for k in HICACHE_KEYS} for d in docs]
     if any(t != tier[0] for t in tier):
         raise ValueError(f"the grids' host tiers differ: {tier}")
     for doc in docs:
         for r in doc["rows"]:
-            run = (r["fleet"], r["policy"], r.get("fault", "none"), r["seed"])
+            run = (
+                r["fleet"],
+                r["policy"],
+                r.get("fault", "none"),
+                r["seed"],
+                r.get("cap_per_engine"),
+            )
             if run in seen:
-                raise ValueError(f"run {'/'.join(map(str, run))} is in two of the grids")
+                named = "/".join(str(x) for x in run if x is not None)
+                raise ValueError(f"run {named} is in two of the grids")
             seen.add(run)
             rows.append(r)
         for key, pool in doc.get("pools", {}).items():
@@ -531,6 +613,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=None,
         help="SGLang's write policy (default write_through); implies --hicache",
     )
+    ap.add_argument(
+        "--caps",
+        default=None,
+        metavar="F1,F2,...",
+        help="run only off with live sessions capped at these fractions of each fleet's size",
+    )
     ap.add_argument("--out", type=Path, default=Path("results/regime_grid.json"))
     ap.add_argument(
         "--check",
@@ -597,7 +685,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     link = args.hicache_link_gb_s
     policy = args.hicache_write_policy
     seeds = _csv(args.seeds, int)
-    jobs = jobs_for(grid, faults, seeds, admission, fault_cells, hicache_ratio, link, policy)
+    if args.caps is not None:
+        if hicache_ratio is not None or faults != ["none"] or admission:
+            ap.error("--caps runs off only: no host tier, faults or --admission")
+        fractions = _csv(args.caps, float)
+        if not fractions or any(not 0 < f < 1 for f in fractions):
+            ap.error(f"--caps takes fractions between 0 and 1, got {args.caps!r}")
+        jobs = cap_jobs(grid, fractions, seeds)
+    else:
+        jobs = jobs_for(grid, faults, seeds, admission, fault_cells, hicache_ratio, link, policy)
     t0 = time.perf_counter()
     rows: list[dict[str, Any]] = []
     with ProcessPoolExecutor(max_workers=max(1, args.jobs)) as pool:
@@ -611,6 +707,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "commit": git_revision(),
         "seeds": seeds,
         "admission": admission,
+        **({} if args.caps is None else {"caps": _csv(args.caps, float)}),
         **({} if hicache_ratio is None else {"hicache_ratio": hicache_ratio}),
         **({} if link is None else {"hicache_link_gb_s": link}),
         **({} if policy is None else {"hicache_write_policy": policy}),
@@ -620,6 +717,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(doc, indent=1) + "\n")
+    if args.caps is not None:
+        print(f"{len(rows)} capped runs in {args.out}; judge them beside a grid: --check")
+        return 0
     cells = distinct(cell_rows(rows), pools)
     print(markdown(cells))
     print(json.dumps({**judge(cells), "by_seed": judge_seeds(rows, cells)}, indent=2))

@@ -174,3 +174,62 @@ def test_compact_shows_the_median_of_the_paired_ratios(grid: ModuleType) -> None
     # medians of the values: both 13 / off 7.5 = 1.73; paired: (2.0 + 1.2) / 2 = 1.60
     assert "| 48 | = | = | 1.73 [2.50] | = |" in grid.compact(cells)
     assert "| 48 | = | = | 1.60 [2.50] | = |" in grid.compact(cells, grid.paired(rows))
+
+
+def test_caps_are_distinct_fractions_below_the_fleet_and_whole_groups_for_rl(
+    grid: ModuleType,
+) -> None:
+    swe = grid.Fleet("swe", "long", 48, 2.5)
+    assert grid.caps_for(swe, [0.125, 0.25, 0.375, 0.5, 0.75]) == [6, 12, 18, 24, 36]
+    assert grid.caps_for(grid.Fleet("swe", "long", 4, 1.5), [0.125, 0.25, 0.5]) == [1, 2]
+    # rl runs GRPO groups of 8 over two engines: 4 per engine at the least
+    assert grid.caps_for(grid.Fleet("rl", "long", 8, 2.5), [0.125, 0.25, 0.5, 0.75]) == [4]
+    assert grid.caps_for(grid.Fleet("rl", "long", 4, 2.5), [0.25, 0.5]) == []
+    (job,) = grid.cap_jobs([grid.Fleet("swe", "long", 8, 2.5)], [0.5], [3])
+    cfg = job.config()
+    # off with 4 live sessions per engine, the fleet's 32 sessions, the fleet's pool
+    assert (cfg.policy, cfg.sessions_per_engine, cfg.sessions, cfg.seed) == ("off", 4, 32, 3)
+    assert cfg.engine_overrides == {"max_total_tokens": job.fleet.pool()[0]}
+
+
+def test_judge_seeds_reports_the_best_cap_of_the_kv_bound_cells(grid: ModuleType) -> None:
+    rows = [
+        *_runs("swe/long/48/2.5", 0, off=4.0, both=6.0, ceiling=10.0),
+        *_runs("swe/long/48/2.5", 1, off=5.0, both=7.0, ceiling=11.0),
+        *_runs("swe/long/8/1.5", 0, off=5.0, both=5.0, ceiling=10.0),
+    ]
+    caps = {("swe/long/48/2.5", 12): (6.0, 7.5), ("swe/long/48/2.5", 24): (8.0, 8.0)}
+    caps[("swe/long/8/1.5", 4)] = (4.0, None)  # a cap that loses: off itself is best
+    for (fleet, cap), values in caps.items():
+        for seed, value in enumerate(values):
+            if value is not None:
+                rows.append(
+                    {
+                        "fleet": fleet,
+                        "policy": "cap",
+                        "cap_per_engine": cap,
+                        "fault": "none",
+                        "seed": seed,
+                        "sessions_per_min": value,
+                    }
+                )
+    j = grid.judge_seeds(rows, ["swe/long/48/2.5", "swe/long/8/1.5"])
+    best = j["kv_bound_best_cap"]
+    # swe 48: cap 24 gives 2.0x and 1.6x (median 1.8x), cap 12 1.5x and 1.5x; both 1.5x,
+    # 1.4x; ceiling 2.5x, 2.2x (median 2.35x)
+    assert best["cells"] == 2
+    assert best["median_best_cap_over_off"] == pytest.approx((1.8 + 1.0) / 2)
+    assert best["median_gap_closed"] == pytest.approx((0.8 / 1.35 + 0.0) / 2)
+    assert best["median_both_over_off"] == pytest.approx((1.45 + 1.0) / 2)
+    assert best["best_cap_beats_both_by_10pct"] == ["swe/long/48/2.5: cap 24 1.80x, both 1.45x"]
+    assert "kv_bound_best_cap" not in grid.judge_seeds(rows[:9], ["swe/long/48/2.5"])
+
+
+def test_merge_grids_keeps_caps_of_one_seed_apart(grid: ModuleType) -> None:
+    cap = {"fleet": "swe/long/8/2.5", "policy": "cap", "fault": "none", "seed": 0}
+    rows, _ = grid.merge_grids(
+        [{"rows": [{**cap, "cap_per_engine": 2}]}, {"rows": [{**cap, "cap_per_engine": 4}]}]
+    )
+    assert len(rows) == 2
+    with pytest.raises(ValueError, match=r"swe/long/8/2\.5/cap/none/0/4 is in two"):
+        grid.merge_grids([{"rows": [{**cap, "cap_per_engine": 4}]}] * 2)
