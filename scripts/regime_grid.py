@@ -25,8 +25,8 @@ makes every load-back free, the most any prefetch of host-resident KV could save
 
 ``--caps 0.25,0.5`` runs, instead of off, both and ceiling, off with the live sessions
 capped at those fractions of each fleet's size (same pool, same sessions in all): a fixed
-cap chosen after the fact, the bound of a schedule that only limits concurrency. Its rows
-have policy ``cap`` and ``cap_per_engine``; judged with a grid file of the same cells
+cap chosen after the fact, the bound of a schedule that only limits concurrency (with
+``--hicache``, off+HiCache capped). Its rows have policy ``cap`` and ``cap_per_engine``; judged with a grid file of the same cells
 (``--check grid.json caps.json``), the KV-bound cells' best cap is reported beside both.
 
 Writes ``results/regime_grid.json`` (every row) and prints the markdown tables and the
@@ -219,10 +219,16 @@ def caps_for(fleet: Fleet, fractions: Sequence[float]) -> list[int]:
     return sorted(c for c in caps if c < fleet.per_engine)
 
 
-def cap_jobs(cells: Sequence[Fleet], fractions: Sequence[float], seeds: Sequence[int]) -> list[Job]:
-    """Off at each cap of :func:`caps_for`, per fleet and seed, the longest first."""
+def cap_jobs(
+    cells: Sequence[Fleet],
+    fractions: Sequence[float],
+    seeds: Sequence[int],
+    **hicache: Any,
+) -> list[Job]:
+    """Off at each cap of :func:`caps_for`, per fleet and seed (with the host tier of
+    ``hicache``: :class:`Job`'s ``hicache_*`` fields), the largest fleets first."""
     out = [
-        Job(f, "cap", seed=seed, cap=cap)
+        Job(f, "cap", seed=seed, cap=cap, **hicache)
         for f in cells
         for cap in caps_for(f, fractions)
         for seed in seeds
@@ -686,12 +692,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     policy = args.hicache_write_policy
     seeds = _csv(args.seeds, int)
     if args.caps is not None:
-        if hicache_ratio is not None or faults != ["none"] or admission:
-            ap.error("--caps runs off only: no host tier, faults or --admission")
+        if faults != ["none"] or admission:
+            ap.error("--caps runs off only: no faults or --admission")
         fractions = _csv(args.caps, float)
         if not fractions or any(not 0 < f < 1 for f in fractions):
             ap.error(f"--caps takes fractions between 0 and 1, got {args.caps!r}")
-        jobs = cap_jobs(grid, fractions, seeds)
+        jobs = cap_jobs(
+            grid,
+            fractions,
+            seeds,
+            hicache_ratio=hicache_ratio,
+            hicache_link_gb_s=link,
+            hicache_write_policy=policy,
+        )
     else:
         jobs = jobs_for(grid, faults, seeds, admission, fault_cells, hicache_ratio, link, policy)
     t0 = time.perf_counter()

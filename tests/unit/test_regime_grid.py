@@ -233,3 +233,14 @@ def test_merge_grids_keeps_caps_of_one_seed_apart(grid: ModuleType) -> None:
     assert len(rows) == 2
     with pytest.raises(ValueError, match=r"swe/long/8/2\.5/cap/none/0/4 is in two"):
         grid.merge_grids([{"rows": [{**cap, "cap_per_engine": 4}]}] * 2)
+
+
+def test_cap_jobs_carry_the_host_tier(grid: ModuleType) -> None:
+    fleet = grid.Fleet("swe", "long", 16, 2.5)
+    jobs = grid.cap_jobs(
+        [fleet], [0.5], [0, 1], hicache_ratio=2.0, hicache_write_policy="write_back"
+    )
+    assert [(j.cap, j.seed) for j in jobs] == [(8, 0), (8, 1)]
+    assert all(j.config().hicache_ratio == 2.0 for j in jobs)
+    assert all(j.config().hicache_write_policy == "write_back" for j in jobs)
+    assert all(j.config().hicache_ratio is None for j in grid.cap_jobs([fleet], [0.5], [0]))
