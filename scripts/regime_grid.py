@@ -430,12 +430,13 @@ def best_cap(per: Mapping[int, Mapping[str, float]]) -> dict[str, Any] | None:
 
 def _caps_summary(capped: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """Over the KV-bound cells with caps: the median of the best caps, their gap closed,
-    both's on the same cells, and the cells where the best cap beats both by 10% or more."""
+    both's median and gap closed on the same cells, and the cells where the best cap beats both by 10% or more."""
     return {
         "cells": len(capped),
         "median_best_cap_over_off": _median(c["best_cap"] for c in capped),
         "median_gap_closed": _median((c["best_cap"] - 1) / (c["ceiling"] - 1) for c in capped),
         "median_both_over_off": _median(c["both"] for c in capped),
+        "median_gap_closed_both": _median((c["both"] - 1) / (c["ceiling"] - 1) for c in capped),
         "best_cap_beats_both_by_10pct": [
             f"{c['cell']}: cap {c['cap_per_engine']} {c['best_cap']:.2f}x, both {c['both']:.2f}x"
             for c in capped

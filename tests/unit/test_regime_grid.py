@@ -221,6 +221,7 @@ def test_judge_seeds_reports_the_best_cap_of_the_kv_bound_cells(grid: ModuleType
     assert best["median_best_cap_over_off"] == pytest.approx((1.8 + 1.0) / 2)
     assert best["median_gap_closed"] == pytest.approx((0.8 / 1.35 + 0.0) / 2)
     assert best["median_both_over_off"] == pytest.approx((1.45 + 1.0) / 2)
+    assert best["median_gap_closed_both"] == pytest.approx((0.45 / 1.35 + 0.0) / 2)
     assert best["best_cap_beats_both_by_10pct"] == ["swe/long/48/2.5: cap 24 1.80x, both 1.45x"]
     assert "kv_bound_best_cap" not in grid.judge_seeds(rows[:9], ["swe/long/48/2.5"])
 
