@@ -450,36 +450,38 @@ class ProgramCore:
 
     def _pauses(self, url: str, now: float) -> bool:
         """Whether the engine's idle sessions may be paused now: it is engaged and fresh,
-        it has no host KV tier, and no pause of it was undone lately.
-
-        * With a host tier (SGLang's HiCache) a paused session's context goes to host
-          memory and comes back by a load, not a recompute: a pause would save a load and
-          cost the session its turn. The growth gate on new sessions still holds there.
-        * A paused turn that the work-conserving floor released (this feedback window or
-          the last) found the engine with room in its batch: that pause only delayed it,
-          and the next would too, until a whole window passes without one.
-
-        Measured: docs/benchmarks.md ("SGLang's host tier", "The regime grid")."""
+        and no pause of it was undone lately (a paused turn that the work-conserving floor
+        released, this feedback window or the last, found the engine with room in its
+        batch: that pause only delayed it, and the next would too, until a whole window
+        passes without one). Measured: docs/benchmarks.md ("The regime grid")."""
         led = self.ledger
         if not (self.p.pause and led.engaged(url) and led.fresh(url, now)):
             return False
-        eng = led.engines[url]  # (fresh: the engine is known)
-        return eng.host_tokens <= 0 and not eng.load.pauses_undone
+        return not led.engines[url].load.pauses_undone
 
     def _pause(self, url: str, now: float) -> None:
+        """Pause idle sessions, the largest first, while the engine's sessions overflow
+        ``pause_high`` x its KV room, down to ``pause_low`` x it; with none idle, mark
+        the smallest running one to pause at its answer.
+
+        * The room is the pool, or with a host tier (SGLang's HiCache) what the two
+          tiers keep (``kv_room``): below it a paused context would come back by a load,
+          so a pause would save no recompute; above it the host tier drops KV too.
+        * The largest first: the fewest sessions held for the room freed. Measured
+          against the smallest first: docs/benchmarks.md ("Pausing the largest first")."""
         led = self.ledger
-        cap = led.capacity(url)
-        if cap <= 0 or led.gate_off(url):
+        room = led.kv_room(url)
+        if room <= 0 or led.gate_off(url):
             return
         u = led.undecayed(url)
-        if u <= self.p.pause_high * cap:
+        if u <= self.p.pause_high * room:
             return
         b = self.p.session_buffer_tokens
         active = [led.sessions[sid] for sid in led.engines[url].sessions]
         idle = [s for s in active if not s.running and s.idle_s(now) >= self.p.idle_lease_s]
         # (ties last by id: the set's order depends on the hash seed)
-        idle.sort(key=lambda s: (s.footprint(b), -s.idle_s(now), s.sid))
-        target = self.p.pause_low * cap
+        idle.sort(key=lambda s: (-s.footprint(b), s.sid))
+        target = self.p.pause_low * room
         for s in idle:
             if u <= target:
                 return

@@ -234,21 +234,20 @@ def fill(c: ProgramCore, sizes: dict[str, int], now: float = 0.0) -> None:
     eng.theta = theta
 
 
-def test_pause_takes_idle_sessions_smallest_first_until_the_low_mark() -> None:
+# Ten idle sessions, U = 965 > 0.95 x 1000: the two largest (105, 100) pause, down to 760.
+TEN = {"s1": 105, "s2": 100, **{f"s{i}": 95 for i in range(3, 11)}}
+
+
+def test_pause_takes_idle_sessions_largest_first_until_the_low_mark() -> None:
     c = core(dataclasses.replace(P, feedback=False))
-    fill(c, {"big": 500, "mid": 300, "small": 100, "tiny": 60})  # U = 960 > 950
+    fill(c, TEN)
     c.tick(4.0)  # idle < lease: nobody pausable yet
     assert c.events[Event.PAUSED] == 0
     c.tick(6.0)
-    states = {sid: c.ledger.sessions[sid].state for sid in ("big", "mid", "small", "tiny")}
-    # 960 - 60 = 900 > 850 -> also small: 800 <= 850
-    assert states == {
-        "big": SessionState.ACTIVE,
-        "mid": SessionState.ACTIVE,
-        "small": SessionState.PAUSED,
-        "tiny": SessionState.PAUSED,
-    }
-    assert c.ledger.undecayed(E1) == 800 and c.events[Event.PAUSED] == 2
+    paused = {sid for sid in TEN if c.ledger.sessions[sid].state is SessionState.PAUSED}
+    # 965 - 105 = 860 > 850 -> also s2: 760 <= 850
+    assert paused == {"s1", "s2"}
+    assert c.ledger.undecayed(E1) == 760 and c.events[Event.PAUSED] == 2
 
 
 def test_no_pause_while_the_gate_is_off_or_disabled() -> None:
@@ -262,20 +261,29 @@ def test_no_pause_while_the_gate_is_off_or_disabled() -> None:
     assert c2.events[Event.PAUSED] == 0
 
 
-@pytest.mark.parametrize(("host_tokens", "paused"), [(0, 2), (2000, 0)])
-def test_an_engine_with_a_host_tier_pauses_nobody_but_still_gates_new_sessions(
-    host_tokens, paused
+@pytest.mark.parametrize(
+    ("host_tokens", "write_back", "paused"),
+    [
+        (0, False, 2),  # no host tier: the pool, 1000
+        (500, False, 2),  # write-through: max(pool, host) = 1000
+        (2000, False, 0),  # write-through: 2000, and 965 fits it
+        (500, True, 0),  # write-back: pool + host = 1500
+    ],
+)
+def test_an_engine_with_a_host_tier_pauses_only_past_what_its_two_tiers_keep(
+    host_tokens: int, write_back: bool, paused: int
 ) -> None:
-    # With a host KV tier (SGLang's HiCache) a paused session's context would go to host
-    # memory and come back by a load: pausing saves no recompute there.
+    # With a host KV tier (SGLang's HiCache) a paused context the two tiers keep would come
+    # back by a load: pausing saves no recompute until the sessions overflow the room.
     c = core(dataclasses.replace(P, feedback=False))
     c.ledger.observe_engine(E1, 0.0, max_total_num_tokens=1000, host_tokens=host_tokens)
-    fill(c, {"big": 500, "mid": 300, "small": 100, "tiny": 60})  # U = 960 > 950
+    if write_back:
+        c.ledger.set_host_write_policy(E1, "write_back")
+    fill(c, TEN)
     c.tick(6.0)
     assert c.events[Event.PAUSED] == paused
-    # The largest stays active either way, and a new session still waits for room.
-    assert c.ledger.sessions["big"].state is SessionState.ACTIVE
-    v = turn(c, "n0", "new", 200, 6.5)
+    # A new session still waits for room either way.
+    v = turn(c, "n0", "new", 400, 6.5)
     assert v.outcome is None and v.held is Held.NEW_SESSION_FIT
 
 
@@ -292,23 +300,23 @@ def test_with_no_idle_session_the_smallest_running_one_pauses_at_its_response() 
 
 def paused_setup() -> ProgramCore:
     c = core(dataclasses.replace(P, feedback=False))
-    fill(c, {"big": 500, "mid": 300, "small": 100, "tiny": 60})
-    c.tick(6.0)  # pauses tiny and small; U = 800
+    fill(c, TEN)
+    c.tick(6.0)  # pauses s1 and s2; U = 760
     return c
 
 
 def test_a_paused_turn_that_fits_resumes_at_once() -> None:
     c = paused_setup()
-    assert turn(c, "tiny1", "tiny", 60, 7.0).outcome is Outcome.RESUMED
+    assert turn(c, "s2-1", "s2", 100, 7.0).outcome is Outcome.RESUMED
     assert c.ledger.undecayed(E1) == 860
 
 
 def test_a_paused_turn_waits_at_most_its_bound_ahead_of_new_sessions() -> None:
     c = paused_setup()
     c.configure(dataclasses.replace(c.p, idle_lease_s=1000.0))  # no decay from here on
-    turn(c, "m1", "mid", 300, 7.0)  # continuing: forwarded, W now includes mid at 300
-    c.ledger.sessions["mid"].growth = 100  # mid is expected to grow: W ~ 900
-    v = turn(c, "small1", "small", 100, 7.0)
+    turn(c, "s3-1", "s3", 95, 7.0)  # continuing: forwarded
+    c.ledger.sessions["s3"].growth = 100  # s3 is expected to grow: W ~ 860
+    v = turn(c, "s2-1", "s2", 100, 7.0)
     assert v.outcome is None and v.held is Held.PAUSED_FIT
     # A new session now waits behind the paused turn, even a tiny one.
     assert turn(c, "n1", "new", 1, 7.5).held is Held.NEW_BEHIND
@@ -316,22 +324,23 @@ def test_a_paused_turn_waits_at_most_its_bound_ahead_of_new_sessions() -> None:
     # At its bound, once the engine has answered something since it was queued.
     c.ledger.engine(E1).load.answered(14.0)
     releases = c.drain(15.0)
-    assert [(r.ticket, r.outcome) for r in releases] == [("small1", Outcome.PAUSED_AGED)]
+    assert [(r.ticket, r.outcome) for r in releases] == [("s2-1", Outcome.PAUSED_AGED)]
     assert releases[0].wait_s == pytest.approx(8.0)
     assert c.paused_waits == [pytest.approx(8.0)]
 
 
 def test_resumes_go_before_new_sessions_in_the_tick() -> None:
     c = paused_setup()
-    turn(c, "m1", "mid", 300, 7.0)
-    c.ledger.sessions["mid"].growth = 100
-    turn(c, "small1", "small", 100, 7.0)
+    c.configure(dataclasses.replace(c.p, idle_lease_s=1000.0))  # no decay from here on
+    turn(c, "s3-1", "s3", 95, 7.0)
+    c.ledger.sessions["s3"].growth = 100
+    turn(c, "s2-1", "s2", 100, 7.0)
     turn(c, "n1", "new", 50, 7.0)
-    finish(c, "m1", 8.0, prompt=200)  # mid shrinks: room for both
-    c.ledger.sessions["mid"].growth = 0
+    finish(c, "s3-1", 8.0, prompt=20)  # s3 shrinks: room for both
+    c.ledger.sessions["s3"].growth = 0
     out = c.tick(8.0)
     assert [(r.ticket, r.outcome) for r in out] == [
-        ("small1", Outcome.RESUMED_WAITED),
+        ("s2-1", Outcome.RESUMED_WAITED),
         ("n1", Outcome.NEW_WAITED),
     ]
 
