@@ -16,10 +16,10 @@ Rules (docs/admission.md#program-mode):
   its engine's capacity, full queues: forwarded at once, counted by reason.
 
 The tick (every ``tick_s``): idle expiry; per engine, resume before pause: drain the
-paused queue, then the new FIFO; then, under growth pressure (``U > pause_high x C``,
-gate on), pause idle sessions (idle at least ``idle_lease_s``) smallest footprint first
-(ties: longest idle) until ``U <= pause_low x C``, or mark the smallest running one to
-pause at its response; then the feedback rule once per ``feedback_window_s``.
+paused queue, then the new FIFO; then, under growth pressure (``U > pause_high x
+C``, gate on, no host tier), pause idle sessions (idle at least ``idle_lease_s``) largest
+footprint first until ``U <= pause_low x C``, or mark the smallest running one to pause
+at its response; then the feedback rule once per ``feedback_window_s``.
 """
 
 from __future__ import annotations
@@ -450,38 +450,43 @@ class ProgramCore:
 
     def _pauses(self, url: str, now: float) -> bool:
         """Whether the engine's idle sessions may be paused now: it is engaged and fresh,
-        and no pause of it was undone lately (a paused turn that the work-conserving floor
-        released, this feedback window or the last, found the engine with room in its
-        batch: that pause only delayed it, and the next would too, until a whole window
-        passes without one). Measured: docs/benchmarks.md ("The regime grid")."""
+        it has no host KV tier, and no pause of it was undone lately.
+
+        * With a host tier (SGLang's HiCache) a paused session's context goes to host
+          memory and comes back by a load, not a recompute: a pause would save a load and
+          cost the session its turn. The growth gate on new sessions still holds there.
+          (Pausing once the sessions overflow what the two tiers keep was measured and
+          not kept: docs/benchmarks.md, "Pausing the largest first".)
+        * A paused turn that the work-conserving floor released (this feedback window or
+          the last) found the engine with room in its batch: that pause only delayed it,
+          and the next would too, until a whole window passes without one.
+
+        Measured: docs/benchmarks.md ("SGLang's host tier", "The regime grid")."""
         led = self.ledger
         if not (self.p.pause and led.engaged(url) and led.fresh(url, now)):
             return False
-        return not led.engines[url].load.pauses_undone
+        eng = led.engines[url]  # (fresh: the engine is known)
+        return eng.host_tokens <= 0 and not eng.load.pauses_undone
 
     def _pause(self, url: str, now: float) -> None:
         """Pause idle sessions, the largest first, while the engine's sessions overflow
-        ``pause_high`` x its KV room, down to ``pause_low`` x it; with none idle, mark
-        the smallest running one to pause at its answer.
-
-        * The room is the pool, or with a host tier (SGLang's HiCache) what the two
-          tiers keep (``kv_room``): below it a paused context would come back by a load,
-          so a pause would save no recompute; above it the host tier drops KV too.
-        * The largest first: the fewest sessions held for the room freed. Measured
-          against the smallest first: docs/benchmarks.md ("Pausing the largest first")."""
+        ``pause_high`` x its capacity, down to ``pause_low`` x it; with none idle, mark
+        the smallest running one to pause at its answer. The largest first: the fewest
+        sessions held for the room freed (measured against the smallest first:
+        docs/benchmarks.md, "Pausing the largest first")."""
         led = self.ledger
-        room = led.kv_room(url)
-        if room <= 0 or led.gate_off(url):
+        cap = led.capacity(url)
+        if cap <= 0 or led.gate_off(url):
             return
         u = led.undecayed(url)
-        if u <= self.p.pause_high * room:
+        if u <= self.p.pause_high * cap:
             return
         b = self.p.session_buffer_tokens
         active = [led.sessions[sid] for sid in led.engines[url].sessions]
         idle = [s for s in active if not s.running and s.idle_s(now) >= self.p.idle_lease_s]
         # (ties last by id: the set's order depends on the hash seed)
         idle.sort(key=lambda s: (-s.footprint(b), s.sid))
-        target = self.p.pause_low * room
+        target = self.p.pause_low * cap
         for s in idle:
             if u <= target:
                 return

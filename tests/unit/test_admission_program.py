@@ -264,17 +264,16 @@ def test_no_pause_while_the_gate_is_off_or_disabled() -> None:
 @pytest.mark.parametrize(
     ("host_tokens", "write_back", "paused"),
     [
-        (0, False, 2),  # no host tier: the pool, 1000
-        (500, False, 2),  # write-through: max(pool, host) = 1000
-        (2000, False, 0),  # write-through: 2000, and 965 fits it
-        (500, True, 0),  # write-back: pool + host = 1500
+        (0, False, 2),  # no host tier: the two largest pause
+        (500, False, 0),  # a host tier, even one smaller than the pool: nobody
+        (2000, True, 0),
     ],
 )
-def test_an_engine_with_a_host_tier_pauses_only_past_what_its_two_tiers_keep(
+def test_an_engine_with_a_host_tier_pauses_nobody_but_still_gates_new_sessions(
     host_tokens: int, write_back: bool, paused: int
 ) -> None:
-    # With a host KV tier (SGLang's HiCache) a paused context the two tiers keep would come
-    # back by a load: pausing saves no recompute until the sessions overflow the room.
+    # With a host KV tier (SGLang's HiCache) a paused session's context would go to host
+    # memory and come back by a load: pausing saves no recompute there.
     c = core(dataclasses.replace(P, feedback=False))
     c.ledger.observe_engine(E1, 0.0, max_total_num_tokens=1000, host_tokens=host_tokens)
     if write_back:
