@@ -26,8 +26,9 @@ makes every load-back free, the most any prefetch of host-resident KV could save
 ``--caps 0.25,0.5`` runs, instead of off, both and ceiling, off with the live sessions
 capped at those fractions of each fleet's size (same pool, same sessions in all): a fixed
 cap chosen after the fact, the bound of a schedule that only limits concurrency (with
-``--hicache``, off+HiCache capped). Its rows have policy ``cap`` and ``cap_per_engine``; judged with a grid file of the same cells
-(``--check grid.json caps.json``), the KV-bound cells' best cap is reported beside both.
+``--hicache``, off+HiCache capped). Its rows have policy ``cap`` and ``cap_per_engine``;
+judged with a grid file of the same cells (``--check grid.json caps.json``), the KV-bound
+cells' best cap is reported beside both.
 
 Writes ``results/regime_grid.json`` (every row) and prints the markdown tables and the
 acceptance criteria of docs/benchmarks.md ("The regime grid"): over the cells' medians,
@@ -212,9 +213,9 @@ def distinct(
 
 def caps_for(fleet: Fleet, fractions: Sequence[float]) -> list[int]:
     """The distinct live sessions per engine that ``fractions`` of the fleet's size give,
-    below its size. rl runs whole GRPO groups (8 trajectories over the engines), so its
-    caps are whole groups too."""
-    step = 8 // ENGINES if fleet.workload == "rl" else 1
+    below its size. A grouped workload (rl: GRPO groups of 8) runs whole groups over the
+    engines, so its caps are whole groups too."""
+    step = max(1, fleet.scenario().spec().group_size // ENGINES)
     caps = {max(step, round(fleet.per_engine * f / step) * step) for f in fractions}
     return sorted(c for c in caps if c < fleet.per_engine)
 
@@ -430,7 +431,8 @@ def best_cap(per: Mapping[int, Mapping[str, float]]) -> dict[str, Any] | None:
 
 def _caps_summary(capped: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """Over the KV-bound cells with caps: the median of the best caps, their gap closed,
-    both's median and gap closed on the same cells, and the cells where the best cap beats both by 10% or more."""
+    both's median and gap closed on the same cells, and the cells where the best cap
+    beats both by 10% or more."""
     return {
         "cells": len(capped),
         "median_best_cap_over_off": _median(c["best_cap"] for c in capped),
