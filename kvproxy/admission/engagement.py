@@ -20,14 +20,14 @@ nothing paused). It **engages** after ``engage_windows`` windows in a row busy a
 turns left behind evicted) at least ``cold_exposure`` while it runs many sessions
 expected to outgrow its pool (``oversubscribed``, judged by the caller from the
 ledger; not after a starved release), and never while its KV room cannot hold the
-work-conserving floor's own turns (``floor_fits``, judged by the caller: twice
-``min_inflight`` of the contexts its continuing turns come back to). It goes permissive
-again after
-``release_windows`` windows in a row busy under ``release_busy``, or after
-``starved_windows`` windows in a row in which held work left it idle (then it may not
-engage again for a back-off that doubles each time). While engaged, the gate is
-work-conserving: an engine with fewer than ``min_inflight`` turns in flight takes the
-head of its waiting queues whether or not it fits (:mod:`kvproxy.admission.program`).
+work-conserving floor's own turns (``floor_fits``, judged by the caller: three
+times ``min_inflight`` of the contexts its continuing turns come back to). It goes
+permissive again after ``release_windows`` windows in a row busy under
+``release_busy``, or after ``starved_windows`` windows in a row in which held work left
+it idle (then it may not engage again for a back-off that doubles each time). While
+engaged, the gate is work-conserving: an engine with fewer than ``min_inflight`` turns
+in flight takes the head of its waiting queues whether or not it fits
+(:mod:`kvproxy.admission.program`).
 """
 
 from __future__ import annotations

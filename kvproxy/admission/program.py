@@ -565,8 +565,8 @@ class ProgramCore:
         contexts its continuing turns came back to this window. The work-conserving
         floor keeps ``min_inflight`` turns running whatever is held; where their
         contexts alone overflow the room, the running turns evict each other anyway
-        and holding only delays work (measured on small fleets whose pool holds two
-        or three contexts: docs/benchmarks.md, "A pool the floor overflows"). The room
+        and holding only delays work (measured on small fleets whose pool holds a few
+        such contexts: docs/benchmarks.md, "A pool the floor overflows"). The room
         is ``kv_room``: with a host tier, what overflows the pool comes back by a load,
         not a recompute (against the pool alone, HiCache's small fleets lost gains of
         up to 14% and kept their losses). True while the room or the contexts are

@@ -449,14 +449,19 @@ def test_mean_return_counts_only_the_turns_that_came_back_to_a_context() -> None
         (1000, 1859, 2.0, False),
         (1000, None, 1.0, True),  # 1000 >= 1 x 3 x 310
         (1000, None, 0.0, True),  # the rule off
+        (2790, None, None, True),  # the default, 3: 3 x 3 x 310 = 2790
+        (2789, None, None, False),
+        (1860, None, None, False),  # room for 2 x 3 is not enough by default
+        (1000, 2790, None, True),
     ],
 )
 def test_an_engine_whose_room_the_floor_overflows_never_engages(
-    capacity: int, host: int | None, floor_room: float, engaged: bool
+    capacity: int, host: int | None, floor_room: float | None, engaged: bool
 ) -> None:
     # engaged_core's window, on a pool of the given size: busy all window, and every
     # continuing turn recomputed the 310-token context it came back to.
-    c = ProgramCore(dataclasses.replace(P, floor_room=floor_room))
+    room = ProgramParams().floor_room if floor_room is None else floor_room
+    c = ProgramCore(dataclasses.replace(P, floor_room=room))
     c.ledger.observe_engine(E1, 0.0, max_total_num_tokens=capacity, host_tokens=host)
     for i, sid in enumerate("abc"):
         c.request(f"{sid}1", sid, E1, 300, 0.0)
