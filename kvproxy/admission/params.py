@@ -9,7 +9,7 @@ from :class:`~kvproxy.config.AdmissionConfig` (``ProgramParams()`` is
 ``ProgramParams.from_config(AdmissionConfig())``); only the controller's own constants
 (``target_cut``, ``target_step``, ``quiet_windows``, ``min_feedback_turns``,
 ``engage_min_turns``, ``growth_alpha``, ``cold_start_ratio``, ``min_inflight``,
-``floor_room``) are set here.
+``floor_room``, ``floor_room_host``) are set here.
 """
 
 from __future__ import annotations
@@ -85,6 +85,10 @@ class ProgramParams:
     # holds 9 such contexts) over 2: losing runs on the grid's 8 seeds 8 -> 1, swe's small
     # fleets' gains kept; 4 lost them (docs/benchmarks.md, "A pool the floor overflows").
     floor_room: float = 3.0
+    # The same on an engine with a host tier, whose room counts the host (what the floor's
+    # turns push out comes back by a load): 3 there added losing runs (swe 16 per engine at
+    # 2.5x and 4x the pool, 0.95x and 0.91x) and lost subagent fleets' gains, so 2.
+    floor_room_host: float = 2.0
     staleness_s: float = _D.effective_staleness_s
     max_queue: int = _D.max_queue
     max_sessions: int = _D.max_sessions

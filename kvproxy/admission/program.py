@@ -562,20 +562,21 @@ class ProgramCore:
 
     def _floor_fits(self, url: str, eng: Engine) -> bool:
         """Whether the engine's KV room holds ``floor_room`` x ``min_inflight`` of the
-        contexts its continuing turns came back to this window. The work-conserving
-        floor keeps ``min_inflight`` turns running whatever is held; where their
-        contexts alone overflow the room, the running turns evict each other anyway
-        and holding only delays work (measured on small fleets whose pool holds a few
-        such contexts: docs/benchmarks.md, "A pool the floor overflows"). The room
-        is ``kv_room``: with a host tier, what overflows the pool comes back by a load,
-        not a recompute (against the pool alone, HiCache's small fleets lost gains of
-        up to 14% and kept their losses). True while the room or the contexts are
-        unknown."""
+        contexts its continuing turns came back to this window (``floor_room_host`` x
+        with a host tier). The work-conserving floor keeps ``min_inflight`` turns
+        running whatever is held; where their contexts alone overflow the room, the
+        running turns evict each other anyway and holding only delays work (measured
+        on small fleets whose pool holds a few such contexts: docs/benchmarks.md, "A
+        pool the floor overflows"). The room is ``kv_room``: with a host tier, what
+        overflows the pool comes back by a load, not a recompute (against the pool
+        alone, HiCache's small fleets lost gains of up to 14% and kept their losses).
+        True while the room or the contexts are unknown."""
         back = eng.load.mean_return()
         cap = self.ledger.kv_room(url)
         if back is None or cap <= 0:
             return True
-        return cap >= self.p.floor_room * max(1, self.p.min_inflight) * back
+        factor = self.p.floor_room if eng.host_tokens <= 0 else self.p.floor_room_host
+        return cap >= factor * max(1, self.p.min_inflight) * back
 
     def _oversubscribed(self, url: str, eng: Engine, now: float) -> bool:
         """The cold start's condition: at least ``cold_start_sessions`` sessions on the

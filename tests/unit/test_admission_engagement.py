@@ -154,6 +154,7 @@ P = ProgramParams(
     # These tables run pools of three contexts, which the floor's own three turns would
     # overflow; that rule has its own table below (floor_room).
     floor_room=0.0,
+    floor_room_host=0.0,
 )
 
 
@@ -452,7 +453,8 @@ def test_mean_return_counts_only_the_turns_that_came_back_to_a_context() -> None
         (2790, None, None, True),  # the default, 3: 3 x 3 x 310 = 2790
         (2789, None, None, False),
         (1860, None, None, False),  # room for 2 x 3 is not enough by default
-        (1000, 2790, None, True),
+        (1000, 1860, None, True),  # with a host tier the default is 2: 2 x 3 x 310 = 1860
+        (1000, 1859, None, False),
     ],
 )
 def test_an_engine_whose_room_the_floor_overflows_never_engages(
@@ -460,8 +462,9 @@ def test_an_engine_whose_room_the_floor_overflows_never_engages(
 ) -> None:
     # engaged_core's window, on a pool of the given size: busy all window, and every
     # continuing turn recomputed the 310-token context it came back to.
-    room = ProgramParams().floor_room if floor_room is None else floor_room
-    c = ProgramCore(dataclasses.replace(P, floor_room=room))
+    d = ProgramParams()  # None: the defaults, with and without a host tier
+    room, host_room = (d.floor_room, d.floor_room_host) if floor_room is None else (floor_room,) * 2
+    c = ProgramCore(dataclasses.replace(P, floor_room=room, floor_room_host=host_room))
     c.ledger.observe_engine(E1, 0.0, max_total_num_tokens=capacity, host_tokens=host)
     for i, sid in enumerate("abc"):
         c.request(f"{sid}1", sid, E1, 300, 0.0)
