@@ -13,10 +13,16 @@ Cells (live working set / fleet pool, per engine: live sessions x mean context p
                 the lab's tables' shapes (docs/benchmarks.md, "Program admission: safe to leave on"):
                 each preset's sessions per engine and pool (W1 48, W2 64, W3 24, 10 for
                 not-kv-bound), compressed to time scale 0.05
+  workload/context/size/ratio
+                a cell of the regime grid (scripts/regime_grid.py), e.g. swe/short/4/2.5:
+                its pool, and its sessions placed on the engines as the lab places them,
+                at time scale 0.25 (short contexts) or 0.05 (long); the target is the grid's
+                0.97x of off
 
     python scripts/bench_rollout.py --cells w1 --seeds 0,1          # docs/benchmarks.md
     python scripts/bench_rollout.py                                  # every cell, seeds 0,1 (over an hour)
     python scripts/bench_rollout.py --cells w1 --variants off,lifecycle,admission,both
+    python scripts/bench_rollout.py --cells swe/short/4/2.5,subagents/long/16/2.5
 
 Writes ``<out>/bench.json`` (every run, with provenance: commit, command, seeds, host
 load, the engines' clock overrun) and ``<out>/bench.md`` (a table per cell), and prints
@@ -50,6 +56,7 @@ from kvlab.demo import (
     verdict,
 )
 from kvlab.lab.cli import seed_list
+from kvlab.regimes import parse_fleet
 
 # Concurrency is scaled down from the presets' (48, 64 and 24 sessions per engine) and
 # the pool with it, so the working set / pool ratio is the calibrated one and a run takes
@@ -100,15 +107,55 @@ HEADLINE: dict[str, tuple[str, float]] = {
     "w3-full": ("sessions_per_min", 1.3),
     "not-kv-bound-full": ("sessions_per_min", 0.98),
 }
+# A grid cell's target: the regime grid's, no run below 0.97x off.
+GRID_TARGET = 0.97
+
+
+def grid_cell(name: str) -> Scenario:
+    """A regime grid cell (``workload/context/size/ratio``) through the real stack: the
+    lab's pool and placement, a time scale the engines keep up with on 2 cores."""
+    fleet = parse_fleet(name)
+    pool, _ = fleet.pool()
+    return dataclasses.replace(
+        fleet.scenario(),
+        pool_tokens=pool,
+        lab_placement=True,
+        time_scale=0.25 if fleet.context == "short" else 0.05,
+        # rl's long fleets run for up to about 5,000 simulated seconds off (lab).
+        run_timeout_sim_s=14_400.0,
+        request_timeout_sim_s=2_400.0,
+    )
+
+
+def scenario_for(cell: str) -> Scenario:
+    return CELLS[cell] if cell in CELLS else grid_cell(cell)
+
+
+def headline(cell: str) -> tuple[str, float]:
+    """A cell's headline metric and its target for both / off."""
+    if cell in HEADLINE:
+        return HEADLINE[cell]
+    return parse_fleet(cell).metric(), GRID_TARGET
 
 
 def _cells(text: str) -> list[str]:
     names = [n.strip() for n in text.split(",") if n.strip()]
     if names == ["all"]:
         return list(CELLS)
-    bad = [n for n in names if n not in CELLS]
-    if bad or not names:
+    if not names:
         raise argparse.ArgumentTypeError(f"cells: 'all' or a subset of {', '.join(CELLS)}")
+    for name in names:
+        if name in CELLS:
+            continue
+        if "/" not in name:
+            raise argparse.ArgumentTypeError(
+                f"cells: {name!r} is neither one of {', '.join(CELLS)} nor a grid cell "
+                "(workload/context/size/ratio)"
+            )
+        try:
+            parse_fleet(name)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(f"cells: {exc}") from None
     return names
 
 
@@ -140,7 +187,7 @@ def markdown(cell: str, result: Mapping[str, Any], base: str = "off") -> str:
     if base in meds:
         for n in others:
             lines.append(f"- {verdict(n, meds[n], meds[base])}")
-        key, target = HEADLINE.get(cell, ("sessions_per_min", 1.0))
+        key, target = headline(cell)
         for n in others:
             r = ratio(meds[n].get(key), meds[base].get(key))
             if r is not None:
@@ -167,7 +214,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--cells",
         type=_cells,
         default=list(CELLS),
-        help="'all' or a comma list of " + ",".join(CELLS),
+        help="'all' or a comma list of "
+        + ",".join(CELLS)
+        + " and regime grid cells (workload/context/size/ratio)",
     )
     p.add_argument(
         "--variants",
@@ -180,7 +229,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--time-scale",
         type=float,
         default=None,
-        help="wall seconds per simulated second (default: each cell's, 0.25)",
+        help="wall seconds per simulated second (default: each cell's; 0.05 for the -full "
+        "cells and long-context grid cells, else 0.25)",
     )
     p.add_argument("--out", type=Path, default=None, help="default results/rollout-<time>")
     a = p.parse_args(argv)
@@ -213,7 +263,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         with sigterm_as_interrupt():
             for cell in a.cells:
-                sc = CELLS[cell]
+                sc = scenario_for(cell)
                 if a.time_scale is not None:
                     sc = dataclasses.replace(sc, time_scale=a.time_scale)
                 sc.check()

@@ -30,6 +30,7 @@ from types import ModuleType
 from typing import Any
 
 from kvlab.lab.runner import run_lab
+from kvlab.regimes import parse_fleet
 from kvlab.workload.model import WorkloadResult
 
 QUANTILES = (0.25, 0.5, 0.75, 0.9, 1.0)
@@ -102,24 +103,6 @@ def _ends(result: WorkloadResult) -> list[float]:
     return [s.end_s for s in result.main_sessions if s.ok and s.end_s is not None]
 
 
-def parse_cell(grid: ModuleType, text: str) -> Any:
-    """A grid cell's fleet from its name, workload/context/size/ratio."""
-    parts = text.split("/")
-    want = f"cell {text!r}: want workload/context/size/ratio, e.g. swe/long/48/1.5"
-    if len(parts) != 4:
-        raise ValueError(want)
-    w, c, n, r = parts
-    if w not in grid.WORKLOADS or c not in grid.CONTEXTS:
-        raise ValueError(f"{want}; workloads {grid.WORKLOADS}, contexts {tuple(grid.CONTEXTS)}")
-    try:
-        size, ratio = int(n), float(r)
-    except ValueError:
-        raise ValueError(f"{want}; size an integer, ratio a number") from None
-    if size < 1 or not ratio > 0:
-        raise ValueError(f"{want}; size at least 1, ratio above 0")
-    return grid.Fleet(w, c, size, ratio)
-
-
 def run_seed(grid: ModuleType, fleet: Any, seed: int, last: int) -> dict[str, Any]:
     runs = {p: run_lab(grid.Job(fleet, p, seed=seed).config()) for p in ("off", "both")}
     off, both = runs["off"], runs["both"]
@@ -143,7 +126,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = ap.parse_args(argv)
     grid = _grid()
     try:
-        fleet = parse_cell(grid, args.cell)
+        fleet = parse_fleet(args.cell)
     except ValueError as exc:
         ap.error(str(exc))
     try:

@@ -52,18 +52,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvlab.demo import Scenario, git_revision
+from kvlab.demo import git_revision
 from kvlab.lab.cli import hicache_ratio as engines_hicache_ratio
 from kvlab.lab.faults import FAULTS
 from kvlab.lab.runner import LabConfig, LabError, run_lab
+from kvlab.regimes import CONTEXTS, ENGINES, RATIOS, SIZES, WORKLOADS, Fleet
 from kvlab.sim.config import HICACHE_WRITE_POLICIES
 
-WORKLOADS = ("swe", "rl", "subagents")
-ENGINES = 2
 HICACHE_KEYS = ("hicache_ratio", "hicache_link_gb_s", "hicache_write_policy")
-CONTEXTS = {"short": 5_120, "long": None}  # real tokens; None: the preset's
-SIZES = (4, 8, 16, 32, 48, 64)
-RATIOS = (0.8, 1.5, 2.5, 4.0)
 # Faults run on the KV-bound cells only unless --faults-everywhere.
 FAULT_NAMES = tuple(FAULTS)
 KEEP = (
@@ -77,42 +73,6 @@ KEEP = (
     "admission_counters",
     "wall_s",
 )
-
-
-@dataclass(frozen=True)
-class Fleet:
-    """A cell without its policy: workload, context, size, pool ratio."""
-
-    workload: str
-    context: str
-    per_engine: int
-    ratio: float
-
-    @property
-    def key(self) -> str:
-        return f"{self.workload}/{self.context}/{self.per_engine}/{self.ratio:g}"
-
-    def scenario(self) -> Scenario:
-        ctx = CONTEXTS[self.context]
-        overrides = {} if ctx is None else {"context_length": ctx}
-        return Scenario(
-            name=self.key,
-            workload=self.workload,
-            sessions_per_engine=self.per_engine,
-            pool_ratio=self.ratio,
-            workload_overrides=overrides,
-        )
-
-    def pool(self) -> tuple[int, float]:
-        """(pool tokens per engine, the working set / pool it gives): the ratio's pool,
-        raised where needed so the longest context fits (SGLang rejects a longer one)."""
-        sc = self.scenario()
-        need = int(sc.spec().context_length) + 64
-        pool = max(sc.pool(), need)
-        return pool, sc.live_working_set() / pool
-
-    def metric(self) -> str:
-        return "output_tokens_per_s" if self.workload == "rl" else "sessions_per_min"
 
 
 @dataclass(frozen=True)
@@ -529,9 +489,9 @@ def compact(
     paired by seed, else the ratio of the policies' medians."""
     out: list[str] = []
     groups: dict[tuple[str, str], dict[tuple[int, float], Mapping[str, Any]]] = {}
-    for key, c in cells.items():
-        w, ctx, n, r = key.split("/")
-        groups.setdefault((w, ctx), {})[(int(n), float(r))] = c
+    for key, cell in cells.items():
+        work, context, size, ratio = key.split("/")
+        groups.setdefault((work, context), {})[(int(size), float(ratio))] = cell
     for (w, ctx), g in sorted(groups.items(), key=lambda kv: _sort_key("/".join(kv[0]) + "/0/0")):
         sizes = sorted({n for n, _ in g})
         ratios = sorted({r for _, r in g} | set(RATIOS))
@@ -546,7 +506,7 @@ def compact(
                 if c is None:
                     row.append("=")
                     continue
-                per = (by_seed or {}).get(f"{w}/{ctx}/{n}/{r:g}")
+                per = by_seed.get(f"{w}/{ctx}/{n}/{r:g}") if by_seed else None
                 if per:
                     b = statistics.median(v["both"] for v in per.values())
                     top = statistics.median(v["ceiling"] for v in per.values())

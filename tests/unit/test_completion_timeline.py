@@ -99,17 +99,3 @@ def test_last_sessions_carry_their_own_and_their_subagents_waits(tl: ModuleType)
     ]
     assert [s["session"] for s in tl.last_sessions(res, 5)] == ["lead-a", "lead-b"]
     assert tl.last_sessions(res, 5)[0]["longest_subagent_wait_s"] == 0.0
-
-
-def test_a_cell_is_named_as_the_grid_names_it(tl: ModuleType) -> None:
-    grid = tl._grid()
-    assert tl.parse_cell(grid, "swe/long/48/1.5").key == "swe/long/48/1.5"
-    for bad in (
-        "swe/long/48",
-        "swe/medium/48/1.5",
-        "bogus/long/8/2",
-        "swe/long/x/2",
-        "rl/long/0/2",
-    ):
-        with pytest.raises(ValueError, match="workload/context/size/ratio"):
-            tl.parse_cell(grid, bad)

@@ -1,0 +1,62 @@
+"""scripts/bench_rollout.py: which cells it takes, and a grid cell is the lab's cell."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from kvlab.regimes import parse_fleet
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_rollout.py"
+
+
+@pytest.fixture(scope="module")
+def bench() -> Iterator[ModuleType]:
+    spec = importlib.util.spec_from_file_location("bench_rollout", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["bench_rollout"] = mod
+    try:
+        spec.loader.exec_module(mod)
+        yield mod
+    finally:
+        sys.modules.pop("bench_rollout", None)
+
+
+def test_named_and_grid_cells_are_taken(bench: ModuleType) -> None:
+    assert bench._cells("w1,swe/short/4/2.5") == ["w1", "swe/short/4/2.5"]
+    assert bench._cells("all") == list(bench.CELLS)
+
+
+@pytest.mark.parametrize(
+    ("text", "why"),
+    [
+        ("w9", "neither one of"),
+        ("swe/short/4", "workload/context/size/ratio"),
+        ("swe/medium/4/2.5", "contexts"),
+        (",", "'all' or a subset"),
+    ],
+)
+def test_a_bad_cell_says_why(bench: ModuleType, text: str, why: str) -> None:
+    with pytest.raises(argparse.ArgumentTypeError, match=why):
+        bench._cells(text)
+
+
+def test_a_grid_cell_runs_the_labs_pool_and_placement(bench: ModuleType) -> None:
+    small = bench.scenario_for("swe/short/4/4")
+    fleet = parse_fleet("swe/short/4/4")
+    assert small.pool_tokens == fleet.pool()[0]  # raised to hold the longest context
+    assert small.lab_placement
+    assert small.sessions_per_engine == 4
+    assert small.workload_overrides == {"context_length": 5_120}
+    assert small.time_scale == 0.25
+    assert bench.scenario_for("rl/long/16/1.5").time_scale == 0.05
+    assert bench.headline("rl/long/16/1.5") == ("output_tokens_per_s", 0.97)
+    assert bench.headline("w1") == ("sessions_per_min", 2.0)
+    assert bench.scenario_for("w1") is bench.CELLS["w1"]
