@@ -3,10 +3,34 @@
 from __future__ import annotations
 
 import asyncio
+import importlib.util
+import sys
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+from types import ModuleType
 from typing import Any
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+
+
+@contextmanager
+def script_module(name: str, *also: str) -> Iterator[ModuleType]:
+    """``scripts/<name>.py`` imported as module ``name``, registered in ``sys.modules``
+    while in use (dataclasses look their module up there); afterwards it and the modules
+    named in ``also`` (ones the script registers itself) are unregistered."""
+    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        for registered in (name, *also):
+            sys.modules.pop(registered, None)
 
 
 def seq(start: int, n: int) -> list[int]:

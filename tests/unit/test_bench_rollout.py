@@ -3,30 +3,19 @@
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 from types import ModuleType
 
 import pytest
 
 from kvlab.regimes import parse_fleet
-
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_rollout.py"
+from tests.helpers import script_module
 
 
 @pytest.fixture(scope="module")
 def bench() -> Iterator[ModuleType]:
-    spec = importlib.util.spec_from_file_location("bench_rollout", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["bench_rollout"] = mod
-    try:
-        spec.loader.exec_module(mod)
-        yield mod
-    finally:
-        sys.modules.pop("bench_rollout", None)
+    with script_module("bench_rollout") as module:
+        yield module
 
 
 def test_named_and_grid_cells_are_taken(bench: ModuleType) -> None:

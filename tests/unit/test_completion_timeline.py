@@ -2,30 +2,20 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 from types import ModuleType
 
 import pytest
 
 from kvlab.workload.model import SessionRecord, TurnRecord, WorkloadResult
 from kvlab.workload.spec import workload_spec
-
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "completion_timeline.py"
+from tests.helpers import script_module
 
 
 @pytest.fixture(scope="module")
 def tl() -> Iterator[ModuleType]:
-    spec = importlib.util.spec_from_file_location("completion_timeline", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    try:
-        spec.loader.exec_module(mod)
-        yield mod
-    finally:
-        sys.modules.pop("regime_grid", None)
+    with script_module("completion_timeline", "regime_grid") as module:
+        yield module
 
 
 @pytest.mark.parametrize(

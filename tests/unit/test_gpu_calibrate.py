@@ -4,10 +4,8 @@ PyTorch is installed (it is not in the test extra: too big for what it checks)."
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
@@ -16,19 +14,13 @@ from typing import Any
 import pytest
 
 from kvlab.sim.presets import cost_model
-
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "gpu_calibrate.py"
+from tests.helpers import script_module
 
 
 @pytest.fixture(scope="module")
 def gc() -> Iterator[ModuleType]:
-    spec = importlib.util.spec_from_file_location("gpu_calibrate", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_calibrate"] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    yield module
-    sys.modules.pop("gpu_calibrate", None)
+    with script_module("gpu_calibrate") as module:
+        yield module
 
 
 class FakeClock:

@@ -4,12 +4,10 @@ size where PyTorch is installed (it is not in the test extra)."""
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
 import json
 import math
 import random
-import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
@@ -18,20 +16,15 @@ from typing import Any
 import pytest
 
 from kvlab.sim.presets import cost_model, get_preset, hicache_config
+from tests.helpers import script_module
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "gpu_hostlink.py"
 PRESET = "qwen3-8b-h200"
 
 
 @pytest.fixture(scope="module")
 def hl() -> Iterator[ModuleType]:
-    spec = importlib.util.spec_from_file_location("gpu_hostlink", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_hostlink"] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    yield module
-    sys.modules.pop("gpu_hostlink", None)
+    with script_module("gpu_hostlink") as module:
+        yield module
 
 
 class FakeClock:

@@ -2,29 +2,20 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "regime_grid.py"
+from tests.helpers import script_module
 
 
 @pytest.fixture(scope="module")
 def grid() -> Iterator[ModuleType]:
-    spec = importlib.util.spec_from_file_location("regime_grid", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["regime_grid"] = mod  # its dataclasses look their module up
-    try:
-        spec.loader.exec_module(mod)
-        yield mod
-    finally:
-        sys.modules.pop("regime_grid", None)
+    with script_module("regime_grid") as module:
+        yield module
 
 
 def test_hicache_jobs_carry_the_ratio_and_ceiling_runs_without(grid: ModuleType) -> None:
