@@ -13,6 +13,7 @@ continuing-turn TTFT p99 of off and both, and both's first-turn wait p99.
     python scripts/regime_grid.py --workloads swe --sizes 4,48 --ratios 2.5 --faults all
     python scripts/regime_grid.py --check results/regime_grid.json   # the criteria only
     python scripts/regime_grid.py --check seeds01.json seeds23.json  # several runs' seeds together
+    python scripts/regime_grid.py --check long.json old.json:short    # one file's short rows only
     python scripts/regime_grid.py --hicache --out results/regime_grid_hicache.json
 
 ``--hicache`` runs the engines of off and both with SGLang's hierarchical cache
@@ -407,6 +408,31 @@ def _caps_summary(capped: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     }
 
 
+def check_arg(text: str) -> tuple[Path, frozenset[str] | None]:
+    """A ``--check`` argument: ``FILE``, or ``FILE:CONTEXTS`` to take only the rows of those
+    contexts (a comma list of short, long) from it."""
+    path, sep, tail = text.rpartition(":")
+    names = tail.split(",")
+    if sep and path and tail and all(n in CONTEXTS for n in names):
+        return Path(path), frozenset(names)
+    return Path(text), None
+
+
+def only_contexts(doc: Mapping[str, Any], contexts: frozenset[str] | None) -> dict[str, Any]:
+    """The grid file ``doc`` with only the rows and pools of ``contexts`` (None: all)."""
+    if contexts is None:
+        return dict(doc)
+
+    def kept(cell: str) -> bool:
+        return cell.split("/")[1] in contexts
+
+    return {
+        **doc,
+        "rows": [r for r in doc["rows"] if kept(r["fleet"])],
+        "pools": {k: v for k, v in doc.get("pools", {}).items() if kept(k)},
+    }
+
+
 def merge_grids(docs: Sequence[Mapping[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """The rows and pools of several grid files of the same engines: a run (cell, policy,
     fault, seed) in two files, or files whose host tier differs, is refused."""
@@ -591,10 +617,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=Path("results/regime_grid.json"))
     ap.add_argument(
         "--check",
-        type=Path,
+        type=check_arg,
         nargs="+",
         default=None,
-        help="judge grid JSONs (several: their seeds together) and exit",
+        metavar="FILE[:CONTEXTS]",
+        help="judge grid JSONs (several: their seeds together; FILE:short takes only that "
+        "context's rows of FILE) and exit",
     )
     ap.add_argument(
         "--compact", action="store_true", help="with --check: one table per workload and context"
@@ -602,15 +630,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     if args.check is not None:
-        docs = [json.loads(p.read_text()) for p in args.check]
+        docs = [only_contexts(json.loads(p.read_text()), c) for p, c in args.check]
         try:
             merged, merged_pools = merge_grids(docs)
         except ValueError as exc:
             ap.error(str(exc))
-        for p, d in zip(args.check, docs, strict=True):
+        for (p, c), d in zip(args.check, docs, strict=True):
             seeds_run = ",".join(map(str, d.get("seeds", [])))
+            taken = "" if c is None else f" ({','.join(sorted(c))} contexts)"
             print(
-                f"{p}: commit {d.get('commit')}, seeds {seeds_run}, admission {d.get('admission')}"
+                f"{p}{taken}: commit {d.get('commit')}, seeds {seeds_run}, "
+                f"admission {d.get('admission')}"
             )
         doc = docs[0]
         cells = distinct(cell_rows(merged), merged_pools)

@@ -156,6 +156,41 @@ def test_check_of_two_files_judges_their_seeds_together(
         grid.main(["--check", paths[0], paths[0]])
 
 
+def test_check_takes_one_context_of_a_file(
+    grid: ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A newer file of the long cells beside an older one of both contexts: the older
+    # file's long rows are left out, so no run is counted twice.
+    old = {
+        "commit": "old",
+        "seeds": [0],
+        "pools": {"swe/long/8/1.5": {"pool_tokens": 1}, "swe/short/8/1.5": {"pool_tokens": 2}},
+        "rows": [
+            *_runs("swe/long/8/1.5", 0, 10.0, 9.0, 20.0),
+            *_runs("swe/short/8/1.5", 0, 10.0, 10.0, 10.0),
+        ],
+    }
+    new = {
+        "commit": "new",
+        "seeds": [0],
+        "pools": {"swe/long/8/1.5": {"pool_tokens": 1}},
+        "rows": _runs("swe/long/8/1.5", 0, 10.0, 15.0, 20.0),
+    }
+    old_path, new_path = tmp_path / "old:1.json", tmp_path / "new.json"
+    old_path.write_text(json.dumps(old))
+    new_path.write_text(json.dumps(new))
+    assert grid.check_arg(f"{old_path}:short") == (old_path, frozenset({"short"}))
+    assert grid.check_arg(str(old_path)) == (old_path, None)  # ":1.json" names no context
+    assert grid.main(["--check", str(new_path), f"{old_path}:short"]) == 0
+    out = capsys.readouterr().out
+    assert f"{old_path} (short contexts): commit old" in out
+    judged = json.loads(out[out.index("{\n") :])
+    assert judged["by_seed"]["runs"] == 2  # both: the new long run and the old short one
+    assert judged["by_seed"]["runs_below"]["total"] == 0  # the old long run (0.9x) left out
+    with pytest.raises(SystemExit):  # the old file whole repeats the long run
+        grid.main(["--check", str(new_path), str(old_path)])
+
+
 def test_compact_shows_the_median_of_the_paired_ratios(grid: ModuleType) -> None:
     rows = [
         *_runs("swe/long/48/2.5", 0, off=10.0, both=20.0, ceiling=25.0),
