@@ -102,7 +102,7 @@ def plot(result: dict[str, Any], png: Path) -> None:
     for ax in (gain, wait):
         ax.set_xscale("log")
         ax.set_xticks(xs)
-        ax.set_xticklabels([f"{int(x)}" for x in xs])
+        ax.set_xticklabels([f"{int(x)}" for x in xs], rotation=45)
         ax.xaxis.set_minor_locator(NullLocator())
         ax.axvline(DEFAULT_BOUND_S, color="grey", lw=0.8, ls="--")
         ax.set_xlabel("admission.new_session_max_wait_s (s)")

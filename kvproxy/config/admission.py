@@ -72,7 +72,8 @@ class AdmissionConfig:
     # A new session waits in its engine's FIFO at most this long, then goes anyway (the
     # first-turn wait bound). 1800 s: the measured trade-off (docs/admission.md#defaults):
     # over the regime grid the first-turn wait p99 reached 1,870 s without a tighter
-    # bound, and 600 s cost the largest fleets up to 27% of their gain (swe, 64 per engine).
+    # bound, and 300 s cost the largest fleets up to 40% of their gain (swe, 64 per engine
+    # at 2.5x the pool: 1.98x -> 1.58x).
     new_session_max_wait_s: float = 1800.0
     # Inject a size-based top-level priority when every engine evicts by priority. Off by
     # default: with --enable-priority-scheduling (required for priority eviction) the
