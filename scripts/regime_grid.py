@@ -57,7 +57,7 @@ from kvlab.demo import git_revision
 from kvlab.lab.cli import hicache_ratio as engines_hicache_ratio
 from kvlab.lab.faults import FAULTS
 from kvlab.lab.runner import LabConfig, LabError, run_lab
-from kvlab.regimes import CONTEXTS, ENGINES, RATIOS, SIZES, WORKLOADS, Fleet
+from kvlab.regimes import CONTEXTS, ENGINES, RATIOS, SIZES, WORKLOADS, Fleet, parse_fleet
 from kvlab.sim.config import HICACHE_WRITE_POLICIES
 
 HICACHE_KEYS = ("hicache_ratio", "hicache_link_gb_s", "hicache_write_policy")
@@ -424,7 +424,7 @@ def only_contexts(doc: Mapping[str, Any], contexts: frozenset[str] | None) -> di
         return dict(doc)
 
     def kept(cell: str) -> bool:
-        return cell.split("/")[1] in contexts
+        return parse_fleet(cell).context in contexts
 
     return {
         **doc,
