@@ -11,7 +11,10 @@ measured per engine from what kvproxy sees itself, so neither depends on ``/metr
   it idle longer;
 * **recompute cost**: from the answers' usage, the evicted context that continuing turns
   recomputed over the engine's work in the window, a decoded token weighing
-  ``decode_token_weight`` prefill tokens.
+  ``decode_token_weight`` prefill tokens. A window with fewer than ``engage_min_turns``
+  answers is too thin to judge; its answers are judged with the next window's (an
+  engine whose turns are long decodes, RL's, answers a turn or two a window: judged
+  window by window it was never judged at all).
 
 An engine starts **permissive** (what kvproxy does with admission off: nothing held,
 nothing paused). It **engages** after ``engage_windows`` windows in a row busy at least
@@ -123,10 +126,15 @@ class Load:
             busy += now - max(self.busy_since, window_start)
         return min(1.0, max(0.0, busy / span))
 
-    def new_window(self, now: float) -> None:
+    def new_window(self, now: float, *, keep_work: bool = False) -> None:
+        """Start a window: the busy time and the floor's counts are the window's own;
+        with ``keep_work`` (the caller's choice for a window too thin to judge) the
+        answers' work stays, to be judged together with the next window's."""
         self.busy_s = 0.0
-        self.computed = self.recomputed = self.decoded = self.exposed = 0
-        self.turns = self.idled = self.returns = 0
+        if not keep_work:
+            self.computed = self.recomputed = self.decoded = self.exposed = 0
+            self.turns = self.returns = 0
+        self.idled = 0
         self.floor_resumes_last, self.floor_resumes = self.floor_resumes, 0
         if self.busy_since is not None:
             self.busy_since = now

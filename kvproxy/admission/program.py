@@ -534,7 +534,8 @@ class ProgramCore:
                 eng.quiet = 0
                 self.events[Event.TARGET_RAISED] += 1
         eng.window_start = now
-        eng.load.new_window(now)
+        # A window too thin to judge keeps its answers' work for the next one.
+        eng.load.new_window(now, keep_work=eng.load.turns < p.engage_min_turns)
         eng.evicted_delta = eng.retracted_delta = eng.freed_tokens = 0
         eng.cached_sum = eng.resident_sum = eng.turns_in_window = 0
 

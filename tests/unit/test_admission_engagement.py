@@ -82,6 +82,20 @@ def test_a_new_window_forgets_the_work_and_the_busy_time() -> None:
     assert load.busy_fraction(4.0, 8.0) == 1.0  # still in flight
 
 
+def test_a_window_too_thin_to_judge_keeps_its_work_but_not_its_busy_time() -> None:
+    load = Load()
+    load.started(0.0)
+    load.worked(20, 10, 0, exposed=10)
+    load.ended(1.0)
+    load.new_window(4.0, keep_work=True)
+    assert load.busy_fraction(4.0, 8.0) == 0.0  # the busy time is the window's own
+    load.worked(20, 10, 0, exposed=10)
+    assert load.recompute_cost(16.0, 2) == pytest.approx(0.5)  # both answers judged
+    assert load.mean_return() == 10.0
+    load.new_window(8.0)
+    assert load.recompute_cost(16.0, 1) is None
+
+
 # -- the rule ----------------------------------------------------------------------------
 
 
@@ -219,6 +233,29 @@ def test_a_window_with_too_few_answers_is_not_judged(min_turns, engaged) -> None
         answer(c, f"{sid}2", 5.0, 320, 0, 10)
     c.request("keep", "a", E1, 330, 5.0)
     c.tick(5.0)
+    assert c.ledger.engaged(E1) is engaged
+
+
+@pytest.mark.parametrize(("min_turns", "engaged"), [(5, True), (6, True), (7, False)])
+def test_a_thin_window_is_judged_with_the_next(min_turns, engaged) -> None:
+    # The four answers of the table above, then two more recomputed continuing turns in
+    # the next window: six answers in all, judged once there are min_turns of them.
+    c = ProgramCore(dataclasses.replace(P, engage_min_turns=min_turns))
+    c.ledger.observe_engine(E1, 0.0, max_total_num_tokens=1000)
+    for sid in "ab":
+        c.request(f"{sid}1", sid, E1, 300, 0.0)
+        answer(c, f"{sid}1", 0.5, 300, 0, 10)
+        c.request(f"{sid}2", sid, E1, 320, 0.5)
+    for sid in "ab":
+        answer(c, f"{sid}2", 5.0, 320, 0, 10)
+    for sid in "ab":
+        c.request(f"{sid}3", sid, E1, 340, 5.0)
+    c.tick(5.0)
+    assert not c.ledger.engaged(E1)  # four answers: too thin, kept
+    for sid in "ab":
+        answer(c, f"{sid}3", 9.0, 340, 0, 10)
+    c.request("keep", "a", E1, 350, 9.0)
+    c.tick(10.0)
     assert c.ledger.engaged(E1) is engaged
 
 
