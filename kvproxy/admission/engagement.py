@@ -14,7 +14,8 @@ measured per engine from what kvproxy sees itself, so neither depends on ``/metr
   ``decode_token_weight`` prefill tokens. A window with fewer than ``engage_min_turns``
   answers is too thin to judge; its answers are judged with the next window's (an
   engine whose turns are long decodes, RL's, answers a turn or two a window: judged
-  window by window it was never judged at all).
+  window by window it was never judged at all), but on an engine with a host tier the
+  caller drops them (measured there: RL fleets so judged engaged and lost).
 
 An engine starts **permissive** (what kvproxy does with admission off: nothing held,
 nothing paused). It **engages** after ``engage_windows`` windows in a row busy at least

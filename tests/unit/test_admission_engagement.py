@@ -236,12 +236,22 @@ def test_a_window_with_too_few_answers_is_not_judged(min_turns, engaged) -> None
     assert c.ledger.engaged(E1) is engaged
 
 
-@pytest.mark.parametrize(("min_turns", "engaged"), [(5, True), (6, True), (7, False)])
-def test_a_thin_window_is_judged_with_the_next(min_turns, engaged) -> None:
+@pytest.mark.parametrize(
+    ("min_turns", "host_tokens", "engaged"),
+    [
+        (5, None, True),
+        (6, None, True),
+        (7, None, False),
+        # with a host tier a thin window is dropped: the next one's two answers alone
+        # are too few again
+        (5, 2000, False),
+    ],
+)
+def test_a_thin_window_is_judged_with_the_next(min_turns, host_tokens, engaged) -> None:
     # The four answers of the table above, then two more recomputed continuing turns in
     # the next window: six answers in all, judged once there are min_turns of them.
     c = ProgramCore(dataclasses.replace(P, engage_min_turns=min_turns))
-    c.ledger.observe_engine(E1, 0.0, max_total_num_tokens=1000)
+    c.ledger.observe_engine(E1, 0.0, max_total_num_tokens=1000, host_tokens=host_tokens)
     for sid in "ab":
         c.request(f"{sid}1", sid, E1, 300, 0.0)
         answer(c, f"{sid}1", 0.5, 300, 0, 10)
