@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvlab.demo import Scenario
+from kvlab.workload.spec import workload_spec
 
 WORKLOADS = ("swe", "rl", "subagents")
 ENGINES = 2
@@ -36,9 +37,13 @@ class Fleet:
     def scenario(self) -> Scenario:
         ctx = CONTEXTS[self.context]
         overrides = {} if ctx is None else {"context_length": ctx}
+        # The engines' preset is the workload's own, as the lab's (rl runs Qwen3-32B on
+        # H200s): the scenario's default is the 8B preset.
+        preset = workload_spec(self.workload).cost_model
         return Scenario(
             name=self.key,
             workload=self.workload,
+            cost_model=preset,
             sessions_per_engine=self.per_engine,
             pool_ratio=self.ratio,
             workload_overrides=overrides,

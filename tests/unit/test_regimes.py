@@ -49,3 +49,20 @@ def test_a_pool_below_the_longest_context_is_raised_to_hold_it() -> None:
         pool, ratio = fleet.pool()
         assert pool == fleet.scenario().pool()
         assert ratio == pytest.approx(fleet.ratio, rel=0.01)
+
+
+@pytest.mark.parametrize(
+    ("name", "preset"),
+    [
+        ("rl/long/16/2.5", "qwen3-32b-h200"),
+        ("rl/short/4/0.8", "qwen3-32b-h200"),
+        ("swe/long/48/1.5", "qwen3-8b-h100"),
+        ("subagents/long/16/2.5", "qwen3-8b-h100"),
+    ],
+)
+def test_the_real_stack_runs_a_cell_on_the_engines_the_lab_runs_it_on(
+    name: str, preset: str
+) -> None:
+    # The lab takes the workload's own engine preset (kvlab.lab.runner); a cell built
+    # for the real stack (scripts/bench_rollout.py) must name the same one.
+    assert parse_fleet(name).scenario().cost_model == preset
