@@ -184,7 +184,7 @@ class Engagement:
         floor_fits: bool = True,
     ) -> bool | None:
         """One window's verdict: True when it engages now, False when it releases now,
-        None when nothing changes. ``cost`` None (too few answers this window): a
+        None when nothing changes. ``cost`` None (too few answers to judge yet): a
         permissive engine keeps its count, neither engaging nor forgetting. ``idled``:
         how often the engine ran out of work this window while turns were held.
         ``oversubscribed`` (the cold start): the engine runs enough sessions expected to
