@@ -535,8 +535,8 @@ class ProgramCore:
                 self.events[Event.TARGET_RAISED] += 1
         eng.window_start = now
         # A window too thin to judge keeps its answers' work for the next one; not on an
-        # engine with a host tier, where RL fleets so judged engaged and lost 3-6% off
-        # +HiCache (docs/benchmarks.md, "Thin windows judged with the next").
+        # engine with a host tier, where RL fleets so judged engaged and lost 3-6% against
+        # off+HiCache (docs/benchmarks.md, "Thin windows judged with the next").
         thin = eng.load.turns < p.engage_min_turns
         eng.load.new_window(now, keep_work=thin and eng.host_tokens <= 0)
         eng.evicted_delta = eng.retracted_delta = eng.freed_tokens = 0

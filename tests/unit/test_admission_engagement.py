@@ -219,18 +219,24 @@ def test_busy_and_recomputing_engages_and_then_the_gate_holds() -> None:
     assert v.outcome is None and v.held is Held.NEW_SESSION_FIT
 
 
-@pytest.mark.parametrize(("min_turns", "engaged"), [(4, True), (5, False), (6, False)])
-def test_a_window_with_too_few_answers_is_not_judged(min_turns, engaged) -> None:
-    # Two sessions whose second turns recomputed their whole context: four answers in
-    # the window, busy all of it. Below engage_min_turns answers it is not judged.
+def four_answers(min_turns: int, host_tokens: int | None = None) -> ProgramCore:
+    """Two sessions whose second turns recomputed their whole context: four answers in
+    the window [0, 5], busy all of it (the window is not judged yet)."""
     c = ProgramCore(dataclasses.replace(P, engage_min_turns=min_turns))
-    c.ledger.observe_engine(E1, 0.0, max_total_num_tokens=1000)
+    c.ledger.observe_engine(E1, 0.0, max_total_num_tokens=1000, host_tokens=host_tokens)
     for sid in "ab":
         c.request(f"{sid}1", sid, E1, 300, 0.0)
         answer(c, f"{sid}1", 0.5, 300, 0, 10)
         c.request(f"{sid}2", sid, E1, 320, 0.5)
     for sid in "ab":
         answer(c, f"{sid}2", 5.0, 320, 0, 10)
+    return c
+
+
+@pytest.mark.parametrize(("min_turns", "engaged"), [(4, True), (5, False), (6, False)])
+def test_a_window_with_too_few_answers_is_not_judged(min_turns, engaged) -> None:
+    # Below engage_min_turns answers a window is not judged.
+    c = four_answers(min_turns)
     c.request("keep", "a", E1, 330, 5.0)
     c.tick(5.0)
     assert c.ledger.engaged(E1) is engaged
@@ -250,14 +256,7 @@ def test_a_window_with_too_few_answers_is_not_judged(min_turns, engaged) -> None
 def test_a_thin_window_is_judged_with_the_next(min_turns, host_tokens, engaged) -> None:
     # The four answers of the table above, then two more recomputed continuing turns in
     # the next window: six answers in all, judged once there are min_turns of them.
-    c = ProgramCore(dataclasses.replace(P, engage_min_turns=min_turns))
-    c.ledger.observe_engine(E1, 0.0, max_total_num_tokens=1000, host_tokens=host_tokens)
-    for sid in "ab":
-        c.request(f"{sid}1", sid, E1, 300, 0.0)
-        answer(c, f"{sid}1", 0.5, 300, 0, 10)
-        c.request(f"{sid}2", sid, E1, 320, 0.5)
-    for sid in "ab":
-        answer(c, f"{sid}2", 5.0, 320, 0, 10)
+    c = four_answers(min_turns, host_tokens)
     for sid in "ab":
         c.request(f"{sid}3", sid, E1, 340, 5.0)
     c.tick(5.0)
