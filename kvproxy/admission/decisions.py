@@ -83,7 +83,10 @@ class Event(StrEnum):
     TARGET_CUT = "target_cut"  # feedback lowered an engine's target
     TARGET_RAISED = "target_raised"  # feedback raised it
     ENGAGED = "engaged"  # an engine's gate engaged: busy and thrashing (holding pays)
-    DISENGAGED = "disengaged"  # an engine's gate went permissive: holding starved it
+    DISENGAGED = "disengaged"  # an engine's gate went permissive: quiet, or starved
+    # An engine released for a drop in load engaged again on a new session that did not
+    # fit it (the next burst of a fleet whose sessions start together).
+    REENGAGED = "reengaged"
     # An engine heard from neither by /metrics nor by answers: its waiting turns leave
     # one per tick (fail open, gradually), never all at once.
     STALE_RELEASE = "stale_release"

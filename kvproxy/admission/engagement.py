@@ -28,7 +28,10 @@ work-conserving floor's own turns (``floor_fits``, judged by the caller: three
 times ``min_inflight`` of the contexts its continuing turns come back to). It goes
 permissive again after ``release_windows`` windows in a row busy under
 ``release_busy``, or after ``starved_windows`` windows in a row in which held work left
-it idle (then it may not engage again for a back-off that doubles each time). While
+it idle (then it may not engage again for a back-off that doubles each time). Released
+for quiet it stays **armed** (the thrash it engaged for was measured on this fleet): the
+next new session that does not fit it engages it again at once (:meth:`Engagement.rearm`,
+the fit judged by the caller); a starved release disarms it. While
 engaged, the gate is work-conserving: an engine with fewer than ``min_inflight`` turns
 in flight takes the head of its waiting queues whether or not it fits
 (:mod:`kvproxy.admission.program`).
@@ -171,6 +174,9 @@ class Engagement:
     starved: int = 0  # consecutive windows the held work left the engine idle
     failures: int = 0  # starved releases so far
     backoff: int = 0  # windows left before it may engage again
+    # Released because its load dropped, not because holding starved it: the thrash it
+    # engaged for was real, and the next burst of sessions may bring it back at once.
+    armed: bool = False
 
     def judge(
         self,
@@ -216,9 +222,22 @@ class Engagement:
                 rule.max_backoff_windows, rule.backoff_windows * 2 ** (self.failures - 1)
             )
             self.engaged, self.hot, self.cool, self.starved = False, 0, 0, 0
+            self.armed = False
             return False
         self.cool = self.cool + 1 if busy < rule.release_busy else 0
         if self.cool >= rule.release_windows:
             self.engaged, self.hot, self.cool, self.starved = False, 0, 0, 0
+            self.armed = True
             return False
         return None
+
+    def rearm(self) -> bool:
+        """Engage now, on a new session the caller judged not to fit, if the engine
+        is armed (released for a drop in load after it engaged) and not backing off.
+        A fleet whose sessions start together (an RL step) fills the pool with first
+        turns before any window can show thrash; the engine that thrashed on the last
+        burst holds this one from its first session that does not fit."""
+        if self.engaged or not self.armed or self.backoff > 0:
+            return False
+        self.engaged, self.hot, self.cool, self.starved = True, 0, 0, 0
+        return True

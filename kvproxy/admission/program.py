@@ -124,7 +124,8 @@ class ProgramCore:
         if tokens > led.capacity(url):
             return self._go(ticket, s, now, tokens, Outcome.BYPASS_OVERSIZED)
         paused_waiting, new_waiting = self.queues.waiting(url)
-        if not led.engaged(url):
+        engaged = led.engaged(url) or (not continuing and self._reengage(url, s, tokens, now))
+        if not engaged:
             fit = True
         elif continuing:
             fit = led.fits(url, tokens, now)
@@ -142,6 +143,21 @@ class ProgramCore:
         s.est = max(s.est, tokens)
         deadline = now + self.p.new_session_max_wait_s
         return self._wait(ticket, s, tokens, now, "new", deadline, held)
+
+    def _reengage(self, url: str, s: Session, tokens: int, now: float) -> bool:
+        """Whether a new session's first turn engages its permissive engine now: the
+        engine is armed (it engaged before and was released because its load dropped:
+        ``Engagement.rearm`` in kvproxy.admission.engagement) and the session does not
+        fit it."""
+        if not self.p.engage_on_thrash:
+            return False
+        eng = self.ledger.engine(url, now)
+        e = eng.engagement
+        if not e.armed or self.ledger.fits_new(url, s, tokens, now) or not e.rearm():
+            return False
+        eng.theta = self.p.target_start
+        self.events[Event.REENGAGED] += 1
+        return True
 
     def hint_growth(self, sid: str | None, osl: int | None) -> None:
         """A client's expected output per turn (``agent_hints.osl``) floors the

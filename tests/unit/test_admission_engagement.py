@@ -285,7 +285,50 @@ def test_an_engaged_engine_left_idle_goes_permissive_again() -> None:
     assert c.events[Event.DISENGAGED] == 0  # one idle window is not enough
     c.tick(15.0)
     assert c.events[Event.DISENGAGED] == 1
-    assert c.request("n1", "new", E1, 900, 15.5).outcome is Outcome.NEW_ADMITTED
+    assert c.request("n1", "new", E1, 50, 15.5).outcome is Outcome.NEW_ADMITTED
+    assert not c.ledger.engaged(E1)
+
+
+@pytest.mark.parametrize(
+    ("release", "tokens", "held"),
+    [
+        ("quiet", 900, True),  # does not fit the armed engine: engaged again at once
+        ("quiet", 50, False),  # fits: admitted, the engine stays permissive
+        ("starved", 900, False),  # holding starved it: not armed, admitted as off
+    ],
+)
+def test_an_engine_released_for_quiet_engages_again_on_a_session_that_does_not_fit(
+    release, tokens, held
+) -> None:
+    c = engaged_core()  # a, b and c hold ~330 each of 1000; "keep" in flight
+    if release == "quiet":
+        answer(c, "keep", 5.6, 330, 320, 10)  # then nothing in flight: quiet windows
+        c.tick(10.0)
+        c.tick(15.0)
+    else:
+        eng = c.ledger.engine(E1)
+        for now in (10.0, 15.0, 20.0):  # held work left it idle three windows running
+            eng.load.idled = 1
+            c.ledger.observe_engine(E1, now, max_total_num_tokens=1000)
+            c.tick(now)
+    assert c.events[Event.DISENGAGED] == 1
+    v = c.request("n1", "new", E1, tokens, 21.0)
+    assert (v.held is Held.NEW_SESSION_FIT) is held
+    assert c.events[Event.REENGAGED] == int(held)
+    assert c.ledger.engaged(E1) is held
+
+
+def test_rearm_engages_only_an_engine_released_for_quiet() -> None:
+    e = Engagement()
+    hot, quiet = {"busy": 0.9, "cost": 0.5}, {"busy": 0.1, "cost": None}
+    assert not e.rearm()  # never engaged: nothing measured yet
+    assert [e.judge(RULE, **hot) for _ in range(2)] == [None, True]
+    assert [e.judge(RULE, **quiet) for _ in range(3)] == [None, None, False]
+    assert e.armed and e.rearm() and e.engaged
+    assert not e.rearm()  # engaged already
+    rule = dataclasses.replace(RULE, starved_windows=1)
+    assert e.judge(rule, **hot, idled=1) is False  # starved: disarmed, backing off
+    assert not e.armed and not e.rearm() and not e.engaged
 
 
 def test_a_silent_engine_releases_its_waiters_one_per_tick() -> None:
