@@ -250,6 +250,12 @@ ENGINE_FAMILIES = (
         "while it is permissive (docs/admission.md#when-admission-holds).",
     ),
     (
+        "armed",
+        "agentic_kv_admission_engine_armed",
+        "1 while a permissive engine is armed: released for quiet after it engaged, it "
+        "engages again on the next new session that does not fit it.",
+    ),
+    (
         "busy",
         "agentic_kv_admission_engine_busy",
         "Share of the current feedback window with a turn in flight on the engine.",

@@ -649,6 +649,7 @@ class ProgramCore:
                     "target": eng.theta,
                     "gate_off": led.gate_off(url),
                     "engaged": 1.0 if led.engaged(url) else 0.0,
+                    "armed": 1.0 if eng.engagement.armed and not led.engaged(url) else 0.0,
                     "busy": round(eng.load.busy_fraction(eng.window_start, now), 4),
                     "inflight": float(eng.load.inflight),
                     "shared_prefix": float(eng.shared_prefix),

@@ -312,10 +312,12 @@ def test_an_engine_released_for_quiet_engages_again_on_a_session_that_does_not_f
             c.ledger.observe_engine(E1, now, max_total_num_tokens=1000)
             c.tick(now)
     assert c.events[Event.DISENGAGED] == 1
+    assert c.engine_rows(21.0)[0]["armed"] == (1.0 if release == "quiet" else 0.0)
     v = c.request("n1", "new", E1, tokens, 21.0)
     assert (v.held is Held.NEW_SESSION_FIT) is held
     assert c.events[Event.REENGAGED] == int(held)
     assert c.ledger.engaged(E1) is held
+    assert c.engine_rows(21.0)[0]["armed"] == (1.0 if release == "quiet" and not held else 0.0)
 
 
 def test_rearm_engages_only_an_engine_released_for_quiet() -> None:
