@@ -233,11 +233,12 @@ class Engagement:
 
     def rearm(self) -> bool:
         """Engage now, on a new session the caller judged not to fit, if the engine
-        is armed (released for a drop in load after it engaged) and not backing off.
-        A fleet whose sessions start together (an RL step) fills the pool with first
-        turns before any window can show thrash; the engine that thrashed on the last
-        burst holds this one from its first session that does not fit."""
-        if self.engaged or not self.armed or self.backoff > 0:
+        is armed (released for a drop in load after it engaged; a starved release,
+        the only one that backs off, disarms it). A fleet whose sessions start together
+        (an RL step) fills the pool with first turns before any window can show thrash;
+        the engine that thrashed on the last burst holds this one from its first
+        session that does not fit."""
+        if self.engaged or not self.armed:
             return False
         self.engaged, self.hot, self.cool, self.starved = True, 0, 0, 0
         return True
