@@ -305,6 +305,19 @@ class EngineLedger:
         host = eng.host_tokens * self.p.headroom
         return cap + host if eng.host_write_back else max(cap, host)
 
+    def tier_room(self, url: str) -> float:
+        """The most KV the engine's two tiers could keep together: its capacity plus its
+        host pool (SGLang's HiCache), whatever the write policy. Under write-through
+        the host copies the device's KV, so the distinct KV kept is ``kv_room``; this is
+        the larger bound, for a decision that must err towards not acting (an engine
+        with a host tier pauses only once its sessions overflow it: ProgramCore._pause).
+        Without a host tier it is the capacity."""
+        cap = self.capacity(url)
+        eng = self.engines.get(url)
+        if eng is None or cap <= 0:
+            return cap
+        return cap + eng.host_tokens * self.p.headroom
+
     # -- footprints ----------------------------------------------------------------
 
     def weight(self, s: Session, now: float) -> float:

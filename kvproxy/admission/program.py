@@ -466,32 +466,33 @@ class ProgramCore:
 
     def _pauses(self, url: str, now: float) -> bool:
         """Whether the engine's idle sessions may be paused now: it is engaged and fresh,
-        it has no host KV tier, and no pause of it was undone lately.
+        and no pause of it was undone lately (a paused turn that the work-conserving
+        floor released, this feedback window or the last, found the engine with room in
+        its batch: that pause only delayed it, and the next would too, until a whole
+        window passes without one).
 
-        * With a host tier (SGLang's HiCache) a paused session's context goes to host
-          memory and comes back by a load, not a recompute: a pause would save a load and
-          cost the session its turn. The growth gate on new sessions still holds there.
-          (Pausing once the sessions overflow what the two tiers keep was measured and
-          not kept: docs/benchmarks.md, "Pausing the largest first".)
-        * A paused turn that the work-conserving floor released (this feedback window or
-          the last) found the engine with room in its batch: that pause only delayed it,
-          and the next would too, until a whole window passes without one.
-
-        Measured: docs/benchmarks.md ("SGLang's host tier", "The regime grid")."""
+        Measured: docs/benchmarks.md ("The regime grid", "A pause the floor undoes")."""
         led = self.ledger
         if not (self.p.pause and led.engaged(url) and led.fresh(url, now)):
             return False
-        eng = led.engines[url]  # (fresh: the engine is known)
-        return eng.host_tokens <= 0 and not eng.load.pauses_undone
+        return not led.engines[url].load.pauses_undone  # (fresh: the engine is known)
 
     def _pause(self, url: str, now: float) -> None:
         """Pause idle sessions, the largest first, while the engine's sessions overflow
-        ``pause_high`` x its capacity, down to ``pause_low`` x it; with none idle, mark
-        the smallest running one to pause at its answer. The largest first: the fewest
+        ``pause_high`` x its room, down to ``pause_low`` x it; with none idle, mark the
+        smallest running one to pause at its answer. The largest first: the fewest
         sessions held for the room freed (measured against the smallest first:
-        docs/benchmarks.md, "Pausing the largest first")."""
+        docs/benchmarks.md, "Pausing the largest first").
+
+        The room is the capacity, or with a host tier (SGLang's HiCache) ``tier_room``,
+        pool + host: what overflows the device comes back from host memory by a load,
+        so a pause pays only once the sessions overflow both tiers and their contexts
+        are lost. Against the device's capacity or ``kv_room`` (max(pool, host) under
+        write-through) such an engine paused subagent fleets whose host tier held them
+        and put runs below 0.97x off+HiCache (docs/benchmarks.md, "SGLang's host
+        tier")."""
         led = self.ledger
-        cap = led.capacity(url)
+        cap = led.tier_room(url)
         if cap <= 0 or led.gate_off(url):
             return
         u = led.undecayed(url)

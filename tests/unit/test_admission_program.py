@@ -264,16 +264,19 @@ def test_no_pause_while_the_gate_is_off_or_disabled() -> None:
 @pytest.mark.parametrize(
     ("host_tokens", "write_back", "paused"),
     [
-        (0, False, 2),  # no host tier: the two largest pause
-        (500, False, 0),  # a host tier, even one smaller than the pool: nobody
+        (0, False, 2),  # no host tier: U 965 > 0.95 x 1000; the two largest, to 850
+        (15, False, 1),  # room 1015: 965 > 964.25; after s1 860 <= 862.75
+        (16, False, 0),  # room 1016: 965 <= 965.2, the two tiers hold them: nobody
+        (500, False, 0),
+        (15, True, 1),  # the same room whatever the write policy
         (2000, True, 0),
     ],
 )
-def test_an_engine_with_a_host_tier_pauses_nobody_but_still_gates_new_sessions(
+def test_an_engine_with_a_host_tier_pauses_only_once_its_sessions_overflow_both_tiers(
     host_tokens: int, write_back: bool, paused: int
 ) -> None:
-    # With a host KV tier (SGLang's HiCache) a paused session's context would go to host
-    # memory and come back by a load: pausing saves no recompute there.
+    # With a host KV tier (SGLang's HiCache) what overflows the device comes back from
+    # host memory by a load: pausing pays only once the sessions overflow pool + host.
     c = core(dataclasses.replace(P, feedback=False))
     c.ledger.observe_engine(E1, 0.0, max_total_num_tokens=1000, host_tokens=host_tokens)
     if write_back:
@@ -281,6 +284,7 @@ def test_an_engine_with_a_host_tier_pauses_nobody_but_still_gates_new_sessions(
     fill(c, TEN)
     c.tick(6.0)
     assert c.events[Event.PAUSED] == paused
+    assert c.ledger.tier_room(E1) == 1000 + host_tokens
     # A new session still waits for room either way.
     v = turn(c, "n0", "new", 400, 6.5)
     assert v.outcome is None and v.held is Held.NEW_SESSION_FIT
