@@ -23,6 +23,7 @@ Cells (live working set / fleet pool, per engine: live sessions x mean context p
     python scripts/bench_rollout.py                                  # every cell, seeds 0,1 (over an hour)
     python scripts/bench_rollout.py --cells w1 --variants off,lifecycle,admission,both
     python scripts/bench_rollout.py --cells swe/short/4/2.5,subagents/long/16/2.5
+    python scripts/bench_rollout.py --cells swe/long/32/4 --hicache   # off+HiCache vs both+HiCache
 
 Writes ``<out>/bench.json`` (every run, with provenance: commit, command, seeds, host
 load, the engines' clock overrun) and ``<out>/bench.md`` (a table per cell), and prints
@@ -57,6 +58,7 @@ from kvlab.demo import (
 )
 from kvlab.lab.cli import seed_list
 from kvlab.regimes import parse_fleet
+from kvlab.sim.config import HICACHE_WRITE_POLICIES
 
 # Concurrency is scaled down from the presets' (48, 64 and 24 sessions per engine) and
 # the pool with it, so the working set / pool ratio is the calibrated one and a run takes
@@ -129,6 +131,25 @@ def grid_cell(name: str) -> Scenario:
 
 def scenario_for(cell: str) -> Scenario:
     return CELLS[cell] if cell in CELLS else grid_cell(cell)
+
+
+def configure(
+    cell: str,
+    *,
+    time_scale: float | None = None,
+    hicache: bool = False,
+    hicache_write_policy: str | None = None,
+) -> Scenario:
+    """The cell's scenario with the command line's changes, checked: another time
+    scale, and engines with SGLang's host tier (a host pool twice the device pool, as
+    the lab's ``--hicache``) in every configuration."""
+    sc = scenario_for(cell)
+    if time_scale is not None:
+        sc = dataclasses.replace(sc, time_scale=time_scale)
+    if hicache:
+        sc = dataclasses.replace(sc, hicache_ratio=2.0, hicache_write_policy=hicache_write_policy)
+    sc.check()
+    return sc
 
 
 def headline(cell: str) -> tuple[str, float]:
@@ -232,6 +253,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="wall seconds per simulated second (default: each cell's; 0.05 for the -full "
         "cells and long-context grid cells, else 0.25)",
     )
+    p.add_argument(
+        "--hicache",
+        action="store_true",
+        help="the engines run SGLang's hierarchical cache (host pool twice the device "
+        "pool) in every configuration: off+HiCache against both+HiCache",
+    )
+    p.add_argument(
+        "--hicache-write-policy",
+        choices=HICACHE_WRITE_POLICIES,
+        default=None,
+        help="the engines' --hicache-write-policy (default: SGLang's, write_through); "
+        "implies --hicache",
+    )
     p.add_argument("--out", type=Path, default=None, help="default results/rollout-<time>")
     a = p.parse_args(argv)
     out = a.out or Path("results") / f"rollout-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -263,10 +297,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         with sigterm_as_interrupt():
             for cell in a.cells:
-                sc = scenario_for(cell)
-                if a.time_scale is not None:
-                    sc = dataclasses.replace(sc, time_scale=a.time_scale)
-                sc.check()
+                sc = configure(
+                    cell,
+                    time_scale=a.time_scale,
+                    hicache=a.hicache or a.hicache_write_policy is not None,
+                    hicache_write_policy=a.hicache_write_policy,
+                )
                 say(f"== {cell}: {sc.describe()['working_set_over_pool']}x the pool")
                 result = run_scenario(
                     sc, variants, a.seeds, out_dir=out / cell, pids=pids, progress=say

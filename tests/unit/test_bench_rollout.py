@@ -49,3 +49,15 @@ def test_a_grid_cell_runs_the_labs_pool_and_placement(bench: ModuleType) -> None
     assert bench.headline("rl/long/16/1.5") == ("output_tokens_per_s", 0.97)
     assert bench.headline("w1") == ("sessions_per_min", 2.0)
     assert bench.scenario_for("w1") is bench.CELLS["w1"]
+
+
+def test_a_cell_with_the_host_tier_and_another_time_scale(bench: ModuleType) -> None:
+    plain = bench.configure("swe/long/32/4")
+    assert plain.hicache_ratio is None and plain.time_scale == 0.05
+    hi = bench.configure("swe/long/32/4", time_scale=0.1, hicache=True)
+    assert (hi.hicache_ratio, hi.hicache_write_policy, hi.time_scale) == (2.0, None, 0.1)
+    assert hi.pool_tokens == plain.pool_tokens  # the same cell, the host tier added
+    back = bench.configure("w1", hicache=True, hicache_write_policy="write_back")
+    assert (back.hicache_ratio, back.hicache_write_policy) == (2.0, "write_back")
+    with pytest.raises(ValueError, match="time"):
+        bench.configure("w1", time_scale=0.0)
