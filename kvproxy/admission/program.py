@@ -17,9 +17,10 @@ Rules (docs/admission.md#program-mode):
 
 The tick (every ``tick_s``): idle expiry; per engine, resume before pause: drain the
 paused queue, then the new FIFO; then, under growth pressure (``U > pause_high x
-C``, gate on, no host tier), pause idle sessions (idle at least ``idle_lease_s``) largest
-footprint first until ``U <= pause_low x C``, or mark the smallest running one to pause
-at its response; then the feedback rule once per ``feedback_window_s``.
+room``, gate on; the room is C, or pool + host on an engine with a host tier), pause idle
+sessions (idle at least ``idle_lease_s``) largest footprint first until ``U <= pause_low
+x room``, or mark the smallest running one to pause at its response; then the feedback
+rule once per ``feedback_window_s``.
 """
 
 from __future__ import annotations
