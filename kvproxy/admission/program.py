@@ -645,6 +645,7 @@ class ProgramCore:
                     "host_tokens": float(eng.host_tokens),
                     "host_write_back": eng.host_write_back,
                     "kv_room": led.kv_room(url),
+                    "tier_room": led.tier_room(url),
                     "committed": led.committed(url, now),
                     "footprint": float(led.undecayed(url)),
                     "reserved": led.reserved(url, now),
