@@ -1314,11 +1314,18 @@ def scenario_from_args(args: argparse.Namespace) -> Scenario:
             raise ValueError("--time-scale must be in (0, 10]")
         scenario = dataclasses.replace(scenario, time_scale=args.time_scale)
     if args.hicache or args.hicache_write_policy is not None:
-        scenario = dataclasses.replace(
-            scenario, hicache_ratio=2.0, hicache_write_policy=args.hicache_write_policy
-        )
+        scenario = with_host_tier(scenario, args.hicache_write_policy)
     scenario.check()
     return scenario
+
+
+def with_host_tier(scenario: Scenario, write_policy: str | None = None) -> Scenario:
+    """The scenario with SGLang's host tier on its engines in every configuration: the
+    host pool SGLang's default ratio of the device pool, written by ``write_policy``
+    (None: SGLang's default, write_through), as the lab's ``--hicache``."""
+    return dataclasses.replace(
+        scenario, hicache_ratio=HiCacheConfig().ratio, hicache_write_policy=write_policy
+    )
 
 
 def _report(

@@ -55,6 +55,7 @@ from kvlab.demo import (
     run_scenario,
     sigterm_as_interrupt,
     verdict,
+    with_host_tier,
 )
 from kvlab.lab.cli import seed_list
 from kvlab.regimes import parse_fleet
@@ -147,7 +148,7 @@ def configure(
     if time_scale is not None:
         sc = dataclasses.replace(sc, time_scale=time_scale)
     if hicache:
-        sc = dataclasses.replace(sc, hicache_ratio=2.0, hicache_write_policy=hicache_write_policy)
+        sc = with_host_tier(sc, hicache_write_policy)
     sc.check()
     return sc
 

@@ -300,10 +300,9 @@ class EngineLedger:
           so the host holds what the device does not: capacity + host."""
         cap = self.capacity(url)
         eng = self.engines.get(url)
-        if eng is None or cap <= 0:
-            return cap
-        host = eng.host_tokens * self.p.headroom
-        return cap + host if eng.host_write_back else max(cap, host)
+        if eng is None or cap <= 0 or eng.host_write_back:
+            return self.tier_room(url)
+        return max(cap, eng.host_tokens * self.p.headroom)
 
     def tier_room(self, url: str) -> float:
         """The most KV the engine's two tiers could keep together: its capacity plus its

@@ -623,6 +623,8 @@ class ProgramCore:
             return False  # (after a starved release, only measured thrash engages)
         if len(eng.sessions) < p.cold_start_sessions or eng.host_write_back:
             return False
+        # (pool + host as tier_room counts it, but the host without the headroom factor:
+        # the rule as measured; the two differ by 10% of the host pool at the default)
         room = led.capacity(url) + eng.host_tokens
         return led.reserved(url, now) > p.cold_start_ratio * room
 
