@@ -19,6 +19,7 @@ from typing import Any
 import orjson
 
 from kvproxy.sse import StreamState, parse_sse_line
+from kvproxy.warm import warm_body
 
 # Bound on what a streamed answer keeps for its prefill: characters of text and
 # tool-call fields plus output ids, and the bytes of one unfinished SSE line. Past it
@@ -30,23 +31,6 @@ R_TOO_BIG = "answer_too_big"
 R_UNREADABLE = "unreadable"
 # Bound on the tool calls of one streamed chat answer.
 MAX_STREAM_TOOL_CALLS = 128
-
-# Client keys not carried into the prefill (it is one non-streaming, one-token,
-# single-sample request with its own rid).
-_DROP = frozenset(
-    {
-        "nvext",
-        "stream",
-        "stream_options",
-        "n",
-        "rid",
-        "max_completion_tokens",
-        "logprobs",
-        "top_logprobs",
-        "return_logprob",
-        "session_params",
-    }
-)
 
 
 def _answer_text(doc: Mapping[str, Any], path: str) -> tuple[str | None, Any]:
@@ -71,50 +55,43 @@ def prefill_body(
     path: str, body: Mapping[str, Any], response: Any, *, session_id: str, rid: str
 ) -> dict[str, Any] | None:
     """The prefill request for a finished turn, or None when it cannot be built
-    (an error, a batch, n > 1, or an answer kvproxy cannot read)."""
+    (an error, a batch, n > 1, or an answer kvproxy cannot read): the turn's prompt
+    extended by its answer, as one output token (:func:`kvproxy.warm.warm_body`)."""
     if not isinstance(response, Mapping):
         return None
-    base = {k: v for k, v in body.items() if k not in _DROP}
-    base["rid"] = rid
-    base["session_id"] = session_id
+    extended: dict[str, Any]
     if path == "/generate":
         ids = body.get("input_ids")
         if isinstance(ids, list) and ids and isinstance(ids[0], int):
             out = response.get("output_ids")
             if not isinstance(out, list):
                 return None
-            base["input_ids"] = [*ids, *out]
+            extended = {"input_ids": [*ids, *out]}
         elif isinstance(body.get("text"), str):
             text = response.get("text")
             if not isinstance(text, str):
                 return None
-            base["text"] = body["text"] + text
+            extended = {"text": body["text"] + text}
         else:
             return None
-        sp = body.get("sampling_params")
-        sp = dict(sp) if isinstance(sp, Mapping) else {}
-        sp.pop("n", None)
-        sp["max_new_tokens"] = 1
-        base["sampling_params"] = sp
-        return base
-    text, tool_calls = _answer_text(response, path)
-    if text is None:
-        return None
-    if path == "/v1/completions":
-        prompt = body.get("prompt")
-        if not isinstance(prompt, str):
-            return None
-        base["prompt"] = prompt + text
     else:
-        messages = body.get("messages")
-        if not isinstance(messages, list):
+        text, tool_calls = _answer_text(response, path)
+        if text is None:
             return None
-        answer: dict[str, Any] = {"role": "assistant", "content": text}
-        if tool_calls:
-            answer["tool_calls"] = tool_calls
-        base["messages"] = [*messages, answer]
-    base["max_tokens"] = 1
-    return base
+        if path == "/v1/completions":
+            prompt = body.get("prompt")
+            if not isinstance(prompt, str):
+                return None
+            extended = {"prompt": prompt + text}
+        else:
+            messages = body.get("messages")
+            if not isinstance(messages, list):
+                return None
+            answer: dict[str, Any] = {"role": "assistant", "content": text}
+            if tool_calls:
+                answer["tool_calls"] = tool_calls
+            extended = {"messages": [*messages, answer]}
+    return warm_body(path, {**body, **extended}, session_id=session_id, rid=rid)
 
 
 class StreamAnswer:

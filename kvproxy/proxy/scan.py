@@ -313,6 +313,11 @@ class BodyScan(Mapping[str, Any]):
         """The body as a plain dict (materialises excised arrays)."""
         return {key: self[key] for key in self._doc}
 
+    @property
+    def size_bytes(self) -> int:
+        """The raw body's length (0 when it was not scanned from bytes)."""
+        return len(self._raw)
+
     # -- token ids -------------------------------------------------------------------
     @property
     def excised(self) -> tuple[str, ...]:
