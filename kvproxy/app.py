@@ -158,6 +158,7 @@ async def _admission_ctx(app: web.Application) -> AsyncIterator[None]:
         time_scale=config.server.time_scale,
         token_scale=config.server.token_scale,
         router_metrics_url=config.router.metrics_url,
+        router_url=config.router.url,
     )
     if config.admission.enabled:
         bytecount.load()  # the vectorised id count's import, not on the first big body

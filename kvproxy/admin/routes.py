@@ -20,6 +20,7 @@ from kvproxy.admin.auth import NEEDS_TOKEN, Access
 from kvproxy.admin.guard import guarded, is_allowed
 from kvproxy.admin.health import health_doc
 from kvproxy.admin.reload import reload_config
+from kvproxy.admission.prefetch import tool_end_in_s
 from kvproxy.config import ConfigError
 from kvproxy.keys import ADMISSION, CONFIG, DYNAMO, REGISTRY, SESSIONS
 from kvproxy.proxy.errors import ErrorType
@@ -69,6 +70,30 @@ async def handle_reload(request: web.Request) -> web.Response:
     return json_response(result)
 
 
+async def handle_prefetch(request: web.Request) -> web.Response:
+    """``POST /kvproxy/sessions/{session_id}/prefetch`` (body empty or ``{"in_s": s}``):
+    the session's tool returns now or in ``in_s`` seconds; program admission plans its
+    prefetch (docs/admission.md#prefetch). 202 with the plan, 400 on a bad body or with
+    prefetch off, 404 for a session it cannot plan for."""
+    sid = request.match_info["session_id"]
+    try:
+        in_s = tool_end_in_s(await request.read())
+    except ValueError as exc:
+        return error_response(ErrorType.INVALID_REQUEST, str(exc))
+    admission = request.app[ADMISSION]
+    if not admission.prefetching:
+        return error_response(
+            ErrorType.INVALID_REQUEST,
+            "prefetch is off (admission.prefetch: false, or program admission is not active)",
+        )
+    if not admission.expect_tool_end(sid, in_s):
+        return error_response(
+            ErrorType.SESSION_NOT_FOUND,
+            f"session {sid!r}: not known to program admission, no answer yet, or a turn in flight",
+        )
+    return json_response({"session_id": sid, "in_s": in_s, "planned": True}, status=202)
+
+
 def add_admin_routes(
     app: web.Application,
     close_session: Callable[[web.Request], Awaitable[web.StreamResponse]],
@@ -82,5 +107,9 @@ def add_admin_routes(
     app.router.add_post(
         "/kvproxy/sessions/{session_id}/close",
         guarded(Access.ADMIN, close_session),
+    )
+    app.router.add_post(
+        "/kvproxy/sessions/{session_id}/prefetch",
+        guarded(Access.ADMIN, handle_prefetch),
     )
     dashboard.add_routes(app)

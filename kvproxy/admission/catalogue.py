@@ -172,12 +172,16 @@ _C_EVENT = {e: _A + "event_" + e.value for e in Event}
 C_PAUSED_WAIT_SUM = _A + "paused_wait_seconds_sum"
 C_PAUSED_WAIT_COUNT = _A + "paused_wait_count"
 C_DIVERTED = _A + "router_diverted"
+C_PREFETCH_FAILED = _A + "prefetch_failed"
+C_PREFETCH_NO_PROMPT = _A + "prefetch_skipped_no_prompt"
 _PROGRAM_COUNTERS = (
     *_C_DECISION.values(),
     *_C_EVENT.values(),
     C_PAUSED_WAIT_SUM,
     C_PAUSED_WAIT_COUNT,
     C_DIVERTED,
+    C_PREFETCH_FAILED,
+    C_PREFETCH_NO_PROMPT,
 )
 for _o, _name in _C_DECISION.items():
     PROGRAM_HELP[_name] = f"Program admission decisions with outcome {_o.value}."
@@ -185,6 +189,10 @@ for _e, _name in _C_EVENT.items():
     PROGRAM_HELP[_name] = f"Program admission events: {_e.value}."
 PROGRAM_HELP[C_PAUSED_WAIT_SUM] = "Seconds paused sessions' turns waited before going (sum)."
 PROGRAM_HELP[C_PAUSED_WAIT_COUNT] = "Paused sessions' turns that waited."
+PROGRAM_HELP[C_PREFETCH_FAILED] = "Prefetches the router or engine did not answer with 200."
+PROGRAM_HELP[C_PREFETCH_NO_PROMPT] = (
+    "Prefetches due for a session whose last prompt was not kept (prefetch_max_bytes)."
+)
 PROGRAM_HELP[C_DIVERTED] = (
     "Requests smg routed outside the consistent-hashing ring (its random_fallback and "
     "no_healthy_workers branches); only counted when router.metrics_url is reachable."

@@ -64,6 +64,7 @@ from kvproxy.admission.learning import Learning
 from kvproxy.admission.ledger import Ledger
 from kvproxy.admission.params import ProgramParams
 from kvproxy.admission.poller import Poller, poll_loop, tick_loop
+from kvproxy.admission.prefetcher import Prefetcher
 from kvproxy.admission.program import ProgramCore
 from kvproxy.admission.program_gate import LEASE_PREFIX, ProgramGate
 from kvproxy.admission.records import (
@@ -109,6 +110,7 @@ class AdmissionController:
         time_scale: float = 1.0,
         token_scale: int = 1,
         router_metrics_url: str | None = None,
+        router_url: str | None = None,
     ) -> None:
         """``healthy_engines``: engine base URLs to poll. Program mode (docs/admission.md):
         ``router_policy`` is the router's policy as deployed (None: unknown, fleet-wide
@@ -169,6 +171,9 @@ class AdmissionController:
             size=learning.size,
             first_turn=learning.first_turn,
         )
+        self._program_gate.prefetcher = self.prefetcher = Prefetcher(
+            self.program, http, router_url, self._counters, cfg.prefetch_max_bytes
+        )
         for url, info in (server_info or {}).items():
             self.set_server_info(url, info)
         self._poll_task: asyncio.Task[None] | None = None
@@ -206,6 +211,7 @@ class AdmissionController:
     async def stop(self) -> None:
         """Stop polling and the aging timer; every waiter leaves as bypass/degraded."""
         await self._stop_polling()
+        await self.prefetcher.stop()
         self._fleet_gate.release_all(Reason.DEGRADED)
         self._program_gate.release_all(Outcome.BYPASS_NO_METRICS)
         self.ledger.clear_engines()
@@ -228,6 +234,9 @@ class AdmissionController:
         self._fleet.configure(max_wait_s=cfg.max_wait_s, max_queue=cfg.max_queue)
         self._fleet_gate.residency = residency_of(cfg)
         self._program_gate.cfg = cfg
+        self.prefetcher.prompts.max_bytes = cfg.prefetch_max_bytes
+        if not (cfg.enabled and cfg.prefetch):
+            self.prefetcher.prompts.clear()
         if was_enabled and not cfg.enabled:
             await self._stop_polling()
             self._fleet_gate.release_all(Reason.DISABLED)
@@ -325,6 +334,7 @@ class AdmissionController:
         Its waiting requests are not touched (the caller cancels tickets it owns); a
         lease of it still live is released normally but adds no residency.
         """
+        self.prefetcher.forget(session_id)
         if self.program.end_session(session_id, self._clock()):
             self._counters.inc(C_SESSION_ENDED)
             self._program_gate.drain(self._clock())
@@ -332,6 +342,22 @@ class AdmissionController:
             self._counters.inc(C_SESSION_ENDED)
             if self._fleet_gate.waiters:
                 self._fleet_gate.drain(self._clock())
+
+    @property
+    def prefetching(self) -> bool:
+        """Program admission is on and active, with prefetch on."""
+        return self._cfg.prefetch and self._program_gate.active
+
+    def expect_tool_end(self, session_id: str, in_s: float) -> bool:
+        """A client says the session's tool returns in ``in_s`` seconds (of the client's
+        time: scaled like every duration): its prefetch is planned (docs/admission.md
+        #prefetch). False when prefetch is off or the session is unknown, has no
+        answer yet, or has a turn in flight."""
+        if not self.prefetching:
+            return False
+        now = self._clock()
+        program = self.program
+        return program.prefetch.expect(program.ledger.get(session_id), in_s * self._time_scale, now)
 
     def learns_from(self, req: AdmissionRequest) -> bool:
         """Whether the engine's usage report for ``req`` (decided) would teach

@@ -90,6 +90,16 @@ class Event(StrEnum):
     # An engine heard from neither by /metrics nor by answers: its waiting turns leave
     # one per tick (fail open, gradually), never all at once.
     STALE_RELEASE = "stale_release"
+    # Prefetch (kvproxy.admission.prefetch): planned at an answer (or a client's call),
+    # sent when due, skipped when due (paused session; engine without a host tier,
+    # not heard from, or busy), or late (the turn came first).
+    PREFETCH_PLANNED = "prefetch_planned"
+    PREFETCH_SENT = "prefetch_sent"
+    PREFETCH_LATE = "prefetch_late"
+    PREFETCH_SKIPPED_PAUSED = "prefetch_skipped_paused"
+    PREFETCH_SKIPPED_NO_HOST_TIER = "prefetch_skipped_no_host_tier"
+    PREFETCH_SKIPPED_STALE = "prefetch_skipped_stale"
+    PREFETCH_SKIPPED_BUSY = "prefetch_skipped_busy"
 
 
 class Held(StrEnum):

@@ -58,6 +58,9 @@ class Session:
     turns: int = 0  # responses seen
     prio: int = 0  # last priority sent
     pause_pending: bool = False  # pause at its next response
+    # Its last tool calls' lengths (request after an answer), newest last: with
+    # prefetch on only (kvproxy.admission.prefetch).
+    tool_s: tuple[float, ...] = ()
 
     def footprint(self, buffer: int) -> int:
         return int(max(self.ctx + self.growth, self.est)) + buffer
@@ -169,6 +172,10 @@ class Engine:
     # Its write policy is write_back (/server_info): the host holds only what the device
     # evicted, so the two tiers add up (see EngineLedger.kv_room).
     host_write_back: bool = False
+    # Its last reading's token usage and waiting requests (the prefetch's gate).
+    token_usage: float | None = None
+    queue_reqs: int | None = None
+    prefetching: int = 0  # prefetches in flight to it
     # Feedback window (since window_start).
     window_start: float = 0.0
     evicted_delta: int = 0
@@ -231,9 +238,13 @@ class EngineLedger:
         streaming_held: int | None = None,
         streaming_sessions: int | None = None,
         host_tokens: int | None = None,
+        token_usage: float | None = None,
+        queue_reqs: int | None = None,
     ) -> bool:
         """One scrape of ``url``; returns whether it carried a capacity (fresh)."""
         eng = self.engine(url, now)
+        eng.token_usage = token_usage
+        eng.queue_reqs = queue_reqs
         if host_tokens is not None:
             eng.host_tokens = max(0, host_tokens)
         # Absent (engine without --enable-streaming-session): nothing pinned.

@@ -92,6 +92,10 @@ class ProgramParams:
     staleness_s: float = _D.effective_staleness_s
     max_queue: int = _D.max_queue
     max_sessions: int = _D.max_sessions
+    prefetch: bool = _D.prefetch
+    pressure_threshold: float = _D.pressure_threshold
+    prefetch_lead_s: float = _D.prefetch_lead_s
+    prefetch_max_in_flight: int = _D.prefetch_max_in_flight
 
     @property
     def engage_rule(self) -> EngageRule:
@@ -147,4 +151,8 @@ class ProgramParams:
             staleness_s=cfg.effective_staleness_s * k,
             max_queue=cfg.max_queue,
             max_sessions=cfg.max_sessions,
+            prefetch=cfg.prefetch,
+            pressure_threshold=cfg.pressure_threshold,
+            prefetch_lead_s=cfg.prefetch_lead_s * k,
+            prefetch_max_in_flight=cfg.prefetch_max_in_flight,
         )

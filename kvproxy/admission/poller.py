@@ -113,6 +113,8 @@ class Poller:
                 streaming_held=m.streaming_session_held_tokens,
                 streaming_sessions=m.num_streaming_sessions,
                 host_tokens=m.hicache_host_total_tokens,
+                token_usage=m.token_usage,
+                queue_reqs=m.num_queue_reqs,
             )
 
     async def probe(self, urls: Sequence[str], known: Container[str]) -> list[EngineSessionMode]:

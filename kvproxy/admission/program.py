@@ -32,6 +32,7 @@ from typing import Final
 from kvproxy.admission.decisions import Event, Held, Outcome
 from kvproxy.admission.engine_ledger import Engine, EngineLedger, Session, SessionState
 from kvproxy.admission.params import ProgramParams
+from kvproxy.admission.prefetch import Prefetches
 from kvproxy.admission.priority import next_priority
 from kvproxy.admission.queues import Entry, Queues
 from kvproxy.record import Record
@@ -71,10 +72,12 @@ class ProgramCore:
         # ticket -> (sid, outcome, engine it was started on)
         self._inflight: dict[str, tuple[str, Outcome, str]] = {}
         self._last_tick = 0.0
+        self.prefetch = Prefetches(params, self.events)
 
     def configure(self, params: ProgramParams) -> None:
         self.p = params
         self.ledger.configure(params)
+        self.prefetch.p = params
 
     # -- requests ------------------------------------------------------------------
 
@@ -92,7 +95,9 @@ class ProgramCore:
             return Verdict(Outcome.BYPASS_NO_PLACEMENT)
         if s is None:
             s = led.open(sid, owner, now, tokens)
-        elif s.engine != owner:
+        elif self.p.prefetch and not s.running and s.turns:
+            self.prefetch.tool_returned(s, now)
+        if s.engine != owner:
             self._move(s, owner, now)
         if s.state is SessionState.ACTIVE and not self.p.hold_continuing:
             return self._go(ticket, s, now, tokens, Outcome.CONTINUING_FORWARDED)
@@ -240,6 +245,8 @@ class ProgramCore:
         if s.pause_pending and not s.running and s.state is SessionState.ACTIVE:
             self.ledger.pause(s, now)
             self.events[Event.PAUSED] += 1
+        if self.p.prefetch and not s.running:
+            self.prefetch.answered(s, now)
 
     def running(self, ticket: str) -> bool:
         """Whether ``ticket`` is a turn this program admission let run (and still runs)."""
@@ -273,10 +280,17 @@ class ProgramCore:
 
     def end_session(self, sid: str, now: float) -> bool:
         """The session closed: it leaves at once (waiting turns of it stay queued)."""
+        self.prefetch.cancel(sid)
         if self.ledger.drop(sid) is None:
             return False
         self.events[Event.CLOSED] += 1
         return True
+
+    def prefetches(self, now: float) -> list[tuple[str, str]]:  # (prefetch.Prefetches)
+        return self.prefetch.due(self.ledger, now)
+
+    def prefetch_done(self, url: str) -> None:
+        self.prefetch.done(self.ledger, url)
 
     # -- placement -----------------------------------------------------------------
 
@@ -452,7 +466,8 @@ class ProgramCore:
     def tick(self, now: float) -> list[Release]:
         """Expiry, then per engine: resume/admit (drain), pause, feedback."""
         self._last_tick = now
-        for _ in self.ledger.expire(now):
+        for sid in self.ledger.expire(now):
+            self.prefetch.cancel(sid)
             self.events[Event.IDLE_EXPIRED] += 1
         out = self.drain(now)
         urls = set(self.ledger.engines) | set(self.queues.by_engine)
@@ -681,4 +696,5 @@ class ProgramCore:
             if write_back:
                 self.ledger.set_host_write_policy(url, "write_back")
         self._inflight.clear()
+        self.prefetch.clear()
         return tickets

@@ -36,6 +36,7 @@ from kvproxy.admission.catalogue import (
     C_WAIT_SECONDS_SUM,
 )
 from kvproxy.admission.decisions import Event, Outcome
+from kvproxy.admission.prefetcher import Prefetcher
 from kvproxy.admission.program import ProgramCore, Release
 from kvproxy.admission.records import BYPASS_CANCELLED, Action, AdmissionRequest, Decision
 from kvproxy.admission.report import WaitHistogram
@@ -92,6 +93,8 @@ class ProgramGate:
         self._wake = Wakeup(self._on_timer)
         self._fallback_logged = False
         self._events_seen: dict[str, int] = {}
+        # The prefetches' shell (kvproxy.admission.prefetcher), set by the controller.
+        self.prefetcher: Prefetcher | None = None
 
     # -- when it decides ---------------------------------------------------------------
 
@@ -205,6 +208,8 @@ class ProgramGate:
         if sid is not None and core.ledger.get(sid) is None:
             self._first_turn(ticket)
         verdict = core.request(ticket, sid, owner, tokens, now)
+        if core.p.prefetch and sid is not None and self.prefetcher is not None:
+            self.prefetcher.keep(req)
         # Dynamo's agent_hints.osl: the session grows by at least that much per turn.
         core.hint_growth(sid, expected_output(req.body))
         if verdict.outcome is not None:
@@ -310,6 +315,8 @@ class ProgramGate:
     def tick(self) -> None:
         now = self._clock()
         self._apply(self.core.tick(now))
+        if self.core.p.prefetch and self.prefetcher is not None:
+            self.prefetcher.send_due(now)
         self.sync_events()
         self._arm(now)
 

@@ -140,6 +140,18 @@ class AdmissionConfig:
     growth_window: int = 256
     growth_min_closed: int = 16
     growth_horizon_turns: float = 16.0
+    # Prefetch before the tool returns (docs/admission.md#prefetch): on an engine with a
+    # host KV tier (SGLang's HiCache), a one-token prefill of an idle session's last
+    # prompt, sent through the router with its routing key prefetch_lead_s before its tool
+    # is expected to return (the shortest of its last tool calls, or when a client says
+    # so: POST /kvproxy/sessions/{id}/prefetch), so that its next turn finds its prefix
+    # loaded back. Only while the engine queues nothing and its token usage is under
+    # pressure_threshold, at most prefetch_max_in_flight per engine; the prompts it
+    # resends are kept up to prefetch_max_bytes in all (least recently used out first).
+    prefetch: bool = False
+    prefetch_lead_s: float = 2.0
+    prefetch_max_in_flight: int = 2
+    prefetch_max_bytes: int = 256 * 1024 * 1024
     # Bound of the per-engine session table (least recently active idle session first).
     max_sessions: int = 100_000
     # A session with no request for this long stops being counted resident (its KV is
@@ -216,7 +228,7 @@ def _validate_request_keys(a: AdmissionConfig) -> None:
 
 # Program mode's keys by the range they must lie in.
 _NON_NEGATIVE = ("paused_max_wait_s", "new_session_max_wait_s", "idle_half_life_s")
-_POSITIVE = ("tick_s", "idle_lease_s", "idle_ttl_s", "feedback_window_s")
+_POSITIVE = ("tick_s", "idle_lease_s", "idle_ttl_s", "feedback_window_s", "prefetch_lead_s")
 _FRACTIONS = (
     "pause_high",
     "pause_low",
@@ -289,6 +301,14 @@ def _validate_program_relations(a: AdmissionConfig) -> None:
         f"admission.session_buffer_tokens: must be >= 0 (got {a.session_buffer_tokens})",
     )
     check(a.max_sessions >= 1, f"admission.max_sessions: must be >= 1 (got {a.max_sessions})")
+    check(
+        a.prefetch_max_in_flight >= 1,
+        f"admission.prefetch_max_in_flight: must be >= 1 (got {a.prefetch_max_in_flight})",
+    )
+    check(
+        a.prefetch_max_bytes >= 0,
+        f"admission.prefetch_max_bytes: must be >= 0 (got {a.prefetch_max_bytes})",
+    )
     check(a.growth_window >= 1, f"admission.growth_window: must be >= 1 (got {a.growth_window})")
     check(
         a.growth_min_closed >= 0,

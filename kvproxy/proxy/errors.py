@@ -28,6 +28,7 @@ class ErrorType(StrEnum):
     INVALID_REQUEST = "invalid_request"  # 400
     INVALID_CONFIG = "invalid_config"  # 400
     UNAUTHORIZED = "unauthorized"  # 401
+    SESSION_NOT_FOUND = "session_not_found"  # 404
 
 
 STATUS: dict[ErrorType, int] = {
@@ -41,6 +42,7 @@ STATUS: dict[ErrorType, int] = {
     ErrorType.INVALID_REQUEST: 400,
     ErrorType.INVALID_CONFIG: 400,
     ErrorType.UNAUTHORIZED: 401,
+    ErrorType.SESSION_NOT_FOUND: 404,
 }
 
 
