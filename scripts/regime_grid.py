@@ -61,6 +61,8 @@ from kvlab.regimes import CONTEXTS, ENGINES, RATIOS, SIZES, WORKLOADS, Fleet, pa
 from kvlab.sim.config import HICACHE_WRITE_POLICIES
 
 HICACHE_KEYS = ("hicache_ratio", "hicache_link_gb_s", "hicache_write_policy")
+# The policies a grid runs per cell and seed (--policies picks some).
+GRID_POLICIES = ("off", "ceiling", "both")
 # Faults run on the KV-bound cells only unless --faults-everywhere.
 FAULT_NAMES = tuple(FAULTS)
 KEEP = (
@@ -87,6 +89,7 @@ class Job:
     hicache_link_gb_s: float | None = None  # its host link; None: the preset's
     hicache_write_policy: str | None = None  # its write policy; None: write_through
     cap: int | None = None  # policy "cap": off with this many live sessions per engine
+    tool_hints: bool = False  # both: the workload tells kvproxy each tool call's length
 
     def config(self) -> LabConfig:
         sc = self.fleet.scenario()
@@ -106,6 +109,7 @@ class Job:
             hicache_ratio=self.hicache_ratio,
             hicache_link_gb_s=self.hicache_link_gb_s,
             hicache_write_policy=self.hicache_write_policy,
+            tool_hints=self.tool_hints,
         )
 
 
@@ -208,7 +212,11 @@ def jobs_for(
     hicache_ratio: float | None = None,
     hicache_link_gb_s: float | None = None,
     hicache_write_policy: str | None = None,
+    policies: Sequence[str] = GRID_POLICIES,
+    tool_hints: bool = False,
 ) -> list[Job]:
+    """The runs of ``policies`` (of off, ceiling, both; faults run with both) per cell
+    and seed; ``tool_hints``: both's workload tells kvproxy its tool calls' lengths."""
     out: list[Job] = []
     h: dict[str, Any] = {
         "hicache_ratio": hicache_ratio,
@@ -217,13 +225,17 @@ def jobs_for(
     }
     for f in cells:
         for seed in seeds:
-            out.append(Job(f, "off", seed=seed, **h))
-            out.append(Job(f, "ceiling", seed=seed, **h))
-            out.append(Job(f, "both", seed=seed, admission=admission, **h))
+            for name in ("off", "ceiling"):
+                if name in policies:
+                    out.append(Job(f, name, seed=seed, **h))
+            if "both" not in policies:
+                continue
+            both = {"admission": admission, "tool_hints": tool_hints, **h}
+            out.append(Job(f, "both", seed=seed, **both))
             for fault in faults:
                 if fault == "none" or (fault_cells is not None and f.key not in fault_cells):
                     continue
-                out.append(Job(f, "both", fault=fault, seed=seed, admission=admission, **h))
+                out.append(Job(f, "both", fault=fault, seed=seed, **both))
     # Longest first: big fleets first keeps both processes busy to the end.
     out.sort(key=lambda j: -j.fleet.per_engine)
     return out
@@ -614,6 +626,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         metavar="F1,F2,...",
         help="run only off with live sessions capped at these fractions of each fleet's size",
     )
+    ap.add_argument(
+        "--policies",
+        default=",".join(GRID_POLICIES),
+        help="which of off, ceiling, both to run (default all; judge a partial grid "
+        "beside the runs it lacks)",
+    )
+    ap.add_argument(
+        "--tool-hints",
+        action="store_true",
+        help="both's workload tells kvproxy each tool call's length as it starts "
+        "(POST /kvproxy/sessions/{id}/prefetch), for admission.prefetch",
+    )
     ap.add_argument("--out", type=Path, default=Path("results/regime_grid.json"))
     ap.add_argument(
         "--check",
@@ -684,6 +708,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     link = args.hicache_link_gb_s
     policy = args.hicache_write_policy
     seeds = _csv(args.seeds, int)
+    policies = _csv(args.policies, str)
     if args.caps is not None:
         if faults != ["none"] or admission:
             ap.error("--caps runs off only: no faults or --admission")
@@ -699,7 +724,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             hicache_write_policy=policy,
         )
     else:
-        jobs = jobs_for(grid, faults, seeds, admission, fault_cells, hicache_ratio, link, policy)
+        if not policies or set(policies) - set(GRID_POLICIES):
+            ap.error(f"--policies takes some of {', '.join(GRID_POLICIES)}, got {args.policies!r}")
+        jobs = jobs_for(
+            grid,
+            faults,
+            seeds,
+            admission,
+            fault_cells,
+            hicache_ratio,
+            link,
+            policy,
+            policies=policies,
+            tool_hints=args.tool_hints,
+        )
     t0 = time.perf_counter()
     rows: list[dict[str, Any]] = []
     with ProcessPoolExecutor(max_workers=max(1, args.jobs)) as pool:
@@ -713,6 +751,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "commit": git_revision(),
         "seeds": seeds,
         "admission": admission,
+        **({} if not args.tool_hints else {"tool_hints": True}),
         **({} if args.caps is None else {"caps": _csv(args.caps, float)}),
         **({} if hicache_ratio is None else {"hicache_ratio": hicache_ratio}),
         **({} if link is None else {"hicache_link_gb_s": link}),
@@ -725,6 +764,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.out.write_text(json.dumps(doc, indent=1) + "\n")
     if args.caps is not None:
         print(f"{len(rows)} capped runs in {args.out}; judge them beside a grid: --check")
+        return 0
+    if set(GRID_POLICIES) - set(policies):
+        print(f"{len(rows)} runs in {args.out}; judge them beside the runs they lack: --check")
         return 0
     cells = distinct(cell_rows(rows), pools)
     print(markdown(cells))

@@ -131,6 +131,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "implies --hicache",
     )
     parser.add_argument(
+        "--tool-hints",
+        action="store_true",
+        help="the workload tells kvproxy each tool call's length as it starts "
+        "(POST /kvproxy/sessions/{id}/prefetch), for admission.prefetch",
+    )
+    parser.add_argument(
         "--signal-fault",
         choices=tuple(FAULTS),
         default="none",
@@ -175,6 +181,7 @@ def run(args: argparse.Namespace) -> int:
         workload_overrides=workload_overrides,
         admission_overrides=admission,
         signal_fault=args.signal_fault,
+        tool_hints=args.tool_hints,
         hicache_ratio=hicache_ratio(args),
         hicache_link_gb_s=args.hicache_link_gb_s,
         hicache_write_policy=args.hicache_write_policy,
@@ -196,6 +203,7 @@ def run(args: argparse.Namespace) -> int:
             "hicache_ratio": cfg.hicache_ratio,
             "hicache_link_gb_s": cfg.hicache_link_gb_s,
             "hicache_write_policy": cfg.hicache_write_policy,
+            "tool_hints": cfg.tool_hints,
             "seeds": args.seeds,
             "policies": {
                 name: {

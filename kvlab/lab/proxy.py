@@ -93,12 +93,43 @@ class _Response:
             raise aiohttp.ClientError(f"HTTP {self.status}")
 
 
-class _EngineHttp:
-    """``http.post(url, data=...)`` delivered to the lab engine that owns ``url`` (an
-    :class:`~kvproxy.fleet.client.EngineHttp`)."""
+class _Routed:
+    """A request posted to the lab's router: sent to the engine its routing key's
+    placement picks, answered 200 once the engine finished it (502 on an engine error)."""
 
-    def __init__(self, engines: Mapping[str, LabEngine]) -> None:
+    __slots__ = ("_body", "_engine")
+
+    def __init__(self, engine: LabEngine, body: dict[str, Any]) -> None:
+        self._engine = engine
+        self._body = body
+
+    async def __aenter__(self) -> _Response:
+        try:
+            await self._engine.generate(self._body)
+        except EngineError:
+            return _Response(502)
+        return _Response(200)
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        return None
+
+
+# The router's URL in the lab: what admission's prefetches are posted to.
+LAB_ROUTER_URL = "http://lab-router"
+
+
+class _EngineHttp:
+    """``http.post(url, data=...)`` delivered to the lab engine that owns ``url``, or
+    through the placement for the lab's router (an :class:`~kvproxy.fleet.client.EngineHttp`)."""
+
+    def __init__(self, engines: Mapping[str, LabEngine], placement: Placement) -> None:
         self._engines = engines
+        self._placement = placement
         self.posts = 0
 
     def post(
@@ -108,8 +139,11 @@ class _EngineHttp:
         data: Any = None,
         headers: Mapping[str, str] | None = None,
         timeout: aiohttp.ClientTimeout | None = None,
-    ) -> _Response:
+    ) -> _Response | _Routed:
         self.posts += 1
+        if url.startswith(LAB_ROUTER_URL + "/"):
+            engine = self._engines[self._placement.pick(headers or {})]
+            return _Routed(engine, orjson.loads(data))
         for base, engine in self._engines.items():
             if url.startswith(base + "/"):
                 path = url[len(base) :]
@@ -162,7 +196,7 @@ class LabProxy:
         self._fault_rng = random.Random(seed)
         self.engines = {e.url: e for e in engines}
         self.placement = placement
-        self.http = _EngineHttp(self.engines)
+        self.http = _EngineHttp(self.engines, placement)
         self.identity_only = dataclasses.replace(config.session_lifecycle, enabled=True)
         self.sessions: SessionManager | None = None
         self.admission: AdmissionController | None = None
@@ -199,6 +233,7 @@ class LabProxy:
             workers=lambda: ring,
             server_info={url: e.server_info() for url, e in self.engines.items()},
             token_scale=cfg.server.token_scale,
+            router_url=LAB_ROUTER_URL,
         )
         self._turns = TurnFlow(self.sessions, self.admission, self)
         await self.sessions.start()

@@ -92,6 +92,9 @@ class LabConfig:
     # A fault of kvproxy's /metrics scrapes (kvlab.lab.faults: none, windows,
     # periodic, quarter, lag); off and ceiling do not scrape.
     signal_fault: str = "none"
+    # The workload tells kvproxy each tool call's length as it starts
+    # (POST /kvproxy/sessions/{id}/prefetch): the prefetch's client hook.
+    tool_hints: bool = False
     # SGLang's hierarchical cache on the engines (--enable-hierarchical-cache) with this
     # --hicache-ratio; None: off. Never for ceiling (its pool never evicts).
     hicache_ratio: float | None = None
@@ -247,7 +250,12 @@ async def _run(cfg: LabConfig) -> LabResult:
         try:
             result = await asyncio.wait_for(
                 run_workload(
-                    spec, transport, sessions=sessions, concurrency=concurrency, seed=cfg.seed
+                    spec,
+                    transport,
+                    sessions=sessions,
+                    concurrency=concurrency,
+                    seed=cfg.seed,
+                    tool_hints=transport if cfg.tool_hints else None,
                 ),
                 cfg.max_simulated_s,
             )
@@ -299,6 +307,7 @@ async def _run(cfg: LabConfig) -> LabResult:
         admission_counters=admission_counters,
         injected_priorities={str(k): v for k, v in sorted(proxy.priorities.items())},
         signal_fault=cfg.signal_fault,
+        tool_hints=cfg.tool_hints,
         simulated_s=round(simulated, 6),
         # Admission's wait of sessions' first requests (None: admission off).
         first_turn_wait_p99_s=None if p99 is None else round(p99, 4),

@@ -75,3 +75,9 @@ class LabTransport:
 
     async def close(self, session_id: str) -> None:
         await self.proxy.close_session(session_id)
+
+    async def tool_call(self, session_id: str, seconds: float) -> None:
+        """``POST /kvproxy/sessions/{id}/prefetch {"in_s": seconds}`` to the proxy."""
+        admission = self.proxy.admission
+        if admission is not None and not admission.expect_tool_end(session_id, seconds):
+            self.errors["tool_hint_refused"] = self.errors.get("tool_hint_refused", 0) + 1

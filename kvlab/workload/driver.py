@@ -17,6 +17,7 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import quote
 
 import aiohttp
 import orjson
@@ -156,6 +157,8 @@ class HttpTransport:
     ``speculative_prefill`` the requests are not streamed (as the Dynamo benchmarks ran;
     kvproxy prefills after a streamed answer too), so TTFT reads as the request's latency.
     ``routing_key``: the ``X-SMG-Routing-Key`` of a session's requests (default: its id).
+    As a runner's ``tool_hints`` it tells kvproxy each tool call's length as it starts
+    (``POST /kvproxy/sessions/{id}/prefetch``; the answers' statuses counted).
     """
 
     def __init__(
@@ -194,9 +197,12 @@ class HttpTransport:
         self.session_timeout_s = session_timeout_s
         self.session_control_scope = session_control_scope
         self.routing_key = routing_key
+        self._hint_timeout = aiohttp.ClientTimeout(total=5.0)
         self._started: set[str] = set()
         # session id -> HTTP status of its /close_session (None: no answer).
         self.close_status: dict[str, int | None] = {}
+        # The tool hints' answers: HTTP status (0: no answer) -> count.
+        self.tool_hint_status: dict[int, int] = {}
 
     def _headers(self, session_id: str) -> dict[str, str]:
         return {
@@ -301,6 +307,22 @@ class HttpTransport:
                 reply.ttft = clock() - reply.start
         return None
 
+    async def tool_call(self, session_id: str, seconds: float) -> None:
+        """``POST /kvproxy/sessions/{id}/prefetch {"in_s": seconds}``."""
+        status = 0
+        try:
+            async with self.http.post(
+                f"{self.base}/kvproxy/sessions/{quote(session_id, safe='')}/prefetch",
+                data=orjson.dumps({"in_s": seconds}),
+                headers=self._headers(session_id),
+                timeout=self._hint_timeout,
+            ) as resp:
+                await resp.read()
+                status = resp.status
+        except (aiohttp.ClientError, TimeoutError):
+            status = 0
+        self.tool_hint_status[status] = self.tool_hint_status.get(status, 0) + 1
+
     async def close(self, session_id: str) -> None:
         if not self.close_sessions:
             return
@@ -372,6 +394,8 @@ class HttpRun:
     engines_after: dict[str, dict[str, float]] = field(default_factory=dict)
     proxy_stats: dict[str, Any] | None = None
     close_status: dict[str, int | None] = field(default_factory=dict)
+    # The tool hints' answers (--tool-hints): HTTP status (0: none) -> count.
+    tool_hint_status: dict[int, int] = field(default_factory=dict)
 
     @property
     def engine_delta(self) -> dict[str, float]:
@@ -410,6 +434,8 @@ class HttpRun:
                 "closes_failed": len(self.close_status) - sum(1 for s in closes if s == 200),
             }
         )
+        if self.tool_hint_status:
+            out["tool_hints"] = {str(k): v for k, v in sorted(self.tool_hint_status.items())}
         if self.proxy_stats is not None:
             out["proxy_stats"] = self.proxy_stats
         return out
@@ -446,10 +472,12 @@ async def run_http(
     session_timeout_s: float | None = None,
     session_control_scope: str = "all",
     routing_key: Callable[[str], str] | None = None,
+    tool_hints: bool = False,
 ) -> HttpRun:
     """Run ``spec`` against ``base_url`` over HTTP. ``engine_urls`` are scraped
     (``/metrics``) before and after; ``read_stats`` reads ``{base}/kvproxy/stats``;
-    ``routing_key`` maps a session id to its ``X-SMG-Routing-Key`` (default: the id)."""
+    ``routing_key`` maps a session id to its ``X-SMG-Routing-Key`` (default: the id);
+    ``tool_hints``: tell kvproxy each tool call's length as it starts (its prefetch)."""
     base = base_url.rstrip("/")
     loop = asyncio.get_running_loop()
     connector = aiohttp.TCPConnector(limit=max(16, 2 * concurrency + 8))
@@ -480,9 +508,11 @@ async def run_http(
             time_scale=time_scale,
             progress=progress,
             deadline_s=run_timeout_s,
+            tool_hints=transport if tool_hints else None,
         )
         run.wall_s = loop.time() - start
         run.close_status = transport.close_status
+        run.tool_hint_status = transport.tool_hint_status
         run.engines_after = await scrape_engines(http, engine_urls)
         if read_stats:
             run.proxy_stats = await read_proxy_stats(http, base)
@@ -573,6 +603,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="nvext.agent_hints.speculative_prefill on every turn (requests not streamed)",
     )
+    p.add_argument(
+        "--tool-hints",
+        action="store_true",
+        help="tell kvproxy each tool call's length as it starts "
+        "(POST /kvproxy/sessions/{id}/prefetch; admission.prefetch)",
+    )
     p.add_argument("--json", metavar="PATH", help="write spec, summary and engine deltas here")
     p.add_argument(
         "--list-params", action="store_true", help="print the workload's parameters and exit"
@@ -634,6 +670,7 @@ def run(a: argparse.Namespace) -> int:
             speculative_prefill=a.speculative_prefill,
             session_timeout_s=a.session_timeout_s,
             session_control_scope=a.session_control_scope,
+            tool_hints=a.tool_hints,
         )
     )
     doc = result.to_dict()

@@ -39,6 +39,13 @@ class Transport(Protocol):
     async def close(self, session_id: str) -> None: ...
 
 
+class ToolHints(Protocol):
+    """A transport that can tell kvproxy how long a session's tool call will take
+    (``POST /kvproxy/sessions/{id}/prefetch``): what a harness that knows its tools does."""
+
+    async def tool_call(self, session_id: str, seconds: float) -> None: ...
+
+
 ProgressFn = Callable[[int, int, int], None]  # (completed, failed, total) main sessions
 
 
@@ -63,9 +70,11 @@ class _Run:
         result: WorkloadResult,
         time_scale: float,
         progress: ProgressFn | None,
+        tool_hints: ToolHints | None = None,
     ) -> None:
         self.spec = spec
         self.transport = transport
+        self.tool_hints = tool_hints
         self.result = result
         self.time_scale = time_scale
         self.progress = progress
@@ -151,6 +160,8 @@ class _Run:
             if turn.subagents:
                 await _all(self.session(s) for s in turn.subagents)
             if i < last:
+                if self.tool_hints is not None:
+                    await self.tool_hints.tool_call(plan.session_id, turn.tool_latency_s)
                 await self.pause(turn.tool_latency_s)
         rec.ok = True
 
@@ -197,9 +208,11 @@ async def run_workload(
     time_scale: float = 1.0,
     progress: ProgressFn | None = None,
     deadline_s: float | None = None,
+    tool_hints: ToolHints | None = None,
 ) -> WorkloadResult:
     """Run ``sessions`` main sessions (leads, trajectories) of ``spec``, ``concurrency``
-    at once, and return every record. Tool latencies sleep ``latency x time_scale``.
+    at once, and return every record. Tool latencies sleep ``latency x time_scale``;
+    with ``tool_hints`` each tool call's length is told before it starts.
 
     ``deadline_s`` (loop seconds): cancel what still runs then (those sessions count as
     failed, ``result.timed_out``); None waits for every session."""
@@ -211,7 +224,7 @@ async def run_workload(
         concurrency=concurrency,
         time_scale=time_scale,
     )
-    run = _Run(spec, transport, result, time_scale, progress)
+    run = _Run(spec, transport, result, time_scale, progress, tool_hints)
     programs = _programs(spec, seed, sessions)
     slots = max(1, concurrency // spec.group_size)
 

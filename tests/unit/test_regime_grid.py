@@ -271,3 +271,22 @@ def test_cap_jobs_carry_the_host_tier(grid: ModuleType) -> None:
     assert all(j.config().hicache_ratio == 2.0 for j in jobs)
     assert all(j.config().hicache_write_policy == "write_back" for j in jobs)
     assert all(j.config().hicache_ratio is None for j in grid.cap_jobs([fleet], [0.5], [0]))
+
+
+def test_a_grid_runs_only_the_policies_asked_and_tool_hints_only_with_both(
+    grid: ModuleType,
+) -> None:
+    fleet = grid.Fleet("swe", "long", 16, 2.5)
+    jobs = grid.jobs_for(
+        [fleet], ["none"], [0, 1], {"prefetch": True}, None, 2.0, policies=["both"], tool_hints=True
+    )
+    assert [(j.policy, j.seed) for j in jobs] == [("both", 0), ("both", 1)]
+    assert all(
+        j.config().tool_hints and j.config().admission_overrides == {"prefetch": True} for j in jobs
+    )
+    full = grid.jobs_for([fleet], ["none"], [0], {}, None, tool_hints=True)
+    assert {j.policy: j.config().tool_hints for j in full} == {
+        "off": False,
+        "ceiling": False,
+        "both": True,
+    }

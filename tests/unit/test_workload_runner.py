@@ -244,3 +244,34 @@ async def test_a_transport_error_stops_the_run_and_leaves_no_task_behind() -> No
     assert asyncio.all_tasks() == before
     # Every started session was still closed.
     assert sorted(fake.closed) == sorted(first)
+
+
+class HintedTransport(FakeTransport):
+    """Records each tool hint (session, seconds) with the calls made before it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hints: list[tuple[str, float, int]] = []
+
+    async def tool_call(self, session_id: str, seconds: float) -> None:
+        self.hints.append((session_id, seconds, len(self.calls)))
+
+
+async def test_tool_hints_tell_each_tool_calls_length_before_it_runs() -> None:
+    spec = workload_spec("swe", 16)
+    fake = HintedTransport()
+    res = await run_workload(
+        spec, fake, sessions=2, concurrency=2, seed=5, time_scale=0.0, tool_hints=fake
+    )
+    plans = [p for _, p in zip(range(2), session_plans(spec, 5), strict=False)]
+    for p in plans:
+        hinted = [(s, sec) for s, sec, _ in fake.hints if s == p.session_id]
+        # One hint per tool call (between turns), with the plan's latency.
+        assert hinted == [(p.session_id, t.tool_latency_s) for t in p.turns[:-1]]
+    # Each hint comes after the turn that precedes its tool call (its session's calls).
+    for sid, _, before in fake.hints:
+        assert any(c[0] == sid for c in fake.calls[:before])
+    assert summarize(res)["sessions"] == 2
+    quiet = HintedTransport()  # without tool_hints, never told
+    await run_workload(spec, quiet, sessions=1, concurrency=1, seed=5, time_scale=0.0)
+    assert quiet.hints == [] and quiet.calls
