@@ -67,6 +67,8 @@ class Variant:
     name: str
     lifecycle: bool = False
     admission: bool = False
+    # admission.prefetch on, and the workload tells kvproxy each tool call's length.
+    prefetch: bool = False
 
 
 VARIANTS: tuple[Variant, ...] = (
@@ -74,6 +76,7 @@ VARIANTS: tuple[Variant, ...] = (
     Variant("lifecycle", lifecycle=True),
     Variant("admission", admission=True),
     Variant("both", lifecycle=True, admission=True),
+    Variant("prefetch", lifecycle=True, admission=True, prefetch=True),
 )
 VARIANTS_BY_NAME: dict[str, Variant] = {v.name: v for v in VARIANTS}
 
@@ -267,7 +270,8 @@ def proxy_config(
         },
         "router": {"url": router_url, "engines": list(engine_urls), "policy": router_policy},
         "session_lifecycle": {"enabled": variant.lifecycle},
-        "admission": {"enabled": variant.admission},
+        "admission": {"enabled": variant.admission}
+        | ({"prefetch": True} if variant.prefetch else {}),
     }
 
 
@@ -646,6 +650,7 @@ def run_config(
                 request_timeout_s=scenario.request_timeout_sim_s * ts,
                 run_timeout_s=scenario.run_timeout_sim_s * ts,
                 routing_key=lab_routing_keys(engine_urls) if lab_placement else None,
+                tool_hints=variant.prefetch,
             )
         )
         wall = run.summary()
@@ -1014,7 +1019,7 @@ def verdict(name: str, med: Mapping[str, Any], base: Mapping[str, Any]) -> str:
         word = "faster"
     elif spm >= 1.05:
         word = "faster, with a worse tail"
-    elif spm <= 0.95 and name in ("admission", "both"):
+    elif spm <= 0.95 and name in ("admission", "both", "prefetch"):
         # Admission is built never to cost throughput: this is a bug, not a verdict.
         word = "slower: a defect, please report it with results.json (docs/admission.md)"
     elif spm <= 0.95:

@@ -91,8 +91,9 @@ class Event(StrEnum):
     # one per tick (fail open, gradually), never all at once.
     STALE_RELEASE = "stale_release"
     # Prefetch (kvproxy.admission.prefetch): planned at an answer (or a client's call),
-    # sent when due, skipped when due (paused session; engine without a host tier,
-    # not heard from, or busy), or late (the turn came first).
+    # sent when due, skipped when due (paused session; engine without a host tier, not
+    # heard from, busy, or its sessions overflowing pool + host), or late (the turn
+    # came first).
     PREFETCH_PLANNED = "prefetch_planned"
     PREFETCH_SENT = "prefetch_sent"
     PREFETCH_LATE = "prefetch_late"
@@ -100,6 +101,7 @@ class Event(StrEnum):
     PREFETCH_SKIPPED_NO_HOST_TIER = "prefetch_skipped_no_host_tier"
     PREFETCH_SKIPPED_STALE = "prefetch_skipped_stale"
     PREFETCH_SKIPPED_BUSY = "prefetch_skipped_busy"
+    PREFETCH_SKIPPED_OVERFLOW = "prefetch_skipped_overflow"
 
 
 class Held(StrEnum):

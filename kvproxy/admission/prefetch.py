@@ -14,8 +14,9 @@ tool runs. Who and when (docs/admission.md#prefetch):
 * a client that knows better says so (``POST /kvproxy/sessions/{id}/prefetch``);
 * when it is due it is sent only to an engine with a host tier (without one a prefetch
   is a recompute moved earlier: measured to lose, docs/benchmarks.md), heard from
-  lately, queueing nothing, under its pressure threshold and with fewer than its bound
-  of prefetches in flight, for a session still idle and not paused.
+  lately, queueing nothing, under its pressure threshold, running fewer than
+  ``min_inflight`` turns, with fewer than its bound of prefetches in flight and its
+  sessions within pool + host, for a session still idle and not paused.
 
 :class:`Prefetches` applies these rules over the ledger, :class:`PrefetchPlan` holds
 who is due when, :class:`Prompts` the prompts to resend, bounded in bytes.
@@ -189,7 +190,11 @@ class Prefetches:
 
     def _skip(self, ledger: EngineLedger, s: Session, now: float) -> Event | None:
         """Why a due prefetch is not sent (None: it is). Never to an engine that queues
-        work, is under pressure or already loads its bound: it must not delay decodes."""
+        work, is under pressure, runs ``min_inflight`` turns of kvproxy's or more, or
+        already loads its bound: it must not delay decodes. Nor where the engine's
+        sessions overflow pool + host (``tier_room``): the prefix may be lost there, and
+        the prefetch would recompute it (measured against sending on every idle engine:
+        docs/benchmarks.md, "Prefetch before the tool returns")."""
         if s.state is not SessionState.ACTIVE or s.pause_pending:
             return Event.PREFETCH_SKIPPED_PAUSED
         eng = ledger.engines.get(s.engine)
@@ -202,9 +207,12 @@ class Prefetches:
         if (
             eng.queue_reqs
             or usage >= p.pressure_threshold
+            or eng.load.inflight >= p.min_inflight
             or eng.prefetching >= p.prefetch_max_in_flight
         ):
             return Event.PREFETCH_SKIPPED_BUSY
+        if ledger.undecayed(s.engine) > ledger.tier_room(s.engine):
+            return Event.PREFETCH_SKIPPED_OVERFLOW
         return None
 
     @staticmethod

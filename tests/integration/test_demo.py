@@ -50,7 +50,7 @@ TIMEOUT_S = 360  # two runs of at most 144 s (run_timeout_sim_s x time scale), a
 
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: v.name)
-def test_proxy_config_is_the_documented_defaults_plus_three_keys(variant) -> None:  # type: ignore[no-untyped-def]
+def test_proxy_config_is_the_documented_defaults_plus_the_features_switches(variant) -> None:  # type: ignore[no-untyped-def]
     doc = proxy_config(
         variant,
         port=18100,
@@ -62,14 +62,16 @@ def test_proxy_config_is_the_documented_defaults_plus_three_keys(variant) -> Non
     )
     cfg = from_mapping(yaml.safe_load(yaml.safe_dump(doc)))
     # Nothing but the features' switches differs from the documented defaults.
-    assert cfg.admission == dataclasses.replace(AdmissionConfig(), enabled=variant.admission)
+    assert cfg.admission == dataclasses.replace(
+        AdmissionConfig(), enabled=variant.admission, prefetch=variant.prefetch
+    )
     assert cfg.session_lifecycle == dataclasses.replace(
         SessionLifecycleConfig(), enabled=variant.lifecycle
     )
     assert cfg.router.policy == "consistent_hashing"
     assert (cfg.server.time_scale, cfg.server.token_scale) == (0.2, 16)
     assert cfg.router.engines == ("http://127.0.0.1:18001", "http://127.0.0.1:18002")
-    assert set(doc["admission"]) == {"enabled"}
+    assert set(doc["admission"]) == ({"enabled", "prefetch"} if variant.prefetch else {"enabled"})
     assert set(doc["session_lifecycle"]) == {"enabled"}
 
 

@@ -359,3 +359,27 @@ def test_the_config_keys_reach_the_params_scaled() -> None:
     p = ProgramParams.from_config(cfg, time_scale=0.5)
     assert (p.prefetch, p.prefetch_lead_s, p.prefetch_max_in_flight) == (True, 1.5, 4)
     assert p.pressure_threshold == cfg.pressure_threshold
+
+
+def test_no_prefetch_to_an_engine_running_its_floor_of_turns() -> None:
+    c = core()
+    end = with_tool_calls(c, "s", [10.0])
+    observe(c, end)
+    c.ledger.engines[E1].load.inflight = P.min_inflight  # (other sessions' turns)
+    assert c.prefetches(end + 8.0) == []
+    assert c.events[Event.PREFETCH_SKIPPED_BUSY] == 1
+
+
+@pytest.mark.parametrize(("host", "sent"), [(2000, True), (810, True), (800, False), (100, False)])
+def test_no_prefetch_where_the_sessions_overflow_pool_and_host(host: int, sent: bool) -> None:
+    """Pool 1000: the session's footprint (1,610 + 100 growth + 100 buffer) fits pool +
+    810, not pool + 800. Past both tiers its prefix may be lost, and the prefetch would
+    recompute it."""
+    c = core(host_tokens=host)
+    end = 0.0
+    answered_turn(c, "s", "t0", end, tokens=1500)
+    end += 10.0
+    answered_turn(c, "s", "t1", end, tokens=1600)
+    observe(c, end, host_tokens=host)
+    assert c.prefetches(end + 8.0) == ([("s", E1)] if sent else [])
+    assert c.events[Event.PREFETCH_SKIPPED_OVERFLOW] == (0 if sent else 1)
