@@ -6,7 +6,7 @@ left the device for host memory; its next turn then waits for the load back. A
 prefetch is the session's last prompt sent again as one output token
 (:func:`kvproxy.warm.warm_body`), through the router with the session's routing key,
 ``lead`` seconds before its tool is expected to return, so the load happens while the
-tool runs. Who and when (docs/admission.md#prefetch):
+tool runs. Who and when (docs/admission.md#prefetch-before-the-tool-returns):
 
 * the expected tool call is the shortest of the session's last :data:`TOOL_SAMPLES`
   (request after an answer: a late prefetch is wasted, an early one only loads sooner);

@@ -1,5 +1,5 @@
 """Program admission's prefetches on the event loop (asyncio shell;
-docs/admission.md#prefetch).
+docs/admission.md#prefetch-before-the-tool-returns).
 
 The pure parts are :class:`~kvproxy.admission.program.ProgramCore` (who is due, and
 whether an engine may take it) and :mod:`kvproxy.admission.prefetch` (the plan, the

@@ -140,14 +140,16 @@ class AdmissionConfig:
     growth_window: int = 256
     growth_min_closed: int = 16
     growth_horizon_turns: float = 16.0
-    # Prefetch before the tool returns (docs/admission.md#prefetch): on an engine with a
-    # host KV tier (SGLang's HiCache), a one-token prefill of an idle session's last
-    # prompt, sent through the router with its routing key prefetch_lead_s before its tool
-    # is expected to return (the shortest of its last tool calls, or when a client says
-    # so: POST /kvproxy/sessions/{id}/prefetch), so that its next turn finds its prefix
-    # loaded back. Only while the engine queues nothing and its token usage is under
-    # pressure_threshold, at most prefetch_max_in_flight per engine; the prompts it
-    # resends are kept up to prefetch_max_bytes in all (least recently used out first).
+    # Prefetch before the tool returns (docs/admission.md#prefetch-before-the-tool-returns):
+    # on an engine with a host KV tier (SGLang's HiCache), an idle session's last prompt
+    # sent again as one output token through the router with its routing key,
+    # prefetch_lead_s before its tool is expected to return (the shortest of its last
+    # tool calls, or when a client says so: POST /kvproxy/sessions/{id}/prefetch), so
+    # that its next turn finds its prefix loaded back. Only to an engine that queues
+    # nothing, is under pressure_threshold, runs fewer than three of kvproxy's turns and
+    # prefetch_max_in_flight prefetches, and whose sessions fit pool + host; the prompts
+    # it resends are kept up to prefetch_max_bytes in all (least recently kept out
+    # first). Measured to gain nothing in the simulator (docs/benchmarks.md): off.
     prefetch: bool = False
     prefetch_lead_s: float = 2.0
     prefetch_max_in_flight: int = 2
