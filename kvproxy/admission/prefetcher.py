@@ -82,6 +82,9 @@ class Prefetcher:
                 core.prefetch_done(url)
                 self._counters.inc(C_PREFETCH_NO_PROMPT)
                 continue
+            # Sent once: the body holds the prompt now (its token ids parsed), and the
+            # session's next turn keeps its own.
+            self.prompts.forget(sid)
             headers = {
                 ROUTING_KEY_HEADER: kept.routing_key or sid,
                 "Content-Type": "application/json",

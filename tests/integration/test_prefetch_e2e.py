@@ -138,6 +138,7 @@ async def test_the_hook_plans_a_one_token_prefill_of_the_last_prompt_on_the_sess
         assert not pf_body.get("stream") and pf_body["rid"] != turn_body.get("rid")
         stats = adm.stats()
         assert stats[SENT] == 1
+        assert adm.prefetcher.prompts.get(sid) is None  # sent once, then not kept
         assert stats.get("agentic_kv/admission/prefetch_failed", 0) == 0
 
         # Bad input: a clear error, nothing planned.
