@@ -6,7 +6,11 @@ left the device for host memory; its next turn then waits for the load back. A
 prefetch is the session's last prompt sent again as one output token
 (:func:`kvproxy.warm.warm_body`), through the router with the session's routing key,
 ``lead`` seconds before its tool is expected to return, so the load happens while the
-tool runs. Who and when (docs/admission.md#prefetch-before-the-tool-returns):
+tool runs. (SGLang has no call that loads a prefix from host to device ahead of a
+request: HiCache's prefetch, ``HiRadixCache.prefetch_from_storage`` in sgl-project/sglang
+``mem_cache/hiradix_cache.py``, brings the storage tier into host memory and is started by
+a request's own match. So the mechanism is a request: its match loads what the host
+holds.) Who and when (docs/admission.md#prefetch-before-the-tool-returns):
 
 * the expected tool call is the shortest of the session's last :data:`TOOL_SAMPLES`
   (request after an answer: a late prefetch is wasted, an early one only loads sooner);

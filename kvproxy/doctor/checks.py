@@ -61,6 +61,7 @@ class Intent:
     admission: bool = True
     policy: str | None = None  # router.policy from the config, if any
     sticky_routing: bool = False
+    prefetch: bool = False  # admission.prefetch (off unless a config turns it on)
 
 
 @dataclass(frozen=True, slots=True)
@@ -529,8 +530,42 @@ def _metrics_line(subject: str, f: EngineFacts, intent: Intent) -> Line:
     )
 
 
-def fleet_lines(engines: Sequence[EngineFacts]) -> list[Line]:
-    """Checks across engines: mixed session modes."""
+def fleet_lines(engines: Sequence[EngineFacts], intent: Intent | None = None) -> list[Line]:
+    """Checks across engines: mixed session modes; with ``admission.prefetch`` on, an
+    engine with a host KV tier to prefetch from."""
+    out = _mode_lines(engines)
+    if intent is not None and intent.admission and intent.prefetch:
+        out += _prefetch_lines(engines)
+    return out
+
+
+def _prefetch_lines(engines: Sequence[EngineFacts]) -> list[Line]:
+    read = [
+        parse_engine_metrics(f.metrics_text or "")
+        for f in engines
+        if f.error is None and f.metrics_status == 200
+    ]
+    hosts = sum(1 for m in read if m.hicache_host_total_tokens)
+    if hosts:
+        return [
+            Line(
+                Status.OK,
+                "engines",
+                f"{hosts} of {len(engines)} report a host KV tier to prefetch from",
+            )
+        ]
+    return [
+        Line(
+            Status.WARN,
+            "engines",
+            "admission.prefetch is on but no engine reports a host KV tier "
+            "(sglang:hicache_host_total_tokens): every prefetch would be skipped",
+            "start the engines with --enable-hierarchical-cache, or turn admission.prefetch off",
+        )
+    ]
+
+
+def _mode_lines(engines: Sequence[EngineFacts]) -> list[Line]:
     modes = {
         parse_server_info(f.url, f.info).mode
         for f in engines

@@ -99,6 +99,7 @@ async def diagnose(
             admission=cfg.admission.enabled,
             policy=getattr(cfg.router, "policy", None),
             sticky_routing=cfg.session_lifecycle.sticky_routing,
+            prefetch=cfg.admission.prefetch,
         )
     else:
         intent = Intent()
@@ -110,7 +111,7 @@ async def diagnose(
         engines = await gather.read_engines(http, engine_urls, timeout_s)
         for facts in engines:
             lines += engine_lines(facts, intent)
-        lines += fleet_lines(engines)
+        lines += fleet_lines(engines, intent)
         if probe and router.error is None:
             probed = await gather.probe(http, url, engine_urls, timeout_s)
             lines += probe_lines(probed)

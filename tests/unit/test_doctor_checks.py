@@ -345,6 +345,35 @@ def test_fleet_lines_flag_mixed_session_modes() -> None:
     assert line.status is Status.WARN and "none, session_radix" in line.message
 
 
+HOST_TIER = '\nsglang:hicache_host_total_tokens{tp_rank="0"} 400000.0\n'
+
+
+@pytest.mark.parametrize(
+    ("intent", "host", "expected"),
+    [
+        (Intent(), False, None),  # prefetch off: nothing said
+        (Intent(prefetch=True, admission=False), False, None),  # admission off
+        (Intent(prefetch=True), True, Status.OK),
+        (Intent(prefetch=True), False, Status.WARN),
+    ],
+)
+def test_fleet_lines_check_a_host_tier_only_with_prefetch_on(
+    intent: Intent, host: bool, expected: Status | None
+) -> None:
+    metrics = GOOD_METRICS + (HOST_TIER if host else "")
+    engines = [_engine(metrics_text=metrics), _engine(metrics_text=GOOD_METRICS)]
+    lines = fleet_lines(engines, intent)
+    if expected is None:
+        assert lines == []
+    else:
+        (line,) = lines
+        assert line.status is expected
+        if expected is Status.WARN:
+            assert line.fix is not None and "--enable-hierarchical-cache" in line.fix
+        else:
+            assert "1 of 2 report a host KV tier" in line.message
+
+
 def _probe(status: int | None = 200, **recorded: list[str] | None) -> ProbeFacts:
     return ProbeFacts(
         session_id="sid-1",
