@@ -256,3 +256,40 @@ async def test_each_engines_host_write_policy_is_read_from_its_server_info() -> 
     for url in (A, B):
         led.observe_engine(url, 0.0, max_total_num_tokens=1000, host_tokens=2000)
     assert (led.kv_room(A), led.kv_room(B)) == (3000, 2000)
+
+
+async def test_prefetch_keeps_each_sessions_last_prompt_and_a_reload_turning_it_off_drops_them() -> (
+    None
+):
+    async def fetch(url: str) -> str:
+        return metrics(1000)
+
+    cfg = AdmissionConfig(enabled=True, poll_interval_s=3600.0, staleness_s=3600.0, prefetch=True)
+    ctl = AdmissionController(
+        cfg,
+        healthy_engines=lambda: [A, B],
+        http=None,
+        fetch_metrics=fetch,
+        router_policy="consistent_hashing",
+        router_url="http://router:1",
+    )
+    await ctl.start()
+    try:
+        assert ctl.prefetching
+        sid = keys_on(A, 1)[0]
+        first, second = request("t1", sid, 100), request("t2", sid, 120)
+        await turn(ctl, first, prompt=100)
+        await turn(ctl, second, prompt=120)
+        kept = ctl.prefetcher.prompts.get(sid)
+        assert kept is not None and kept.body is second.body  # the latest, by reference
+        assert ctl.expect_tool_end(sid, 30.0) and sid in ctl.program.prefetch
+        assert not ctl.expect_tool_end("unknown", 30.0)
+        ctl.end_session(sid)
+        assert ctl.prefetcher.prompts.get(sid) is None and sid not in ctl.program.prefetch
+        await turn(ctl, request("t3", "other", 100), prompt=100)
+        assert len(ctl.prefetcher.prompts) == 1
+        await ctl.reconfigure(AdmissionConfig(enabled=True, poll_interval_s=3600.0))
+        assert not ctl.prefetching and len(ctl.prefetcher.prompts) == 0
+        assert not ctl.expect_tool_end("other", 30.0)
+    finally:
+        await ctl.stop()
