@@ -32,7 +32,7 @@ import asyncio
 import dataclasses
 import random
 from collections.abc import AsyncIterator, Mapping, Sequence
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from types import MappingProxyType, TracebackType
 from typing import Any
 
@@ -93,30 +93,16 @@ class _Response:
             raise aiohttp.ClientError(f"HTTP {self.status}")
 
 
-class _Routed:
+@asynccontextmanager
+async def _routed(engine: LabEngine, body: dict[str, Any]) -> AsyncIterator[_Response]:
     """A request posted to the lab's router: sent to the engine its routing key's
     placement picks, answered 200 once the engine finished it (502 on an engine error)."""
-
-    __slots__ = ("_body", "_engine")
-
-    def __init__(self, engine: LabEngine, body: dict[str, Any]) -> None:
-        self._engine = engine
-        self._body = body
-
-    async def __aenter__(self) -> _Response:
-        try:
-            await self._engine.generate(self._body)
-        except EngineError:
-            return _Response(502)
-        return _Response(200)
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        return None
+    try:
+        await engine.generate(body)
+    except EngineError:
+        yield _Response(502)
+        return
+    yield _Response(200)
 
 
 # The router's URL in the lab: what admission's prefetches are posted to.
@@ -139,11 +125,11 @@ class _EngineHttp:
         data: Any = None,
         headers: Mapping[str, str] | None = None,
         timeout: aiohttp.ClientTimeout | None = None,
-    ) -> _Response | _Routed:
+    ) -> AbstractAsyncContextManager[_Response]:
         self.posts += 1
         if url.startswith(LAB_ROUTER_URL + "/"):
             engine = self._engines[self._placement.pick(headers or {})]
-            return _Routed(engine, orjson.loads(data))
+            return _routed(engine, orjson.loads(data))
         for base, engine in self._engines.items():
             if url.startswith(base + "/"):
                 path = url[len(base) :]

@@ -314,3 +314,30 @@ def test_admission_stays_permissive_where_the_engines_are_not_busy() -> None:
 def test_a_bad_signal_fault_is_a_clear_error() -> None:
     with pytest.raises(LabError, match="signal fault must be one of"):
         run_lab(dataclasses.replace(SMALL, signal_fault="flaky"))
+
+
+def test_prefetches_with_tool_hints_reach_the_sessions_engines_through_the_placement() -> None:
+    cfg = dataclasses.replace(
+        SMALL,
+        policy="both",
+        engine_overrides=TINY_POOL,
+        hicache_ratio=4.0,
+        tool_hints=True,
+        admission_overrides={"prefetch": True, "prefetch_lead_s": 0.25, "tick_s": 0.1},
+    )
+    r = run_lab(cfg)
+    counters = r.summary["admission_counters"]
+    sent = counters.get("event_prefetch_sent", 0)
+    assert sent >= 1 and counters.get("prefetch_failed", 0) == 0
+    assert counters["event_prefetch_planned"] >= sent
+    # Every request an engine saw is a turn or a prefetch (one output token each).
+    assert sum(e["requests"] for e in r.engines) == r.summary["turns"] + sent
+    assert r.summary["tool_hints"] is True and r.summary["proxy_errors"] == {}
+    # Without hints, timed by each session's own tool calls (the shortest of its last
+    # four): fewer plans, as the tool calls are learnt one by one.
+    own = run_lab(dataclasses.replace(cfg, tool_hints=False))
+    learnt = own.summary["admission_counters"]
+    assert 1 <= learnt["event_prefetch_planned"] < counters["event_prefetch_planned"]
+    assert sum(e["requests"] for e in own.engines) == own.summary["turns"] + learnt.get(
+        "event_prefetch_sent", 0
+    )
