@@ -62,20 +62,20 @@ def warm_body(
 def body_bytes(body: Mapping[str, Any]) -> int:
     """About what keeping ``body`` costs in memory: its raw size when it was scanned
     from bytes (:class:`~kvproxy.proxy.scan.BodyScan`), else an estimate from its token
-    ids (7 bytes each, as JSON digits and a comma) or its text."""
+    ids (7 bytes each, as JSON digits and a comma; counted, not walked) or its text."""
     size = getattr(body, "size_bytes", 0)
     if size:
         return int(size)
     total = 256
     for value in body.values():
-        if isinstance(value, list):
-            total += 7 * len(value) if value and isinstance(value[0], int) else 0
-            for item in value:
-                if isinstance(item, Mapping):
-                    content = item.get("content")
-                    total += len(content) if isinstance(content, str) else 64
-        elif isinstance(value, str):
+        if isinstance(value, str):
             total += len(value)
+        elif isinstance(value, list) and value and isinstance(value[0], int):
+            total += 7 * len(value)
+        elif isinstance(value, list):  # messages
+            for item in value:
+                content = item.get("content") if isinstance(item, Mapping) else None
+                total += len(content) if isinstance(content, str) else 64
     return total
 
 

@@ -90,6 +90,18 @@ class _Run:
         if seconds > 0 and self.time_scale > 0:
             await asyncio.sleep(seconds * self.time_scale)
 
+    async def tool_call(self, session_id: str, seconds: float) -> None:
+        """The session's tool call; with ``tool_hints`` its length is told as it starts,
+        while it runs (a harness does not wait for kvproxy's answer to run its tool)."""
+        if self.tool_hints is None:
+            await self.pause(seconds)
+            return
+        hint = asyncio.ensure_future(self.tool_hints.tool_call(session_id, seconds))
+        try:
+            await self.pause(seconds)
+        finally:
+            await hint  # (bounded: the transport's own timeout)
+
     async def session(self, plan: SessionPlan) -> None:
         rec = SessionRecord(
             session_id=plan.session_id,
@@ -160,9 +172,7 @@ class _Run:
             if turn.subagents:
                 await _all(self.session(s) for s in turn.subagents)
             if i < last:
-                if self.tool_hints is not None:
-                    await self.tool_hints.tool_call(plan.session_id, turn.tool_latency_s)
-                await self.pause(turn.tool_latency_s)
+                await self.tool_call(plan.session_id, turn.tool_latency_s)
         rec.ok = True
 
 

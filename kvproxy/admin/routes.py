@@ -73,8 +73,8 @@ async def handle_reload(request: web.Request) -> web.Response:
 async def handle_prefetch(request: web.Request) -> web.Response:
     """``POST /kvproxy/sessions/{session_id}/prefetch`` (body empty or ``{"in_s": s}``):
     the session's tool returns now or in ``in_s`` seconds; program admission plans its
-    prefetch (docs/admission.md#prefetch-before-the-tool-returns). 202 with the plan, 400 on a bad body or with
-    prefetch off, 404 for a session it cannot plan for."""
+    prefetch (docs/admission.md#prefetch-before-the-tool-returns). 202 with the plan,
+    400 on a bad body or with prefetch off, 404 for a session it cannot plan for."""
     sid = request.match_info["session_id"]
     try:
         in_s = tool_end_in_s(await request.read())

@@ -350,9 +350,9 @@ class AdmissionController:
 
     def expect_tool_end(self, session_id: str, in_s: float) -> bool:
         """A client says the session's tool returns in ``in_s`` seconds (of the client's
-        time: scaled like every duration): its prefetch is planned (docs/admission.md
-        #prefetch). False when prefetch is off or the session is unknown, has no
-        answer yet, or has a turn in flight."""
+        time: scaled like every duration): its prefetch is planned
+        (docs/admission.md#prefetch-before-the-tool-returns). False when prefetch is off
+        or the session is unknown, has no answer yet, or has a turn in flight."""
         if not self.prefetching:
             return False
         now = self._clock()

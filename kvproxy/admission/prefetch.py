@@ -136,6 +136,10 @@ class Prefetches:
         self.events = events
         self.plan = PrefetchPlan(params.max_sessions)
 
+    def configure(self, params: ProgramParams) -> None:
+        self.p = params
+        self.plan.max_sessions = params.max_sessions
+
     def __len__(self) -> int:
         return len(self.plan)
 

@@ -1,9 +1,9 @@
 """Program admission's prefetches on the event loop (asyncio shell;
 docs/admission.md#prefetch-before-the-tool-returns).
 
-The pure parts are :class:`~kvproxy.admission.program.ProgramCore` (who is due, and
-whether an engine may take it) and :mod:`kvproxy.admission.prefetch` (the plan, the
-prompts kept). This keeps each session's last request as its turn asked admission,
+The pure parts are in :mod:`kvproxy.admission.prefetch`: who is due and whether an
+engine may take it (``Prefetches``, over :class:`~kvproxy.admission.program.ProgramCore`'s
+ledger), the plan, the prompts kept. This keeps each session's last request as its turn asked admission,
 and at every tick sends the due prefetches: the prompt as one output token
 (:func:`kvproxy.warm.warm_body`) posted to the router with the session's routing key,
 in the background, each counted in flight on its engine until it answers. It never
@@ -53,29 +53,25 @@ class Prefetcher:
         self._tasks: set[asyncio.Task[None]] = set()
         self._timeout = aiohttp.ClientTimeout(total=PREFETCH_TIMEOUT_S)
 
-    @property
-    def in_flight(self) -> int:
-        return len(self._tasks)
-
     def keep(self, req: AdmissionRequest) -> None:
-        """Keep the session's request (the prompt its prefetch would resend)."""
+        """Keep the session's request (the prompt its prefetch would resend); nothing
+        without a router to send to."""
         sid = req.session_id
-        if sid is not None and self._router:
+        if sid is not None and self._router and self._http is not None:
             auth = header(req.headers, "Authorization")
             self.prompts.keep(sid, req.path, req.body, req.routing_key, auth)
 
     def forget(self, sid: str) -> None:
         self.prompts.forget(sid)
 
-    def send_due(self, now: float) -> int:
-        """Send the prefetches due at ``now`` (in the background); returns how many."""
-        sent = 0
+    def send_due(self, now: float) -> None:
+        """Send the prefetches due at ``now``, in the background."""
         core = self.core
         for sid, url in core.prefetches(now):
             kept = self.prompts.get(sid)
             body = (
                 None
-                if kept is None or self._http is None
+                if kept is None
                 else warm_body(kept.path, kept.body, session_id=sid, rid=new_rid())
             )
             if kept is None or body is None:
@@ -94,8 +90,6 @@ class Prefetcher:
             task = asyncio.ensure_future(self._send(url, kept.path, body, headers))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
-            sent += 1
-        return sent
 
     async def _send(
         self, url: str, path: str, body: dict[str, object], headers: dict[str, str]

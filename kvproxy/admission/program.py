@@ -77,7 +77,7 @@ class ProgramCore:
     def configure(self, params: ProgramParams) -> None:
         self.p = params
         self.ledger.configure(params)
-        self.prefetch.p = params
+        self.prefetch.configure(params)
 
     # -- requests ------------------------------------------------------------------
 

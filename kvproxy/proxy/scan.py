@@ -315,7 +315,7 @@ class BodyScan(Mapping[str, Any]):
 
     @property
     def size_bytes(self) -> int:
-        """The raw body's length (0 when it was not scanned from bytes)."""
+        """The raw body's length (0 when it was built from a parsed document)."""
         return len(self._raw)
 
     # -- token ids -------------------------------------------------------------------
@@ -513,7 +513,7 @@ def _full(raw: bytes) -> BodyScan | None:
         doc = orjson.loads(raw)
     except orjson.JSONDecodeError:
         return None
-    return BodyScan(doc, method=METHOD_FULL) if isinstance(doc, dict) else None
+    return BodyScan(doc, raw=raw, method=METHOD_FULL) if isinstance(doc, dict) else None
 
 
 def _arrays_to_excise(

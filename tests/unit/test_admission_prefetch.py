@@ -149,6 +149,10 @@ def test_a_scanned_body_counts_its_raw_bytes() -> None:
     scanned = scan_object(raw)
     assert scanned is not None and scanned.excised == ("input_ids",)
     assert body_bytes(scanned) == len(raw)
+    # A body with no array to excise is parsed whole, and still counts its raw bytes.
+    chat = b'{"messages": [{"role": "user", "content": "' + b"x" * 1000 + b'"}]}'
+    whole = scan_object(chat)
+    assert whole is not None and whole.excised == () and body_bytes(whole) == len(chat)
 
 
 # -- the one-token body ----------------------------------------------------------------

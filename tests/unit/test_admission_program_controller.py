@@ -264,13 +264,23 @@ async def test_prefetch_keeps_each_sessions_last_prompt_and_a_reload_turning_it_
     async def fetch(url: str) -> str:
         return metrics(1000)
 
+    class NoCalls:
+        """An HTTP client this test never reaches (no prefetch comes due in it)."""
+
+        def post(self, url: str, **kw: Any) -> Any:
+            raise AssertionError(f"unexpected POST {url}")
+
+        def get(self, url: str, **kw: Any) -> Any:
+            raise AssertionError(f"unexpected GET {url}")
+
     cfg = AdmissionConfig(enabled=True, poll_interval_s=3600.0, staleness_s=3600.0, prefetch=True)
     ctl = AdmissionController(
         cfg,
         healthy_engines=lambda: [A, B],
-        http=None,
+        http=NoCalls(),
         fetch_metrics=fetch,
         router_policy="consistent_hashing",
+        server_info={u: {"radix_eviction_policy": "lru"} for u in (A, B)},
         router_url="http://router:1",
     )
     await ctl.start()
