@@ -32,6 +32,22 @@ RESTART_ONLY = (
 )
 
 
+def keep_restart_only(running: Config, new: Config) -> Config:
+    """``new`` with every key of :data:`RESTART_ONLY` at its ``running`` value: the live
+    config reports what is in effect until a restart."""
+    sections: dict[str, dict[str, Any]] = {}
+    for key in RESTART_ONLY:
+        section, name = key.split(".", 1)
+        sections.setdefault(section, {})[name] = getattr(getattr(running, section), name)
+    return dataclasses.replace(
+        new,
+        **{
+            section: dataclasses.replace(getattr(new, section), **kept)
+            for section, kept in sections.items()
+        },
+    )
+
+
 def _changed_keys(old: Config, new: Config) -> list[str]:
     changed = []
     for section in ("server", "router", "session_lifecycle", "admission"):
@@ -52,22 +68,7 @@ async def reload_config(app: web.Application) -> dict[str, Any]:
     new = apply_overrides(load_config(running.source), live.overrides)
     changed = _changed_keys(running, new)
     pending = [k for k in changed if k in RESTART_ONLY]
-    # Keep restart-only values as they are running now.
-    new = dataclasses.replace(
-        new,
-        server=dataclasses.replace(
-            new.server,
-            host=running.server.host,
-            port=running.server.port,
-            max_body_bytes=running.server.max_body_bytes,
-            backlog=running.server.backlog,
-            time_scale=running.server.time_scale,
-            token_scale=running.server.token_scale,
-        ),
-        router=dataclasses.replace(
-            new.router, url=running.router.url, max_connections=running.router.max_connections
-        ),
-    )
+    new = keep_restart_only(running, new)
     live.config = new
     app[FLEET].reconfigure(new.router)
     await app[SESSIONS].reconfigure(new.session_lifecycle)

@@ -407,6 +407,20 @@ async def test_reload_applies_and_an_invalid_file_is_refused(
     assert doc["restart_required"] == ["server.port"]
     assert not proxy.app[CONFIG].config.admission.enabled
 
+    # Restart-only keys set at start-up keep their running values in the live config.
+    running = proxy.app[CONFIG].config.server
+    cfg.write_text(
+        f"router:\n  url: {router.url}\nserver:\n  gc_threshold: 700\n  malloc_retain_bytes: 0\n"
+    )
+    async with http.post(proxy.url + "/kvproxy/config/reload") as resp:
+        doc = await resp.json()
+    assert doc["restart_required"] == ["server.gc_threshold", "server.malloc_retain_bytes"]
+    live = proxy.app[CONFIG].config.server
+    assert (live.gc_threshold, live.malloc_retain_bytes) == (
+        running.gc_threshold,
+        running.malloc_retain_bytes,
+    )
+
 
 def test_sighup_reloads_a_running_server(tmp_path: Path, router: stack.ManagedProcess) -> None:
     cfg = tmp_path / "kvproxy.yaml"
