@@ -183,16 +183,42 @@ async def test_open_pins_kv_on_one_engine_serves_from_the_slot_and_matches_a_pla
     assert len(proxy.app[DYNAMO].slots) == 0
 
 
-async def test_generated_tokens_equal_a_run_without_session_control(
-    proxy: Proxy, http: aiohttp.ClientSession
+async def test_a_streaming_session_builds_the_context_a_plain_run_sends(
+    proxy: Proxy, st_engines: list[stack.ManagedProcess], http: aiohttp.ClientSession
 ) -> None:
     tag = f"same-{next(_ids)}"
     with_control = await _conversation(http, proxy, f"{tag}-s", tag, plain_sid="unused")
     without = await _conversation(http, proxy, None, tag, plain_sid=f"{tag}-plain")
-    assert [d["output_ids"] for d in with_control] == [d["output_ids"] for d in without]
-    assert [d["meta_info"]["prompt_tokens"] for d in with_control] == [
-        d["meta_info"]["prompt_tokens"] for d in without
+    # The simulator draws a turn's output ids from its rid (the same in both runs), so
+    # they cannot tell the runs apart. What can: the context the engine built. The
+    # streaming session's slot holds each turn's prompt and answer, and kvproxy sends a
+    # later turn's new tokens only; slot + new tokens must be the full prompt the plain
+    # run sent, turn by turn, and served from the slot.
+    bodies = [
+        orjson.loads(e["body"])
+        for e in await recorded(http, [e.url for e in st_engines], path="/generate")
+        if f'"{tag}-t' in e["body"]
     ]
+    plain = sorted((b for b in bodies if b.get("session_id") == f"{tag}-plain"), key=_rid)
+    streamed = sorted((b for b in bodies if b.get("session_id") != f"{tag}-plain"), key=_rid)
+    assert (
+        [_rid(b) for b in plain] == [_rid(b) for b in streamed] == [f"{tag}-t{k}" for k in range(3)]
+    )
+    slot: list[int] = []
+    for turn, (sent, full, doc) in enumerate(zip(streamed, plain, with_control, strict=True)):
+        assert sent["session_params"]["id"] == f"{tag}-s"  # every turn in the slot
+        assert slot + sent["input_ids"] == full["input_ids"]
+        assert doc["meta_info"]["prompt_tokens"] == len(full["input_ids"])
+        if turn > 0:
+            assert doc["meta_info"]["cached_tokens"] >= len(slot) - 1
+        slot = full["input_ids"] + doc["output_ids"]
+    assert [d["meta_info"]["prompt_tokens"] for d in without] == [
+        len(b["input_ids"]) for b in plain
+    ]
+
+
+def _rid(body: dict[str, Any]) -> str:
+    return str(body["rid"])
 
 
 async def test_a_mismatching_turn_falls_back_without_an_error(
