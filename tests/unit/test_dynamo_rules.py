@@ -11,7 +11,6 @@ import pytest
 from kvproxy.dynamo import streaming as st
 from kvproxy.dynamo.binding import BindTimers
 from kvproxy.dynamo.nvext import (
-    DEFAULT_BIND_TIMEOUT_S,
     NO_NVEXT,
     PREEMPTION_GAP,
     InvalidNvext,
@@ -70,8 +69,26 @@ def test_parse_nvext(
         assert got is NO_NVEXT
 
 
-def test_bind_default_is_dynamos() -> None:
-    assert DEFAULT_BIND_TIMEOUT_S == 300.0
+def test_a_bind_without_a_timeout_closes_after_dynamos_300_s_idle() -> None:
+    # Dynamo's agentic guide: a bound session without ``timeout`` is closed after 300 s.
+    # Parse the turn, start and end it on the timers as the shell does, and read when it
+    # closes; a later turn's own timeout replaces the default.
+    turn = parse_nvext({"nvext": {"session_control": {"session_id": "s", "action": "bind"}}})
+    timeout = turn.bind_timeout_s()
+    assert timeout is not None
+    timers = BindTimers(4)
+    timers.started("s", timeout, now=0.0)
+    timers.ended("s", now=10.0)
+    assert timers.expired(309.9) == []
+    assert timers.expired(310.0) == ["s"]
+    again = parse_nvext(
+        {"nvext": {"session_control": {"session_id": "s", "action": "bind", "timeout": 5}}}
+    )
+    timers.started("s", timeout, now=0.0)
+    timers.started("s", again.bind_timeout_s() or 0.0, now=1.0)
+    timers.ended("s", now=2.0)
+    timers.ended("s", now=2.0)
+    assert timers.expired(7.0) == ["s"]
 
 
 @pytest.mark.parametrize(
