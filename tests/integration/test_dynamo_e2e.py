@@ -348,14 +348,16 @@ async def _one_prefill_soon(
     mine: Any,
     done_at: float,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The turn and its one prefill on the session's engine, the prefill recorded
-    within about a second of the turn's [DONE] (a bounded poll, no fixed sleep)."""
+    """The turn and its one prefill on the session's engine, the prefill sent once the
+    turn's [DONE] is read (a bounded poll, no fixed sleep)."""
 
     async def prefilled() -> bool:
         return len(mine(await recorded(http, [owner]))) >= 2
 
-    await wait_until(prefilled, timeout_s=1.5, what="the prefill within ~1 s of [DONE]")
-    assert time.monotonic() - done_at < 1.5
+    # Sent at the end of the stream, not at the bind's timeout (300 s) or the session's
+    # close: 10 s bounds it with room for a busy host.
+    await wait_until(prefilled, timeout_s=10, what="the prefill soon after [DONE]")
+    assert time.monotonic() - done_at < 10
 
     async def answered() -> bool:
         return proxy.app[DYNAMO].counters.total(dynamo.PREFILL_SENT) == 1

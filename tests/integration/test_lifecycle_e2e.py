@@ -363,8 +363,10 @@ async def test_close_fans_out_to_every_engine_including_dead_ones(
     started = time.monotonic()
     result = await _close(http, proxy, sid)
     elapsed = time.monotonic() - started
-    # Answered within the bound although one engine never answers.
-    assert elapsed < 1 + 0.8, elapsed
+    # Answered although one engine never answers: by the 1 s bound, not by the client's
+    # own timeout. 5 s of slack for a busy host; unbounded, the close would wait on the
+    # blackhole for as long as the client does.
+    assert elapsed < 1 + 5, elapsed
     assert result["session_id"] == sid and result["already_closed"] is False
     assert result["engines_told"] == 2 and result["engines_failed"] == 2
     assert set(result["failures"]) == {refused, blackhole}

@@ -191,7 +191,8 @@ async def test_router_timeout_is_504_json(
         assert resp.status == 504
         doc = await resp.json()
     assert doc["error"]["type"] == "router_timeout"
-    assert time.monotonic() - started < 2.5
+    # Before the engine's own answer (3 s): the 0.5 s bound cut it, whatever the host's pace.
+    assert time.monotonic() - started < 3.0
 
 
 async def test_body_over_the_limit_is_413_json(

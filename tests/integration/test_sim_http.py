@@ -785,7 +785,10 @@ async def test_time_model_in_the_shell(make_client: ClientFactory) -> None:
     ).json()
     wall = time.monotonic() - t0
     assert body["meta_info"]["e2e_latency"] >= expected - 1e-6
-    assert body["meta_info"]["e2e_latency"] < expected + 0.5  # 50 ms wall of slack at 0.1
+    # Simulated time never runs ahead of the wall clock / time_scale (a step sleeps until
+    # its wall deadline; a late wake-up is reported as overrun, not added): an upper
+    # bound that a slow host only loosens.
+    assert body["meta_info"]["e2e_latency"] <= wall / 0.1 + 1e-3
     assert wall >= expected * 0.1
 
 

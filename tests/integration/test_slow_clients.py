@@ -73,10 +73,13 @@ async def proxy() -> AsyncIterator[Proxy]:
         await upstream.close()
 
 
-async def _slow_client(port: int, data: bytes, *, prefix: bytes = b"") -> tuple[float, bytes]:
+async def _slow_client(
+    port: int, data: bytes, *, prefix: bytes = b""
+) -> tuple[float, bytes, float]:
     """Send ``prefix`` at once, then ``data`` a byte at a time until the server closes.
 
-    Returns (seconds from the end of ``prefix`` to the close, what the server sent)."""
+    Returns (seconds from the end of ``prefix`` to the close, what the server sent, the
+    close's ``time.monotonic()``)."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     received = asyncio.ensure_future(reader.read(4096))
     if prefix:
@@ -98,7 +101,7 @@ async def _slow_client(port: int, data: bytes, *, prefix: bytes = b"") -> tuple[
         # After a 408 the server closes: the next read is EOF.
         rest = await asyncio.wait_for(reader.read(4096), timeout=SLACK_S) if got else b""
         assert rest == b""
-        return closed_at - started, got
+        return closed_at - started, got, closed_at
     finally:
         received.cancel()
         writer.close()
@@ -127,12 +130,12 @@ async def test_slow_clients_are_dropped_within_the_bound(
         assert await _metric(http, proxy.url, "header") == 0
         assert await _metric(http, proxy.url, "body") == 0
 
-        # Normal traffic alongside the slow clients: every request answered, quickly.
-        latencies: list[float] = []
+        # Normal traffic alongside the slow clients: every request answered, and answered
+        # while the slow clients still hold their connections.
+        answered_at: list[float] = []
 
         async def normal_traffic() -> None:
             for i in range(40):  # bounded
-                t0 = time.monotonic()
                 async with http.get(proxy.url + "/kvproxy/health") as resp:
                     assert resp.status == 200
                     await resp.read()
@@ -140,7 +143,7 @@ async def test_slow_clients_are_dropped_within_the_bound(
                 async with http.post(proxy.url + "/generate", data=body) as resp:
                     assert resp.status == 200, await resp.text()
                     assert (await resp.json())["text"] == "ok"
-                latencies.append(time.monotonic() - t0)
+                answered_at.append(time.monotonic())
                 await asyncio.sleep(0.02)
 
         slow_heads = [_slow_client(proxy.port, HEAD) for _ in range(5)]
@@ -149,15 +152,19 @@ async def test_slow_clients_are_dropped_within_the_bound(
         results = await asyncio.gather(normal_traffic(), *slow_heads, *silent, *slow_bodies)
         heads, bodies = results[1:7], results[7:]
 
-        for elapsed, got in heads:
+        for elapsed, got, _ in heads:
             assert HEADER_S - 0.05 <= elapsed <= HEADER_S + SLACK_S, elapsed
             assert got.startswith(b"HTTP/1.1 408 Request Timeout"), got
-        for elapsed, got in bodies:
+        for elapsed, got, _ in bodies:
             # Counted from the end of the head (sent at once): the body bound.
             assert BODY_S - 0.05 <= elapsed <= BODY_S + SLACK_S, elapsed
             assert got == b""  # closed, nothing answered
-        assert len(latencies) == 40
-        assert max(latencies) < 0.5, max(latencies)
+        assert len(answered_at) == 40
+        # Had the slow clients blocked the server (a read that waits on one connection, or
+        # connections served one at a time), no request could be answered before the
+        # first of them is dropped. Both times are this host's, so a slow host moves both.
+        first_drop = min(closed_at for _, _, closed_at in results[1:])
+        assert sum(t < first_drop for t in answered_at) >= 1, (answered_at[:5], first_drop)
 
         assert await _metric(http, proxy.url, "header") == 6
         assert await _metric(http, proxy.url, "body") == 3

@@ -161,7 +161,9 @@ async def test_post_to_all_reports_ok_errors_and_timeouts(
         timeout_s=FANOUT_TIMEOUT_S,
     )
     elapsed = loop.time() - t0
-    assert elapsed < FANOUT_TIMEOUT_S + 1.5
+    # The hanging engine is cut at the timeout, not awaited (it answers only at the end
+    # of the test); 5 s of slack for a busy host.
+    assert elapsed < FANOUT_TIMEOUT_S + 5
     assert res.ok == [good.url], res.failed
     assert set(res.failed) == {bad.url, slow.url, dead_url}
     assert res.failed[bad.url].startswith("HTTP 500")
