@@ -14,6 +14,7 @@ continuing-turn TTFT p99 of off and both, and both's first-turn wait p99.
     python scripts/regime_grid.py --check results/regime_grid.json   # the criteria only
     python scripts/regime_grid.py --check seeds01.json seeds23.json  # several runs' seeds together
     python scripts/regime_grid.py --check long.json old.json:short    # one file's short rows only
+    python scripts/regime_grid.py --check grid.json.gz                # a gzipped file as it is
     python scripts/regime_grid.py --hicache --out results/regime_grid_hicache.json
 
 ``--hicache`` runs the engines of off and both with SGLang's hierarchical cache
@@ -40,6 +41,7 @@ and under ``by_seed`` run by run, both / off paired with the same seed's off (ru
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import logging
 import math
@@ -420,6 +422,13 @@ def _caps_summary(capped: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     }
 
 
+def read_grid(path: Path) -> Any:
+    """A grid file's JSON; a name ending in ``.gz`` is read through gzip (docs/data keeps
+    its grids compressed)."""
+    raw = path.read_bytes()
+    return json.loads(gzip.decompress(raw) if path.suffix == ".gz" else raw)
+
+
 def check_arg(text: str) -> tuple[Path, frozenset[str] | None]:
     """A ``--check`` argument: ``FILE``, or ``FILE:CONTEXTS`` to take only the rows of those
     contexts (a comma list of short, long) from it."""
@@ -654,7 +663,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     if args.check is not None:
-        docs = [only_contexts(json.loads(p.read_text()), c) for p, c in args.check]
+        docs = [only_contexts(read_grid(p), c) for p, c in args.check]
         try:
             merged, merged_pools = merge_grids(docs)
         except ValueError as exc:
@@ -697,7 +706,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     fault_cells: set[str] | None = None
     if args.fault_cells == "kv-bound" and args.kv_bound_from is not None:
-        earlier = cell_rows(json.loads(args.kv_bound_from.read_text())["rows"])
+        earlier = cell_rows(read_grid(args.kv_bound_from)["rows"])
         fault_cells = {
             k
             for k, c in earlier.items()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -154,6 +155,29 @@ def test_check_of_two_files_judges_their_seeds_together(
     assert judged["by_seed"]["cells_median_below"][0]["median"] == pytest.approx(0.955)
     with pytest.raises(SystemExit):
         grid.main(["--check", paths[0], paths[0]])
+
+
+def test_check_reads_a_gzipped_grid_as_the_same_grid(
+    grid: ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    doc = {
+        "commit": "abc",
+        "seeds": [0],
+        "admission": {},
+        "pools": {},
+        "rows": _runs("swe/long/48/2.5", 0, 10.0, 9.5, 20.0),
+    }
+    plain = tmp_path / "grid.json"
+    plain.write_text(json.dumps(doc))
+    packed = tmp_path / "grid.json.gz"
+    packed.write_bytes(gzip.compress(plain.read_bytes()))
+    outs = []
+    for path in (plain, packed):
+        assert grid.main(["--check", f"{path}:long"]) == 0
+        out = capsys.readouterr().out
+        outs.append(out[out.index("{\n") :])
+    assert outs[0] == outs[1]
+    assert json.loads(outs[1])["by_seed"]["runs_below"]["total"] == 1
 
 
 def test_check_takes_one_context_of_a_file(
