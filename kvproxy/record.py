@@ -10,7 +10,7 @@ of a four-field record (valgrind, CPython 3.11): a named tuple 3.2k instructions
 either build (its ``__new__`` is Python code, which compiled callers call too), a slotted
 dataclass 2.0k / 2.6k (Python / compiled), a frozen one 7.0k (it sets each field through
 ``object.__setattr__``), this 2.0k / 0.4k (compiled, the ``__init__`` is C).
-docs/benchmarks.md, "Records without named tuples", has the request-path counts.
+docs/benchmarks.md, "Instructions per request", has the request-path counts.
 """
 
 from __future__ import annotations
