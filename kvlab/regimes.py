@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvlab.demo import Scenario
+from kvlab.rollout import Scenario
 from kvlab.workload.spec import workload_spec
 
 WORKLOADS = ("swe", "rl", "subagents")

@@ -30,9 +30,9 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from kvlab.demo import git_revision
 from kvlab.lab.ablation import ABLATIONS
 from kvlab.lab.runner import LabConfig, run_lab
+from kvlab.provenance import git_revision
 
 # Fields of a row kept in the JSON (the rest of the summary is dropped).
 KEEP = (

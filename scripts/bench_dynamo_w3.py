@@ -30,7 +30,7 @@ import orjson
 from aiohttp.test_utils import TestServer
 
 from kvlab import stack
-from kvlab.demo import git_revision
+from kvlab.provenance import git_revision
 from kvlab.workload.driver import run_http
 from kvlab.workload.spec import workload_spec
 from kvproxy.app import create_app

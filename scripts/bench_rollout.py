@@ -27,7 +27,7 @@ Cells (live working set / fleet pool, per engine: live sessions x mean context p
 
 Writes ``<out>/bench.json`` (every run, with provenance: commit, command, seeds, host
 load, the engines' clock overrun) and ``<out>/bench.md`` (a table per cell), and prints
-the markdown. The machinery is kvlab.demo's (the same code as ``kvproxy demo``).
+the markdown. The machinery is kvlab.rollout's (the same code as ``kvproxy demo``).
 """
 
 from __future__ import annotations
@@ -42,13 +42,15 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from kvlab.demo import (
+from kvlab.lab.cli import seed_list
+from kvlab.provenance import git_revision
+from kvlab.regimes import parse_fleet
+from kvlab.rollout import (
     DEMO_W1,
     METRICS,
     VARIANTS_BY_NAME,
     Scenario,
     Variant,
-    git_revision,
     parse_variants,
     pid_alive,
     ratio,
@@ -57,8 +59,6 @@ from kvlab.demo import (
     verdict,
     with_host_tier,
 )
-from kvlab.lab.cli import seed_list
-from kvlab.regimes import parse_fleet
 from kvlab.sim.config import HICACHE_WRITE_POLICIES
 
 # Concurrency is scaled down from the presets' (48, 64 and 24 sessions per engine) and

@@ -25,7 +25,7 @@ from benchproxy.common import (
     in_build_of,
 )
 from benchproxy.runner import Params
-from kvlab.demo import git_revision
+from kvlab.provenance import git_revision
 
 
 def _f(value: Any, digits: int = 3) -> str:

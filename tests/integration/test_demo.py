@@ -16,27 +16,23 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kvlab.demo import (
+from kvlab.demo import add_arguments, gap_closed, lab_policies, run_lab_table, scenario_from_args
+from kvlab.lab.runner import POLICIES
+from kvlab.rollout import (
     DEMO_W1,
     QUICK_W1,
     VARIANTS,
     VARIANTS_BY_NAME,
-    add_arguments,
     format_table,
-    gap_closed,
-    lab_policies,
     lab_routing_keys,
     pid_alive,
     proxy_config,
     ratio,
     report_lines,
-    run_lab_table,
     run_scenario,
-    scenario_from_args,
     to_simulated,
     verdict,
 )
-from kvlab.lab.runner import POLICIES
 from kvproxy.config import AdmissionConfig, SessionLifecycleConfig, from_mapping
 
 needs_smg = pytest.mark.skipif(

@@ -21,8 +21,8 @@ import pytest
 from aiohttp.test_utils import TestServer
 
 from kvlab import stack
-from kvlab.demo import sim_overrun_s
 from kvlab.lab.runner import LabConfig, run_lab
+from kvlab.rollout import sim_overrun_s
 from kvlab.workload.driver import HttpTransport, scrape_engine
 from kvlab.workload.model import WorkloadResult
 from kvlab.workload.report import summarize
