@@ -21,7 +21,8 @@ import enum
 import hashlib
 import hmac
 
-COOKIE_NAME = "kvproxy_dashboard"
+from kvproxy.credentials import COOKIE_NAME, bearer_matches, token_matches
+
 NEEDS_TOKEN = "admin endpoint: send Authorization: Bearer <server.admin_token>"
 _COOKIE_CONTEXT = b"kvproxy dashboard session v1"
 
@@ -37,11 +38,6 @@ def cookie_value(token: str) -> str:
     return hmac.new(token.encode(), _COOKIE_CONTEXT, hashlib.sha256).hexdigest()
 
 
-def token_matches(token: str, candidate: str) -> bool:
-    """Constant-time comparison of a submitted token with the configured one."""
-    return hmac.compare_digest(token.encode(), candidate.encode())
-
-
 def allowed(
     access: Access,
     *,
@@ -55,10 +51,19 @@ def allowed(
         return True
     if access is Access.STATS and public_stats:
         return True
-    if authorization is not None:
-        scheme, _, value = authorization.partition(" ")
-        if scheme.lower() == "bearer" and token_matches(token, value.strip()):
-            return True
+    if bearer_matches(token, authorization):
+        return True
     if access is Access.ADMIN:
         return False
     return cookie is not None and hmac.compare_digest(cookie, cookie_value(token))
+
+
+__all__ = [
+    "COOKIE_NAME",
+    "NEEDS_TOKEN",
+    "Access",
+    "allowed",
+    "bearer_matches",
+    "cookie_value",
+    "token_matches",
+]

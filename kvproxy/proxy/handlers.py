@@ -30,20 +30,29 @@ import aiohttp
 import orjson
 from aiohttp import web
 from multidict import CIMultiDict
+from yarl import URL
 
 from kvproxy.admission.coordinator import AdmissionController
 from kvproxy.admission.records import Decision
 from kvproxy.config import LiveConfig
+from kvproxy.credentials import bearer_matches
 from kvproxy.dynamo import streaming
 from kvproxy.dynamo.control import Dynamo, Turn
 from kvproxy.dynamo.prefill import StreamAnswer
 from kvproxy.dynamo.relay import serve_streaming
 from kvproxy.headers import forward_request_headers, forward_response_headers
-from kvproxy.proxy.body import BodyParts, parse_object, unjoined
+from kvproxy.paths import (
+    OWN_PREFIX,
+    ForwardRules,
+    compile_forward_paths,
+    encoded_path,
+    encoded_query,
+    path_problem,
+)
+from kvproxy.proxy.body import BodyParts, parse_object
 from kvproxy.proxy.errors import ErrorType
 from kvproxy.proxy.metrics import ProxyMetrics
 from kvproxy.proxy.pipeline import (
-    PARTS_MIN_BYTES,
     Plan,
     Refusal,
     close_target,
@@ -53,14 +62,17 @@ from kvproxy.proxy.pipeline import (
     with_turn_headers,
 )
 from kvproxy.proxy.refusals import Refused, refusal_response
+from kvproxy.proxy.relaying import (
+    RESPONSE_BUFFER_LIMIT,
+    observe_streamed,
+    payload,
+    tail_observer,
+    usage_readers,
+)
 from kvproxy.proxy.responses import error_response
 from kvproxy.proxy.scan import validated
 from kvproxy.proxy.turn import ObserveUsage, TurnFlow
-from kvproxy.proxy.upstream import PartsPayload
 from kvproxy.proxy.usage import (
-    StreamedBodyUsage,
-    TailWindow,
-    search_usage,
     usage_from_body,
 )
 from kvproxy.sessions.identity import (
@@ -76,8 +88,6 @@ log = logging.getLogger(__name__)
 INTERCEPTED_PATHS = frozenset({"/generate", "/v1/chat/completions", "/v1/completions"})
 # Bodies up to this size are read whole before forwarding; larger ones are streamed.
 _BUFFER_LIMIT = 256 * 1024
-# Non-streaming upstream responses up to this size are returned in one write.
-_RESPONSE_BUFFER_LIMIT = 1024 * 1024
 
 ObserveBody = Callable[[bytes], None]
 ObserveStream = Callable[[StreamAnswer], None]
@@ -208,6 +218,9 @@ class ProxyHandlers:
         self.turns: TurnFlow[Attempt, Turn, web.StreamResponse, TrackedRequest] = TurnFlow(
             sessions, admission, self
         )
+        # router.forward_paths compiled, recompiled when a reload changes it.
+        self._rules_of: tuple[str, ...] = ()
+        self._rules = compile_forward_paths(())
 
     # ------------------------------------------------------------------ dispatch
     async def dispatch(self, request: web.Request) -> web.StreamResponse:
@@ -221,6 +234,9 @@ class ProxyHandlers:
         try:
             if self.shutdown.started:
                 raise Refused(ErrorType.SHUTTING_DOWN, "kvproxy is shutting down")
+            problem = path_problem(request.raw_path)
+            if problem is not None:
+                raise Refused(ErrorType.INVALID_PATH, f"{problem}: refused")
             path_sid, path = self._session_path(request)
             counted = path
             response = await self._route(request, path, path_sid, started)
@@ -243,15 +259,41 @@ class ProxyHandlers:
     ) -> Awaitable[web.StreamResponse]:
         """The handler's coroutine for ``path`` (returned, not awaited: one coroutine
         fewer on every request)."""
+        rules = self.forward_rules()
         if request.method == "POST":
-            if path in INTERCEPTED_PATHS:
+            if path in INTERCEPTED_PATHS and rules.allows(path):
                 return self.intercepted(request, path, path_sid, started)
             if path == "/close_session":
                 if self.live.config.session_lifecycle.enabled:
                     return self.close_session_api(request, path_sid)
                 if self.live.config.admission.enabled:
                     return self.close_session_passthrough(request, path_sid, started)
-        return self.passthrough(request, path, started)
+        if rules.allows(path) or self._control_plane(request, path):
+            return self.passthrough(request, path, started)
+        raise Refused(
+            ErrorType.NOT_FOUND,
+            f"{request.method} {path}: not forwarded (not in router.forward_paths)",
+        )
+
+    def forward_rules(self) -> ForwardRules:
+        """``router.forward_paths`` compiled (once per value: a reload may change it)."""
+        patterns = self.live.config.router.forward_paths
+        if patterns is not self._rules_of:
+            self._rules = compile_forward_paths(patterns)
+            self._rules_of = patterns
+        return self._rules
+
+    def _control_plane(self, request: web.Request, path: str) -> bool:
+        """A path outside the data plane goes to the router only with
+        ``router.forward_control_plane`` on and the admin bearer token."""
+        config = self.live.config
+        token = config.server.admin_token
+        return (
+            config.router.forward_control_plane
+            and token is not None
+            and not path.startswith(OWN_PREFIX)
+            and bearer_matches(token, request.headers.get("Authorization"))
+        )
 
     # --------------------------------------------------------------- passthrough
     async def passthrough(
@@ -396,8 +438,10 @@ class ProxyHandlers:
             return None  # a deferred token array is not JSON: the engine answers 400
         route = dynamo.plan(turn, body, key)
         if route.kind in (streaming.OPEN, streaming.EXTEND):
-            headers = forward_request_headers(attempt.request, plan.headers or None)
-            observe_tail = _tail_observer(attempt.observe_usage)
+            headers = forward_request_headers(
+                attempt.request, plan.headers or None, self.live.config.server.admin_token
+            )
+            observe_tail = tail_observer(attempt.observe_usage)
             served = await serve_streaming(
                 dynamo, attempt.request, turn, body, dict(fields), headers, observe_tail
             )
@@ -413,18 +457,25 @@ class ProxyHandlers:
         assert plan.body is not None
         headers = attempt.sent_headers  # forward()'s, unless Dynamo's relay served it
         if headers is None:
-            headers = forward_request_headers(attempt.request, plan.headers or None)
+            headers = forward_request_headers(
+                attempt.request, plan.headers or None, self.live.config.server.admin_token
+            )
         self.dynamo.after_response(turn, plan.body, headers)
 
     # ------------------------------------------------------------------- forward
     async def forward(self, attempt: Attempt) -> web.StreamResponse:
         """Send one upstream attempt and stream its response back."""
         request = attempt.request
-        url = self.live.router_base + attempt.path
-        if request.query_string:
-            url += "?" + request.query_string
-        headers = attempt.sent_headers = forward_request_headers(request, attempt.extra_headers)
-        body = _payload(attempt.body)
+        # The path routed on, encoded, and the query as received: never re-parsed.
+        target = self.live.router_base + encoded_path(attempt.path)
+        query = request.rel_url.raw_query_string
+        if query:
+            target += "?" + encoded_query(query)
+        url = URL(target, encoded=True)
+        headers = attempt.sent_headers = forward_request_headers(
+            request, attempt.extra_headers, self.live.config.server.admin_token
+        )
+        body = payload(attempt.body)
         sent_at = time.perf_counter()
         try:
             upstream_cm = self.http.request(
@@ -474,7 +525,7 @@ class ProxyHandlers:
         length = upstream.content_length
         event_stream = _SSE in upstream.headers.get("Content-Type", "")
         overhead = sent_at - attempt.started - attempt.waited
-        if length is not None and length <= _RESPONSE_BUFFER_LIMIT and not event_stream:
+        if length is not None and length <= RESPONSE_BUFFER_LIMIT and not event_stream:
             return self._relay_buffered(attempt, upstream, headers, overhead)
         return self._relay_streamed(attempt, upstream, headers, overhead, event_stream)
 
@@ -494,7 +545,7 @@ class ProxyHandlers:
             response.content_length = length
         await response.prepare(attempt.request)
         self.metrics.added_latency.observe(overhead + (time.perf_counter() - headers_at))
-        window, whole = _usage_readers(attempt, event_stream, upstream.status == 200)
+        window, whole = usage_readers(attempt, event_stream, upstream.status == 200)
         end = b""  # the stream's last bytes, to recognise its final [DONE] event
         try:
             async for chunk in upstream.content.iter_any():
@@ -521,7 +572,7 @@ class ProxyHandlers:
         with contextlib.suppress(ConnectionResetError):
             await response.write_eof()
         if upstream.status == 200:
-            _observe_streamed(attempt, window, whole)
+            observe_streamed(attempt, window, whole)
         return response
 
     async def _relay_buffered(
@@ -597,82 +648,6 @@ class ProxyHandlers:
             raise Refused(ErrorType.INVALID_SESSION_ID, str(exc)) from None
         result = await self.sessions.close(session_id, reason=reason)
         return web.Response(body=orjson.dumps(result.to_json()), content_type="application/json")
-
-
-class _Kept:
-    """A chunked body kept whole up to the buffered-response limit (None past it)."""
-
-    __slots__ = ("_chunks", "_size")
-
-    def __init__(self) -> None:
-        self._chunks: list[bytes] | None = []
-        self._size = 0
-
-    def feed(self, chunk: bytes) -> None:
-        if self._chunks is None:
-            return
-        self._size += len(chunk)
-        if self._size > _RESPONSE_BUFFER_LIMIT:
-            self._chunks = None
-        else:
-            self._chunks.append(chunk)
-
-    @property
-    def data(self) -> bytes | None:
-        return None if self._chunks is None else b"".join(self._chunks)
-
-
-def _usage_readers(
-    attempt: Attempt, event_stream: bool, ok: bool
-) -> tuple[TailWindow | StreamedBodyUsage | None, _Kept | StreamAnswer | None]:
-    """What a streamed response tells the ledger (an event stream's tail, or a JSON
-    body's counts searched as it passes, wherever they are in it), and what is kept of
-    it: a chunked JSON body whole, bounded, for ``observe_body``; an event stream's
-    answer, bounded, for ``observe_stream`` (``ok``: a 200, the only answer kept)."""
-    window: TailWindow | StreamedBodyUsage | None = None
-    if attempt.observe_usage is not None:
-        window = TailWindow() if event_stream else StreamedBodyUsage()
-    whole: _Kept | StreamAnswer | None = None
-    if event_stream:
-        if attempt.observe_stream is not None and ok:
-            whole = StreamAnswer(attempt.path, on_done=attempt.observe_stream)
-    elif attempt.observe_body is not None:
-        whole = _Kept()
-    return window, whole
-
-
-def _observe_streamed(
-    attempt: Attempt,
-    window: TailWindow | StreamedBodyUsage | None,
-    whole: _Kept | StreamAnswer | None,
-) -> None:
-    """A 200 relayed to its end: its usage and what was kept go to their observers."""
-    if window is not None and attempt.observe_usage is not None:
-        attempt.observe_usage(window.usage())
-    if isinstance(whole, StreamAnswer):
-        whole.finish()  # observed at its [DONE] already, unless the stream had none
-    elif whole is not None and whole.data is not None and attempt.observe_body is not None:
-        attempt.observe_body(whole.data)
-
-
-def _payload(
-    body: bytes | BodyParts | aiohttp.StreamReader | None,
-) -> bytes | PartsPayload | aiohttp.StreamReader | None:
-    """An attempt's body as the client session sends it: a spliced big body as its
-    parts, a big body as received without aiohttp's copy of it next to the request head
-    (:func:`~kvproxy.proxy.body.unjoined`), anything else as it is."""
-    if isinstance(body, tuple):
-        return PartsPayload(body)
-    if isinstance(body, bytes) and len(body) >= PARTS_MIN_BYTES:
-        return PartsPayload(unjoined(body))
-    return body
-
-
-def _tail_observer(observe: ObserveUsage | None) -> Callable[[bytes], None] | None:
-    """Dynamo's relay hands back the stream's last bytes."""
-    if observe is None:
-        return None
-    return lambda tail: observe(search_usage(tail))
 
 
 __all__ = ["INTERCEPTED_PATHS", "Attempt", "ProxyHandlers", "Shutdown"]
