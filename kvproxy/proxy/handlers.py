@@ -61,7 +61,7 @@ from kvproxy.proxy.pipeline import (
     render_body,
     with_turn_headers,
 )
-from kvproxy.proxy.refusals import Refused, refusal_response
+from kvproxy.proxy.refusals import Refused, json_body, refusal_response
 from kvproxy.proxy.relaying import (
     RESPONSE_BUFFER_LIMIT,
     observe_streamed,
@@ -605,19 +605,34 @@ class ProxyHandlers:
         """``POST /close_session {"session_id": ...}``: SGLang's API, served by the proxy.
 
         Under ``/sessions/{id}/`` the path names the session and the body may be empty;
-        a body naming another session is refused.
+        a body naming another session is refused. A body must be JSON (415), and a
+        session bound to a credential is closed only with it or the admin token (403).
         """
-        sid = close_target(await request.read(), path_sid)
+        sid = close_target(await json_body(request), path_sid)
         if isinstance(sid, Refusal):
             raise Refused.of(sid)
+        self._check_may_close(request, sid)
         return await self._close(sid, reason="close_session")
+
+    def _check_may_close(self, request: web.Request, session_id: str) -> None:
+        """Refuse (403) a close by another credential than the session's own (the admin
+        bearer token may close any session)."""
+        token = self.live.config.server.admin_token
+        if token is not None and bearer_matches(token, request.headers.get("Authorization")):
+            return
+        if not self.sessions.may_close(session_id, request.headers):
+            raise Refused(
+                ErrorType.FORBIDDEN,
+                f"session {session_id!r} was opened with another credential: send that "
+                "credential, or the admin token",
+            )
 
     async def close_session_passthrough(
         self, request: web.Request, path_sid: str | None, started: float
     ) -> web.StreamResponse:
         """Lifecycle off, admission on: the session's KV stops counting as resident,
         and the request goes to the router as it came (the router gives its own answer)."""
-        raw = await request.read()
+        raw = await json_body(request)
         doc = parse_object(raw)
         sid = doc.get("session_id") if doc is not None else None
         sid = sid if isinstance(sid, str) else path_sid
@@ -633,7 +648,10 @@ class ProxyHandlers:
                 "session lifecycle is disabled (session_lifecycle.enabled: false)",
             )
         try:
-            return await self._close(request.match_info["session_id"], reason="admin")
+            await json_body(request)
+            session_id = request.match_info["session_id"]
+            self._check_may_close(request, session_id)
+            return await self._close(session_id, reason="admin")
         except Refused as exc:
             return refusal_response(exc)
 

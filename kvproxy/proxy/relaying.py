@@ -7,7 +7,7 @@ speculative prefill, and how an attempt's body is handed to the client session.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import aiohttp
 
@@ -18,8 +18,15 @@ from kvproxy.proxy.turn import ObserveUsage
 from kvproxy.proxy.upstream import PartsPayload
 from kvproxy.proxy.usage import StreamedBodyUsage, TailWindow, search_usage
 
-if TYPE_CHECKING:
-    from kvproxy.proxy.handlers import Attempt
+
+class Attempt(Protocol):
+    """What the relay reads of an upstream attempt (:class:`kvproxy.proxy.handlers.Attempt`)."""
+
+    path: str
+    observe_usage: ObserveUsage | None
+    observe_body: Callable[[bytes], None] | None
+    observe_stream: Callable[[StreamAnswer], None] | None
+
 
 # Non-streaming upstream responses up to this size are returned in one write.
 RESPONSE_BUFFER_LIMIT = 1024 * 1024
