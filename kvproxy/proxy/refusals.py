@@ -36,11 +36,14 @@ MAX_CONTROL_BODY = 64 * 1024
 
 
 def json_content_type(content_type: str | None, has_body: bool) -> bool:
-    """Whether a control request's Content-Type is acceptable: ``application/json``
-    (parameters allowed), or none at all with no body. Anything else (``text/plain``,
-    a form) is what a cross-origin page can send without a preflight: refused."""
+    """Whether a control request's Content-Type is acceptable: a body must be
+    ``application/json`` (parameters allowed); an empty one may say anything. A body of
+    another type (``text/plain``, a form: what a cross-origin page can send without a
+    preflight) is refused."""
+    if not has_body:
+        return True
     if not content_type:
-        return not has_body
+        return False
     return content_type.split(";", 1)[0].strip().lower() == "application/json"
 
 
