@@ -41,16 +41,11 @@ from kvproxy.dynamo.control import Dynamo, Turn
 from kvproxy.dynamo.prefill import StreamAnswer
 from kvproxy.dynamo.relay import serve_streaming
 from kvproxy.headers import forward_request_headers, forward_response_headers
-from kvproxy.paths import (
-    OWN_PREFIX,
-    ForwardRules,
-    compile_forward_paths,
-    encoded_path,
-    encoded_query,
-    path_problem,
-)
+from kvproxy.paths import encoded_path, encoded_query, path_problem
+from kvproxy.plane import origin_allowed
 from kvproxy.proxy.body import BodyParts, parse_object
 from kvproxy.proxy.errors import ErrorType
+from kvproxy.proxy.gate import ForwardGate
 from kvproxy.proxy.metrics import ProxyMetrics
 from kvproxy.proxy.pipeline import (
     Plan,
@@ -218,9 +213,10 @@ class ProxyHandlers:
         self.turns: TurnFlow[Attempt, Turn, web.StreamResponse, TrackedRequest] = TurnFlow(
             sessions, admission, self
         )
-        # router.forward_paths compiled, recompiled when a reload changes it.
-        self._rules_of: tuple[str, ...] = ()
-        self._rules = compile_forward_paths(())
+        # Request body bytes held in memory now (server.max_buffered_bytes).
+        self.buffered = 0
+        # Which paths go to the router (router.forward_paths, the control-plane opt-in).
+        self.gate = ForwardGate(live)
 
     # ------------------------------------------------------------------ dispatch
     async def dispatch(self, request: web.Request) -> web.StreamResponse:
@@ -259,7 +255,7 @@ class ProxyHandlers:
     ) -> Awaitable[web.StreamResponse]:
         """The handler's coroutine for ``path`` (returned, not awaited: one coroutine
         fewer on every request)."""
-        rules = self.forward_rules()
+        rules = self.gate.rules()
         if request.method == "POST":
             if path in INTERCEPTED_PATHS and rules.allows(path):
                 return self.intercepted(request, path, path_sid, started)
@@ -268,31 +264,11 @@ class ProxyHandlers:
                     return self.close_session_api(request, path_sid)
                 if self.live.config.admission.enabled:
                     return self.close_session_passthrough(request, path_sid, started)
-        if rules.allows(path) or self._control_plane(request, path):
+        if rules.allows(path) or self.gate.control_plane(request, path):
             return self.passthrough(request, path, started)
         raise Refused(
             ErrorType.NOT_FOUND,
             f"{request.method} {path}: not forwarded (not in router.forward_paths)",
-        )
-
-    def forward_rules(self) -> ForwardRules:
-        """``router.forward_paths`` compiled (once per value: a reload may change it)."""
-        patterns = self.live.config.router.forward_paths
-        if patterns is not self._rules_of:
-            self._rules = compile_forward_paths(patterns)
-            self._rules_of = patterns
-        return self._rules
-
-    def _control_plane(self, request: web.Request, path: str) -> bool:
-        """A path outside the data plane goes to the router only with
-        ``router.forward_control_plane`` on and the admin bearer token."""
-        config = self.live.config
-        token = config.server.admin_token
-        return (
-            config.router.forward_control_plane
-            and token is not None
-            and not path.startswith(OWN_PREFIX)
-            and bearer_matches(token, request.headers.get("Authorization"))
         )
 
     # --------------------------------------------------------------- passthrough
@@ -309,35 +285,66 @@ class ProxyHandlers:
             # Stream it; Content-Length is kept.
             extra = {"Content-Length": str(length)}
             return await self.forward(Attempt(request, path, request.content, started, extra))
+        held = self._hold(length or 0)
         try:
-            body = await request.read()
-        except web.HTTPRequestEntityTooLarge:
-            raise _too_large(max_body) from None
-        return await self.forward(Attempt(request, path, body, started))
+            try:
+                body = await request.read()
+            except web.HTTPRequestEntityTooLarge:
+                raise _too_large(max_body) from None
+            if length is None:
+                held = self._hold(len(body))
+            return await self.forward(Attempt(request, path, body, started))
+        finally:
+            self.buffered -= held
+
+    def _hold(self, size: int) -> int:
+        """Count ``size`` body bytes against ``server.max_buffered_bytes`` (the bodies
+        held in memory, all requests together); past it 503 overloaded. Returns ``size``:
+        the caller gives it back (``self.buffered -= size``) when the request is done."""
+        limit = self.live.config.server.max_buffered_bytes
+        if limit and self.buffered + size > limit:
+            raise Refused(
+                ErrorType.OVERLOADED,
+                f"request bodies held in memory are at server.max_buffered_bytes ({limit})",
+            )
+        self.buffered += size
+        return size
 
     # --------------------------------------------------------------- intercepted
     async def intercepted(
         self, request: web.Request, path: str, path_sid: str | None, started: float
     ) -> web.StreamResponse:
-        cfg = self.live.config
-        max_body = cfg.server.max_body_bytes
-        if request.content_length is not None and request.content_length > max_body:
+        length = request.content_length
+        max_body = self.live.config.server.max_body_bytes
+        if length is not None and length > max_body:
             raise _too_large(max_body)
+        held = self._hold(length or 0)
         try:
-            raw = await request.read()
-        except web.HTTPRequestEntityTooLarge:
-            raise _too_large(max_body) from None
+            try:
+                raw = await request.read()
+            except web.HTTPRequestEntityTooLarge:
+                raise _too_large(max_body) from None
+            if length is None:
+                held = self._hold(len(raw))
+            return await self._intercept(request, path, path_sid, started, raw)
+        finally:
+            self.buffered -= held
+
+    def _intercept(
+        self, request: web.Request, path: str, path_sid: str | None, started: float, raw: bytes
+    ) -> Awaitable[web.StreamResponse]:
+        cfg = self.live.config
         if not (cfg.session_lifecycle.enabled or cfg.admission.enabled):
-            return await self.forward(Attempt(request, path, raw, started))
+            return self.forward(Attempt(request, path, raw, started))
         # Read only what a decision needs: token-id arrays are not built.
         body = read_body(cfg, path, raw)
         plan = plan_request(cfg, path, path_sid, request.headers, body)
         if isinstance(plan, Refusal):
             raise Refused.of(plan)
         if plan.passthrough:  # not a JSON object: the bytes as received
-            return await self.forward(Attempt(request, path, raw, started))
+            return self.forward(Attempt(request, path, raw, started))
         attempt = Attempt(request, path, raw, started)
-        return await self.turns.run(attempt, plan, path, request.headers)
+        return self.turns.run(attempt, plan, path, request.headers)
 
     # ------------------------------------------------------ the turn (kvproxy.proxy.turn)
     def entered(self, attempt: Attempt, plan: Plan, tracked: TrackedRequest | None) -> None:
@@ -617,7 +624,13 @@ class ProxyHandlers:
     def _check_may_close(self, request: web.Request, session_id: str) -> None:
         """Refuse (403) a close by another credential than the session's own (the admin
         bearer token may close any session)."""
-        token = self.live.config.server.admin_token
+        server = self.live.config.server
+        origin = request.headers.get("Origin")
+        if origin is not None and not origin_allowed(
+            request.method, origin, f"{request.scheme}://{request.host}", server.admin_origins
+        ):
+            raise Refused(ErrorType.FORBIDDEN, f"cross-origin close from {origin!r} refused")
+        token = server.admin_token
         if token is not None and bearer_matches(token, request.headers.get("Authorization")):
             return
         if not self.sessions.may_close(session_id, request.headers):
