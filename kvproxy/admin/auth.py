@@ -23,6 +23,7 @@ from __future__ import annotations
 import enum
 import hashlib
 import hmac
+import math
 import secrets
 import time
 from collections import OrderedDict, deque
@@ -100,6 +101,14 @@ class SignInLimiter:
         self._failures: OrderedDict[str, deque[float]] = OrderedDict()
         self._max_clients = max_clients
         self.unlogged = 0  # failures since the last log line (kvproxy.admin.dashboard)
+        self._logged_at = -math.inf
+
+    def log_due(self, now: float) -> bool:
+        """Whether a log line about the failures is due (one per window at most)."""
+        if now - self._logged_at < self.WINDOW_S:
+            return False
+        self._logged_at = now
+        return True
 
     def _recent(self, client: str, now: float) -> deque[float] | None:
         times = self._failures.get(client)

@@ -42,7 +42,6 @@ from kvproxy.admin.views import (
 )
 from kvproxy.admission.coordinator import AdmissionController
 from kvproxy.keys import ADMISSION, CONFIG, PROXY_METRICS, SESSIONS
-from kvproxy.observability import RateLimitedLog
 from kvproxy.proxy.metrics import ProxyMetrics
 from kvproxy.sessions.lifecycle import SessionManager
 
@@ -112,7 +111,6 @@ def new_timeline() -> Timeline:
 TIMELINE = web.AppKey("timeline", Timeline)
 # Failed sign-ins per client address, and their log (one line a minute at most).
 SIGN_IN = web.AppKey("sign_in", SignInLimiter)
-_sign_in_log = RateLimitedLog(log, SignInLimiter.WINDOW_S)
 
 
 async def timeline_ctx(app: web.Application) -> AsyncIterator[None]:
@@ -197,12 +195,12 @@ async def handle_sign_in(request: web.Request) -> web.Response:
     submitted = form.get("token")
     if not isinstance(submitted, str) or not token_matches(token, submitted.strip()):
         limiter.failed(client, now)
-        if _sign_in_log.warning(
-            "sign-in",
-            "dashboard sign-in: %d wrong token(s) in the last minute or so, the latest from %s",
-            limiter.unlogged,
-            client,
-        ):
+        if limiter.log_due(now):
+            log.warning(
+                "dashboard sign-in: %d wrong token(s) since the last such line, the latest from %s",
+                limiter.unlogged,
+                client,
+            )
             limiter.unlogged = 0
         return _sign_in_page("Wrong token.", 401)
     response = web.HTTPSeeOther("/kvproxy/dashboard")
@@ -234,5 +232,5 @@ def add_routes(app: web.Application) -> None:
     app[SIGN_IN] = SignInLimiter()
     app.router.add_get("/kvproxy/dashboard", on_plane(handle_page))
     app.router.add_get("/kvproxy/dashboard/data", on_plane(guarded(Access.VIEW, handle_data)))
-    app.router.add_post("/kvproxy/dashboard/sign-in", on_plane(handle_sign_in))
+    app.router.add_post("/kvproxy/dashboard/sign-in", on_plane(handle_sign_in, check_origin=False))
     app.router.add_get("/kvproxy/dashboard/static/{name}", on_plane(handle_asset))

@@ -42,14 +42,14 @@ def guarded(access: Access, handler: Handler) -> Handler:
     return guard
 
 
-def refused_by_plane(request: web.Request) -> web.Response | None:
+def refused_by_plane(request: web.Request, *, check_origin: bool = True) -> web.Response | None:
     """The answer to a request the admin plane refuses before reading its credentials:
     403 for a foreign Host or Origin, 400 for a malformed dashboard cookie."""
     server = request.app[CONFIG].config.server
     problem = plane_problem(
         method=request.method,
         host_header=request.host,
-        origin=request.headers.get("Origin"),
+        origin=request.headers.get("Origin") if check_origin else None,
         scheme=request.scheme,
         bound_host=server.host,
         admin_hosts=server.admin_hosts,
@@ -63,11 +63,13 @@ def refused_by_plane(request: web.Request) -> web.Response | None:
     return None
 
 
-def on_plane(handler: Handler) -> Handler:
-    """``handler`` behind the admin plane's Host, Origin and cookie checks."""
+def on_plane(handler: Handler, *, check_origin: bool = True) -> Handler:
+    """``handler`` behind the admin plane's Host, Origin and cookie checks. The sign-in
+    form skips the Origin check: a browser sends ``Origin: null`` from a page with
+    ``Referrer-Policy: no-referrer``, and a sign-in changes nothing without the token."""
 
     async def checked(request: web.Request) -> web.StreamResponse:
-        refused = refused_by_plane(request)
+        refused = refused_by_plane(request, check_origin=check_origin)
         if refused is not None:
             return refused
         return await handler(request)

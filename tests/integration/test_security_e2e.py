@@ -258,6 +258,7 @@ class Capture:
 
     def __init__(self) -> None:
         self.seen: list[tuple[str, str, dict[str, list[str]]]] = []
+        self.hold: asyncio.Event | None = None  # when set, answers wait for it
 
     async def handle(self, request: web.Request) -> web.Response:
         headers: dict[str, list[str]] = {}
@@ -266,6 +267,8 @@ class Capture:
         if request.raw_path != "/health":  # kvproxy's own probe of the router
             self.seen.append((request.method, request.raw_path, headers))
         await request.read()
+        if self.hold is not None and request.raw_path != "/health":
+            await asyncio.wait_for(self.hold.wait(), 10)
         return web.json_response({"ok": True, "meta_info": {}})
 
 
@@ -336,3 +339,136 @@ async def test_the_path_forwarded_is_the_path_routed(
         "/v1/responses/r%201/input_items?x=%20y&z=%2F",  # encoded as routed; query as received
         "/generate",
     ]
+
+
+# ---------------------------------------------------------------- the admin plane
+async def _raw_head(proxy: Proxy, head: bytes) -> tuple[int, bytes]:
+    host, port = proxy.url.removeprefix("http://").rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        writer.write(head)
+        await writer.drain()
+        data = await asyncio.wait_for(reader.read(), 10)
+    finally:
+        writer.close()
+    status_line, _, rest = data.partition(b"\r\n")
+    return int(status_line.split()[1]), rest.partition(b"\r\n\r\n")[2]
+
+
+async def test_health_without_credentials_is_its_status_only(
+    make_proxy: MakeProxy, http: aiohttp.ClientSession, engine_urls: list[str]
+) -> None:
+    proxy = await make_proxy(server={"admin_token": TOKEN})
+    async with http.get(proxy.url + "/kvproxy/health") as resp:
+        assert resp.status == 200
+        public = await resp.read()
+    assert set(orjson.loads(public)) == {
+        "status",
+        "router_reachable",
+        "engines_known",
+        "engines_healthy",
+    }
+    assert all(url.encode() not in public for url in engine_urls)
+    async with http.get(proxy.url + "/kvproxy/health", headers=BEARER) as resp:
+        full = await resp.json()
+    assert set(full["fleet"]["engines"]["healthy"]) == set(engine_urls)
+
+
+async def test_a_malformed_dashboard_cookie_is_400_not_500(
+    make_proxy: MakeProxy, caplog: pytest.LogCaptureFixture
+) -> None:
+    proxy = await make_proxy(server={"admin_token": TOKEN})
+    host = proxy.url.removeprefix("http://")
+    head = (
+        f"GET /kvproxy/dashboard/data HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n".encode()
+        + f"Cookie: {COOKIE_NAME}=".encode()
+        + "\u00e9t\u00e9".encode()
+        + b"\r\n\r\n"
+    )
+    status, body = await _raw_head(proxy, head)
+    assert status == 400 and orjson.loads(body)["error"]["type"] == "invalid_request"
+    assert "Traceback" not in caplog.text
+
+
+async def test_sign_in_is_rate_limited_and_logged_once(
+    make_proxy: MakeProxy, http: aiohttp.ClientSession, caplog: pytest.LogCaptureFixture
+) -> None:
+    proxy = await make_proxy(
+        server={"admin_token": TOKEN, "sign_in_attempts_per_minute": 3, "log_level": "INFO"}
+    )
+    url = proxy.url + "/kvproxy/dashboard/sign-in"
+    statuses = []
+    for _ in range(5):
+        async with http.post(url, data={"token": "wrong"}, allow_redirects=False) as resp:
+            statuses.append(resp.status)
+    assert statuses == [401, 401, 401, 429, 429]
+    # Even the right token waits out the minute once the attempts are spent.
+    async with http.post(url, data={"token": TOKEN}, allow_redirects=False) as resp:
+        assert resp.status == 429
+    lines = [r for r in caplog.records if "dashboard sign-in" in r.getMessage()]
+    assert len(lines) == 1
+
+
+async def test_the_cookie_has_max_age_and_can_be_secure(
+    make_proxy: MakeProxy, http: aiohttp.ClientSession
+) -> None:
+    for secure in (None, True):
+        proxy = await make_proxy(
+            server={"admin_token": TOKEN, "cookie_secure": secure, "cookie_max_age_s": 600}
+        )
+        async with http.post(
+            proxy.url + "/kvproxy/dashboard/sign-in", data={"token": TOKEN}, allow_redirects=False
+        ) as resp:
+            assert resp.status == 303
+            cookie = resp.headers["Set-Cookie"]
+        assert "Max-Age=600" in cookie and "HttpOnly" in cookie and "SameSite=Strict" in cookie
+        assert ("Secure" in cookie) is bool(secure)
+
+
+async def test_foreign_hosts_and_origins_are_refused_on_the_admin_plane(
+    make_proxy: MakeProxy, http: aiohttp.ClientSession
+) -> None:
+    proxy = await make_proxy(server={"admin_token": TOKEN}, session_lifecycle={"enabled": True})
+    # DNS rebinding: a page on evil.example resolving to 127.0.0.1 sends its own Host.
+    async with http.get(proxy.url + "/kvproxy/stats", headers={"Host": "evil.example"}) as resp:
+        assert resp.status == 403 and (await resp.json())["error"]["type"] == "forbidden"
+    evil = {**BEARER, "Origin": "https://evil.example"}
+    async with http.post(proxy.url + "/kvproxy/config/reload", headers=evil) as resp:
+        assert resp.status == 403
+    async with http.post(
+        proxy.url + "/close_session", json={"session_id": "s"}, headers=evil
+    ) as resp:
+        assert resp.status == 403
+    own = {**BEARER, "Origin": proxy.url}
+    async with http.post(proxy.url + "/kvproxy/sessions/s/close", headers=own) as resp:
+        assert resp.status == 200
+
+
+async def test_buffered_bodies_have_a_global_budget(
+    start_proxy: StartProxy, capture: tuple[Capture, str], http: aiohttp.ClientSession
+) -> None:
+    cap, url = capture
+    cap.hold = asyncio.Event()
+    limit = 64 * 1024
+    proxy = await start_proxy(
+        {
+            "router": {"url": url, "engines": ["http://127.0.0.1:9"]},
+            "server": {"max_body_bytes": limit, "max_buffered_bytes": limit},
+        }
+    )
+    body = {"text": "x" * (40 * 1024)}
+    first = asyncio.create_task(_post_json(http, proxy.url + "/generate", body, {}))
+    await wait_until(_seen(cap, 1), timeout_s=5, what="the first request to be held upstream")
+    status, doc = await _post_json(http, proxy.url + "/generate", body, {})
+    assert status == 503 and doc["error"]["type"] == "overloaded"
+    cap.hold.set()
+    assert (await first)[0] == 200
+    status, _ = await _post_json(http, proxy.url + "/generate", body, {})  # room again
+    assert status == 200
+
+
+def _seen(cap: Capture, n: int) -> Any:
+    async def seen() -> bool:
+        return len(cap.seen) >= n
+
+    return seen

@@ -93,6 +93,7 @@ def test_sign_in_limiter_counts_failures_per_client_for_a_minute() -> None:
     assert limiter.blocked("a", 13.0, 3) and not limiter.blocked("b", 13.0, 3)
     assert not limiter.blocked("a", 70.0, 3)  # the first failure left the window
     assert limiter.unlogged == 3
+    assert limiter.log_due(13.0) and not limiter.log_due(72.0) and limiter.log_due(73.0)
     limiter.failed("b", 71.0)
     limiter.failed("c", 71.0)  # bounded: the stalest client ("a") is forgotten
     limiter.failed("a", 71.0)
