@@ -194,7 +194,7 @@ class Fleet:
             self.engines_refused += 1
             if len(self._refused_logged) < _REFUSED_LOGGED_MAX:
                 self._refused_logged.add(url)
-                log.warning("engine URL from the router refused (%s): %r", why, url[:200])
+                log.warning("engine URL from the router refused (%s): %r", why, _redacted(url))
         return cleaned
 
     async def _probe_router(self) -> bool:
@@ -229,6 +229,15 @@ class Fleet:
         self._trust = EngineTrust.of(cfg.engine_hosts)
         if cfg.engines:
             self._engines = static_engines(cfg.engines)
+
+
+def _redacted(url: str) -> str:
+    """``url`` (at most 200 characters) with any user info hidden."""
+    scheme, sep, rest = url[:200].partition("://")
+    authority, slash, path = rest.partition("/")
+    if "@" in authority:
+        authority = "***@" + authority.rpartition("@")[2]
+    return f"{scheme}{sep}{authority}{slash}{path}"
 
 
 def reachability_message(

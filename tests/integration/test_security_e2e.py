@@ -23,6 +23,7 @@ from aiohttp.test_utils import TestServer
 
 from kvlab import stack
 from kvproxy.admin.auth import COOKIE_NAME, cookie_value
+from kvproxy.keys import FLEET
 from tests.helpers import new_marker, wait_until
 from tests.integration.conftest import MakeProxy, Proxy, StartProxy, recorded, sim_state
 
@@ -472,3 +473,42 @@ def _seen(cap: Capture, n: int) -> Any:
         return len(cap.seen) >= n
 
     return seen
+
+
+async def test_engine_urls_from_the_router_are_checked(
+    start_proxy: StartProxy, caplog: pytest.LogCaptureFixture
+) -> None:
+    listed = [
+        {"url": "http://127.0.0.1:9", "is_healthy": True, "labels": {}},
+        {"url": "http://10.9.9.9:9", "is_healthy": True, "labels": {}},  # not in engine_hosts
+        {"url": "file:///etc/passwd", "is_healthy": True, "labels": {}},
+        {"url": "http://user:pw@127.0.0.1:9", "is_healthy": True, "labels": {}},
+    ]
+
+    async def workers(_: web.Request) -> web.Response:
+        return web.json_response({"workers": listed})
+
+    app = web.Application()
+    app.router.add_get("/workers", workers)
+    server = TestServer(app, host="127.0.0.1")
+    await server.start_server()
+    try:
+        proxy = await start_proxy(
+            {
+                "router": {
+                    "url": str(server.make_url("")).rstrip("/"),
+                    "engine_hosts": ["127.0.0.0/8"],
+                },
+                "server": {"log_level": "WARNING"},
+            }
+        )
+        fleet = proxy.app[FLEET]
+        assert fleet.all_engines() == ("http://127.0.0.1:9",)
+        assert fleet.health().engines_refused == 3
+        await fleet.refresh()  # the same refusals again: counted and logged once each
+        assert fleet.health().engines_refused == 3
+        refused = [r for r in caplog.records if "engine URL from the router refused" in r.message]
+        assert len(refused) == 3
+        assert not any("pw" in r.getMessage() for r in refused)  # user info never logged
+    finally:
+        await server.close()
