@@ -1,9 +1,11 @@
 """HTTP handlers: thin glue between aiohttp and the pure request pipeline.
 
-Every request goes to ``router.url`` unchanged unless it is one of the intercepted
-LLM endpoints. Those are decided by :func:`kvproxy.proxy.pipeline.plan_request` (pure)
-and the plan is carried out by :class:`kvproxy.proxy.turn.TurnFlow` (the order: count the
-injection, open the Dynamo turn, track the request, wait for admission, send, release),
+A request's path is checked once (:func:`kvproxy.paths.path_problem`: one canonical
+form), then it goes to ``router.url`` unchanged if ``router.forward_paths`` has its path
+(:class:`kvproxy.proxy.gate.ForwardGate`; else kvproxy's 404), unless it is one of the
+intercepted LLM endpoints. Those are decided by
+:func:`kvproxy.proxy.pipeline.plan_request` (pure) and the plan is carried out by
+:class:`kvproxy.proxy.turn.TurnFlow` (the order: count the injection, open the Dynamo turn, track the request, wait for admission, send, release),
 with this module as its shell: :class:`ProxyHandlers` opens the Dynamo turn, says what a
 client disconnect aborts, puts the admission decision's headers on the response, and
 sends one :class:`Attempt` upstream, the planned fields spliced into the raw bytes, the
