@@ -476,11 +476,12 @@ class ProxyHandlers:
         """Send one upstream attempt and stream its response back."""
         request = attempt.request
         # The path routed on, encoded, and the query as received: never re-parsed.
-        target = self.live.router_base + encoded_path(attempt.path)
         query = request.rel_url.raw_query_string
         if query:
-            target += "?" + encoded_query(query)
-        url = URL(target, encoded=True)
+            target = self.live.router_base + encoded_path(attempt.path)
+            url = URL(target + "?" + encoded_query(query), encoded=True)
+        else:
+            url = _upstream_url(self.live.router_base, attempt.path)
         headers = attempt.sent_headers = forward_request_headers(
             request, attempt.extra_headers, self.live.config.server.admin_token
         )
@@ -681,6 +682,12 @@ class ProxyHandlers:
             raise Refused(ErrorType.INVALID_SESSION_ID, str(exc)) from None
         result = await self.sessions.close(session_id, reason=reason)
         return web.Response(body=orjson.dumps(result.to_json()), content_type="application/json")
+
+
+@functools.lru_cache(maxsize=1024)
+def _upstream_url(router_base: str, path: str) -> URL:
+    """The upstream URL of a routed path without a query (built once per path)."""
+    return URL(router_base + encoded_path(path), encoded=True)
 
 
 __all__ = ["INTERCEPTED_PATHS", "Attempt", "ProxyHandlers", "Shutdown"]
