@@ -208,8 +208,8 @@ class TurnFlow(Generic[R, T, S, K]):
             return await self.shell.send(req, plan, turn, fields, source)
         except SessionClosed as exc:
             raise Refused(ErrorType.SESSION_CLOSED, str(exc)) from None
-        except SessionForbidden as exc:
-            raise Refused(ErrorType.FORBIDDEN, str(exc)) from None
+        except SessionForbidden as forbidden:  # its own name: mypyc types a name once
+            raise Refused(ErrorType.FORBIDDEN, str(forbidden)) from None
         finally:
             if lease is not None:
                 lease.leave()
