@@ -5,11 +5,12 @@ form), then it goes to ``router.url`` unchanged if ``router.forward_paths`` has 
 (:class:`kvproxy.proxy.gate.ForwardGate`; else kvproxy's 404), unless it is one of the
 intercepted LLM endpoints. Those are decided by
 :func:`kvproxy.proxy.pipeline.plan_request` (pure) and the plan is carried out by
-:class:`kvproxy.proxy.turn.TurnFlow` (the order: count the injection, open the Dynamo turn, track the request, wait for admission, send, release),
-with this module as its shell: :class:`ProxyHandlers` opens the Dynamo turn, says what a
-client disconnect aborts, puts the admission decision's headers on the response, and
-sends one :class:`Attempt` upstream, the planned fields spliced into the raw bytes, the
-response streamed back chunk by chunk; its usage (read from the tail) goes to admission.
+:class:`kvproxy.proxy.turn.TurnFlow` (the order: count the injection, open the Dynamo
+turn, track the request, wait for admission, send, release), with this module as its
+shell: :class:`ProxyHandlers` opens the Dynamo turn, says what a client disconnect
+aborts, puts the admission decision's headers on the response, and sends one
+:class:`Attempt` upstream, the planned fields spliced into the raw bytes, the response
+streamed back chunk by chunk; its usage (read from the tail) goes to admission.
 
 With both features off the body is not even parsed: the bytes forwarded are the
 bytes received. Refusals are raised as :class:`~kvproxy.proxy.refusals.Refused`;
@@ -69,9 +70,7 @@ from kvproxy.proxy.relaying import (
 from kvproxy.proxy.responses import error_response
 from kvproxy.proxy.scan import validated
 from kvproxy.proxy.turn import ObserveUsage, TurnFlow
-from kvproxy.proxy.usage import (
-    usage_from_body,
-)
+from kvproxy.proxy.usage import usage_from_body
 from kvproxy.sessions.identity import (
     ROUTING_KEY_HEADER,
     InvalidSessionId,
