@@ -474,13 +474,7 @@ class ProxyHandlers:
     async def forward(self, attempt: Attempt) -> web.StreamResponse:
         """Send one upstream attempt and stream its response back."""
         request = attempt.request
-        # The path routed on, encoded, and the query as received: never re-parsed.
-        query = request.rel_url.raw_query_string
-        if query:
-            target = self.live.router_base + encoded_path(attempt.path)
-            url = URL(target + "?" + encoded_query(query), encoded=True)
-        else:
-            url = _upstream_url(self.live.router_base, attempt.path)
+        url = _upstream_url(self.live.router_base, attempt.path, request.rel_url.raw_query_string)
         headers = attempt.sent_headers = forward_request_headers(
             request, attempt.extra_headers, self.live.config.server.admin_token
         )
@@ -683,8 +677,15 @@ class ProxyHandlers:
         return web.Response(body=orjson.dumps(result.to_json()), content_type="application/json")
 
 
+def _upstream_url(router_base: str, path: str, query: str) -> URL:
+    """The path routed on, encoded, and the query as received: never re-parsed."""
+    if query:
+        return URL(f"{router_base}{encoded_path(path)}?{encoded_query(query)}", encoded=True)
+    return _url_of_path(router_base, path)
+
+
 @functools.lru_cache(maxsize=1024)
-def _upstream_url(router_base: str, path: str) -> URL:
+def _url_of_path(router_base: str, path: str) -> URL:
     """The upstream URL of a routed path without a query (built once per path)."""
     return URL(router_base + encoded_path(path), encoded=True)
 
