@@ -116,6 +116,7 @@ def run(args: argparse.Namespace) -> int:
 
     from kvproxy.admin.reload import reload_config
     from kvproxy.app import create_app, slow_client_guard
+    from kvproxy.plane import exposure_warning
     from kvproxy.proxy.slow_clients import run_guarded_app
 
     overrides = overrides_from_args(args)
@@ -177,6 +178,9 @@ def run(args: argparse.Namespace) -> int:
             compiled.build_name(compiled.compiled_modules()),
         )
 
+    exposed = exposure_warning(cfg.server.host, cfg.server.admin_token)
+    if exposed:
+        log.warning("%s", exposed)
     try:
         # web.run_app, with the server layer bounding slow clients (kvproxy.proxy.slow_clients).
         run_guarded_app(

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import logging
 import time
 from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
@@ -36,6 +37,7 @@ from typing import Any
 from prometheus_client.core import Metric
 
 from kvproxy.config import SessionLifecycleConfig
+from kvproxy.credentials import fingerprint
 from kvproxy.fleet.client import EngineHttp
 from kvproxy.fleet.engine_info import EngineSessionMode, mode_warnings, probe
 from kvproxy.fleet.fanout import post_to_all
@@ -44,6 +46,7 @@ from kvproxy.sessions.identity import SKIP_SESSION_PARAMS, InjectionPlan
 from kvproxy.sessions.lifecycle_core import (
     CloseResult,
     SessionClosed,
+    SessionForbidden,
     SessionsHealth,
     WarnThrottle,
     base_urls,
@@ -108,6 +111,7 @@ __all__ = [
     "STARTED",
     "CloseResult",
     "SessionClosed",
+    "SessionForbidden",
     "SessionManager",
     "SessionsHealth",
     "TrackedRequest",
@@ -149,6 +153,8 @@ class SessionManager:
         )
         self._counters = WindowedCounters(COUNTER_HELP)
         self._requests: dict[int, TrackedRequest] = {}
+        # Bounds the /abort_request and /close_session posts in flight, all together.
+        self._fanout_limit = asyncio.Semaphore(cfg.fanout_concurrency)
         self._closes: dict[str, asyncio.Task[CloseResult]] = {}
         self._background: set[asyncio.Task[Any]] = set()
         self._reaper: asyncio.Task[None] | None = None
@@ -196,6 +202,9 @@ class SessionManager:
             closed_ttl_s=cfg.closed_ttl_s,
             idle_timeout_s=cfg.idle_timeout_s,
         )
+        if cfg.fanout_concurrency != old.fanout_concurrency:
+            # Posts holding the old semaphore finish under it; new ones take this one.
+            self._fanout_limit = asyncio.Semaphore(cfg.fanout_concurrency)
         if not self._started:
             return
         plan = reconfigure_plan(old, cfg)
@@ -277,14 +286,23 @@ class SessionManager:
         close_after: bool,
         *,
         forwarded: bool = False,
+        headers: Mapping[str, str] | None = None,
     ) -> TrackedRequest:
         """:meth:`track` without the context manager, for the request path (no
         coroutine per step): the caller calls :meth:`leave` on every path after it.
         ``rids``: the rids an abort must name (at least ``rid``). ``forwarded``: the
         request goes upstream with nothing awaited before (no admission wait), so it
-        is entered as forwarded (as if :meth:`TrackedRequest.forwarded` followed)."""
-        begin = self._table.begin(session_id, self._clock(), rids if forwarded else None)
+        is entered as forwarded (as if :meth:`TrackedRequest.forwarded` followed).
+        ``headers``: the request's, whose data-plane credential a new session is bound
+        to (``bind_credential``); a session bound to another raises
+        :class:`SessionForbidden`."""
+        owner = None
+        if headers is not None and self._cfg.bind_credential:
+            owner = fingerprint(headers)
+        begin = self._table.begin(session_id, self._clock(), rids if forwarded else None, owner)
         if begin.token is None:
+            if begin.forbidden:
+                raise SessionForbidden(session_id)
             self._counters.inc(REJECTED_CLOSING)
             raise SessionClosed(session_id)
         if begin.created:
@@ -338,7 +356,14 @@ class SessionManager:
         timeout_s = self._cfg.close_timeout_s
         results = await asyncio.gather(
             *(
-                post_to_all(self._http, urls, "/abort_request", {"rid": rid}, timeout_s=timeout_s)
+                post_to_all(
+                    self._http,
+                    urls,
+                    "/abort_request",
+                    {"rid": rid},
+                    timeout_s=timeout_s,
+                    limit=self._fanout_limit,
+                )
                 for rid in rids
             )
         )
@@ -352,6 +377,18 @@ class SessionManager:
         return ok
 
     # -- close -----------------------------------------------------------------
+
+    def may_close(self, session_id: str, headers: Mapping[str, str]) -> bool:
+        """Whether a request with ``headers`` may close ``session_id``: always, unless
+        the session is bound (``bind_credential``) to another data-plane credential.
+        (The admin token's holder may close any session: the caller checks it.)"""
+        if not self._cfg.bind_credential:
+            return True
+        owner = self._table.owner(session_id)
+        if owner is None:
+            return True
+        mine = fingerprint(headers)
+        return mine is not None and hmac.compare_digest(owner, mine)
 
     async def close(self, session_id: str, *, reason: str) -> CloseResult:
         """Close ``session_id`` (the close sequence); idempotent, never raises for engines.
@@ -429,6 +466,7 @@ class SessionManager:
                 "/close_session",
                 {"session_id": session_id},
                 timeout_s=cfg.close_timeout_s,
+                limit=self._fanout_limit,
             )
             result.engines_told = len(fan.ok)
             result.engines_failed = len(fan.failed)
