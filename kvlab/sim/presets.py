@@ -75,6 +75,9 @@ def _calibrated(
     context: int,
     kv_bytes: int,
     layers: int,
+    chunk: int = 8192,
+    max_prefill: int = 16384,
+    host_link_gb_s: float = PCIE5_X16_EFFECTIVE_GB_S,
 ) -> Preset:
     # Units as in the reference table: µs, ns, ms, and ms per 1k tokens of S.
     cost = CostModel(
@@ -88,7 +91,9 @@ def _calibrated(
         token_scale=1,
         preset=name,
     )
-    return Preset(name, description, cost, pool, 8192, 16384, context, kv_bytes, layers)
+    return Preset(
+        name, description, cost, pool, chunk, max_prefill, context, kv_bytes, layers, host_link_gb_s
+    )
 
 
 PRESETS: dict[str, Preset] = {
@@ -145,6 +150,27 @@ PRESETS: dict[str, Preset] = {
             context=131_072,
             kv_bytes=131_072,
             layers=32,
+        ),
+        # The engine of the public ThunderAgent replication
+        # (zetxqx/thunderagent-original-verification): vLLM 0.28, FP8 weights and KV,
+        # TP 2 on two H100s per pod. Every constant's source is in docs/simulator.md
+        # ("qwen3-coder-30b-a3b-fp8-h100-tp2").
+        _calibrated(
+            "qwen3-coder-30b-a3b-fp8-h100-tp2",
+            "Qwen3-Coder-30B-A3B-Instruct-FP8 (MoE, 3.3B active), FP8 KV, TP 2 on two "
+            "H100 80GB (vLLM gpu-memory-utilization 0.88)",
+            tau_lin_us=9.07,
+            tau_att_ns=0.715,
+            a_ms=6.5,
+            b_ms=0.02,
+            c_ms_per_1k=0.00917,
+            pool=2_237_040,
+            context=262_144,
+            kv_bytes=49_152,
+            layers=48,
+            chunk=8192,
+            max_prefill=8192,
+            host_link_gb_s=2 * PCIE5_X16_EFFECTIVE_GB_S,
         ),
         Preset(
             "legacy",
