@@ -49,6 +49,9 @@ class Preset:
     kv_bytes_per_token: int = 147_456
     num_layers: int = 36
     host_link_gb_s: float = PCIE5_X16_EFFECTIVE_GB_S
+    # The engine decodes running requests inside chunked-prefill steps (vLLM; SGLang
+    # with --enable-mixed-chunk); False: SGLang's default, a prefill step stalls decode.
+    mixed_chunk: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -78,6 +81,7 @@ def _calibrated(
     chunk: int = 8192,
     max_prefill: int = 16384,
     host_link_gb_s: float = PCIE5_X16_EFFECTIVE_GB_S,
+    mixed_chunk: bool = False,
 ) -> Preset:
     # Units as in the reference table: µs, ns, ms, and ms per 1k tokens of S.
     cost = CostModel(
@@ -92,7 +96,17 @@ def _calibrated(
         preset=name,
     )
     return Preset(
-        name, description, cost, pool, chunk, max_prefill, context, kv_bytes, layers, host_link_gb_s
+        name,
+        description,
+        cost,
+        pool,
+        chunk,
+        max_prefill,
+        context,
+        kv_bytes,
+        layers,
+        host_link_gb_s,
+        mixed_chunk,
     )
 
 
@@ -171,6 +185,7 @@ PRESETS: dict[str, Preset] = {
             chunk=8192,
             max_prefill=8192,
             host_link_gb_s=2 * PCIE5_X16_EFFECTIVE_GB_S,
+            mixed_chunk=True,
         ),
         Preset(
             "legacy",
@@ -248,6 +263,8 @@ def scheduler_config(preset: str, token_scale: int = 1, **overrides: Any) -> Sch
         retract_decode_steps=scale_steps(RETRACT_DECODE_STEPS, k),
         clip_max_new_tokens=scale_tokens(CLIP_MAX_NEW_TOKENS, k),
     )
+    if p.mixed_chunk:
+        base = dataclasses.replace(base, enable_mixed_chunk=True, mixed_decode_every=k)
     return dataclasses.replace(base, **overrides)
 
 
