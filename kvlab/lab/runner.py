@@ -113,6 +113,10 @@ class LabConfig:
     # ThunderConfig fields for thunder / thunder-origin (e.g. {"acting_half_life_s": 0}),
     # after the lab's defaults (capacity the engine's pool, buffer 100 real tokens).
     peer_overrides: Mapping[str, Any] = field(default_factory=dict)
+    # Stop the workload at this simulated second (a measurement window, as a benchmark
+    # of fixed length): sessions still running are cancelled and count as failed.
+    # None: run every session to its end.
+    deadline_s: float | None = None
     # Bound on simulated seconds; a run past it raises LabError.
     max_simulated_s: float = 7 * 24 * 3600.0
 
@@ -278,6 +282,7 @@ async def _run(cfg: LabConfig) -> LabResult:
                     concurrency=concurrency,
                     seed=cfg.seed,
                     tool_hints=transport if cfg.tool_hints else None,
+                    deadline_s=cfg.deadline_s,
                 ),
                 cfg.max_simulated_s,
             )

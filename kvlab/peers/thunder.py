@@ -8,9 +8,13 @@ tool) and whether it is ``paused``.
 
 - **Capacity**, per backend: ``sum_R c + w * sum_A c + buffer * #programs <=
   capacity`` over its active (not paused) programs (paper eq. 6-7). ``w`` is the acting
-  weight (1.0). For *resume* only, an acting program counts ``c * 2^(-idle / h)`` with
+  weight (1.0). An acting program counts ``c * 2^(-idle / h)`` with
   the half-life ``h`` (the paper's decay; ``--use-acting-token-decay`` in the code, 1 s
-  in the replication); ``h = 0`` turns decay off.
+  in the replication); ``h = 0`` turns decay off. By default (``decay_scope="all"``)
+  the decayed tokens count everywhere (admission, pause, resume), as the paper's
+  capacity writes it and as the replication's llm-d port behaved (its gate saw 1.08x
+  its capacity while the live sessions' prompts summed to 1.58x the pool, step 20);
+  ``decay_scope="resume"`` is the public code's flag: decayed for resume only.
 - **Admission**: a request of an active program passes at once (its KV is resident,
   the paper never holds it). A new program, or one that is paused, waits unless it fits
   now; a waiting program is *pending*.
@@ -21,7 +25,7 @@ tool) and whether it is ``paused``.
     most room where it fits (most-room, with migration: its next turn is sent there, so
     its prefix is recomputed there), or, ``origin_only``, only on its own backend. A
     program waiting ``force_after_s`` (1800 s) is admitted whatever the room.
-  - *Pause*: on each backend over capacity, pause acting programs smallest first (the
+  - *Pause*: on each backend over capacity (decayed only with ``decay_scope="all"``), pause acting programs smallest first (the
     least progress: fewest tokens; the paper's Lemma 4.1, recompute grows with c^2,
     so shortest-first loses least) until it fits; if no acting program is left, mark
     the smallest reasoning program to pause when its response arrives. A pause frees
@@ -54,6 +58,9 @@ class ThunderConfig:
     # room, migrating it), "origin-first" (the llm-d port: its own backend if it fits
     # there, else the most room), "origin-only" (the replication's variant: only its own).
     resume_placement: str = "most-room"
+    # Where the acting decay applies: "all" (the paper's capacity, eq. 6-7; the
+    # replication's llm-d port) or "resume" (the public code's --use-acting-token-decay).
+    decay_scope: str = "all"
     idle_ttl_s: float = 3600.0
 
     def __post_init__(self) -> None:
@@ -63,6 +70,8 @@ class ThunderConfig:
             raise ValueError("thunder: weights, buffer and half-life must be >= 0")
         if self.resume_placement not in RESUME_PLACEMENTS:
             raise ValueError(f"thunder: resume_placement must be one of {RESUME_PLACEMENTS}")
+        if self.decay_scope not in ("resume", "all"):
+            raise ValueError("thunder: decay_scope must be 'resume' or 'all'")
 
 
 @dataclass(slots=True)
@@ -107,7 +116,7 @@ class ThunderScheduler:
             return float(p.tokens)
         w = self.cfg.acting_weight * p.tokens
         h = self.cfg.acting_half_life_s
-        if decay and h > 0:
+        if (decay or self.cfg.decay_scope == "all") and h > 0:
             w *= math.pow(2.0, -max(0.0, now - p.acting_since) / h)
         return w
 
@@ -139,7 +148,7 @@ class ThunderScheduler:
             return p.backend
         if not p.started and p.waiting_since is None:
             # A new program: the backend with the least active tokens that has room
-            # for it (undecayed), else it waits.
+            # for it (decayed only with decay_scope "all"), else it waits.
             target = self._new_backend(p, now)
             if target is not None:
                 self.counters.immediate += 1
@@ -256,7 +265,7 @@ class ThunderScheduler:
         return best if rooms[best] >= need else None
 
     def _pause(self, now: float) -> None:
-        """On each backend over capacity (undecayed): pause acting programs smallest
+        """On each backend over capacity (decayed only with decay_scope "all"): pause acting programs smallest
         first; then mark reasoning ones smallest first (paused at their response), their
         tokens counted as freed, until it fits."""
         for b in self.backends:

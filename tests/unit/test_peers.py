@@ -27,7 +27,7 @@ def run_turn(s: ThunderScheduler, pid: str, prompt: int, out: int, t: float) -> 
 
 
 def test_capacity_is_reasoning_plus_weighted_acting_plus_buffer() -> None:
-    s = sched(acting_weight=0.5)
+    s = sched(acting_weight=0.5, decay_scope="resume")
     assert s.request("r", 300, 0.0) == A  # reasoning: 300 + 10
     assert s.request("x", 200, 0.0) == B
     s.response("x", 400, 1.0)  # acting: 0.5 x 400 + 10
@@ -35,7 +35,12 @@ def test_capacity_is_reasoning_plus_weighted_acting_plus_buffer() -> None:
     assert s.used(B, 1.0) == 210
     # Resume-side decay: half-life 1 s halves the acting part each second.
     assert s.used(B, 3.0, decay=True) == pytest.approx(0.5 * 400 / 4 + 10)
-    assert s.used(B, 3.0) == 210  # the pause side never decays
+    assert s.used(B, 3.0) == 210  # the code's scope: the pause side never decays
+    # The paper's (and the port's) scope: decayed everywhere.
+    paper = sched(acting_weight=0.5)
+    paper.request("x", 200, 0.0)
+    paper.response("x", 400, 1.0)
+    assert paper.used(A, 3.0) == pytest.approx(0.5 * 400 / 4 + 10)
 
 
 def test_new_program_goes_to_least_loaded_backend_with_room_else_waits() -> None:
@@ -68,7 +73,8 @@ def test_active_programs_always_pass_even_over_capacity() -> None:
 def test_pause_takes_smallest_acting_first(
     capacity: int, acting: dict[str, int], expected_paused: set[str]
 ) -> None:
-    s = ThunderScheduler(ThunderConfig(capacity_tokens=capacity, buffer_tokens=0), (A,))
+    cfg = ThunderConfig(capacity_tokens=capacity, buffer_tokens=0, decay_scope="resume")
+    s = ThunderScheduler(cfg, (A,))
     for pid, tokens in acting.items():
         assert s.request(pid, 10, 0.0) == A
         s.response(pid, tokens, 0.5)
@@ -93,7 +99,8 @@ def test_reasoning_is_marked_and_paused_at_its_response() -> None:
 
 
 def test_resume_order_pending_then_new_then_acting() -> None:
-    s = ThunderScheduler(ThunderConfig(capacity_tokens=300, buffer_tokens=0), (A,))
+    cfg = ThunderConfig(capacity_tokens=300, buffer_tokens=0, acting_half_life_s=0.0)
+    s = ThunderScheduler(cfg, (A,))
     for pid in ("pend", "act"):
         s.request(pid, 100, 0.0)
         s.response(pid, 100, 1.0)
@@ -186,9 +193,10 @@ def test_force_after_1800_s_on_its_own_backend() -> None:
 
 
 def test_decay_lets_resume_use_idle_programs_room() -> None:
-    s = ThunderScheduler(
-        ThunderConfig(capacity_tokens=400, buffer_tokens=0, acting_half_life_s=1.0), (A,)
+    cfg = ThunderConfig(
+        capacity_tokens=400, buffer_tokens=0, acting_half_life_s=1.0, decay_scope="resume"
     )
+    s = ThunderScheduler(cfg, (A,))
     s.request("done", 300, 0.0)
     s.response("done", 300, 1.0)  # never released: acting forever
     assert s.request("new", 300, 2.0) is None  # undecayed on arrival: no room
@@ -196,6 +204,17 @@ def test_decay_lets_resume_use_idle_programs_room() -> None:
     assert admitted == [("new", A)]
     # ... but the pause side counts it whole: over capacity, the smaller acting goes.
     assert s.programs["done"].paused
+
+
+def test_paper_scope_admits_on_decayed_room_and_pauses_nobody_idle() -> None:
+    cfg = ThunderConfig(capacity_tokens=400, buffer_tokens=0, acting_half_life_s=1.0)
+    s = ThunderScheduler(cfg, (A,))
+    s.request("idle", 300, 0.0)
+    s.response("idle", 300, 1.0)
+    assert s.request("new", 300, 1.5) is None  # 0.5 s idle: still counts 212 tokens
+    assert s.request("new2", 200, 5.0) == A  # 4 s idle: counts 19 tokens
+    s.tick(6.0)
+    assert not s.programs["idle"].paused  # decayed: the backend is not over capacity
 
 
 def test_idle_programs_are_forgotten_after_the_ttl() -> None:
