@@ -21,7 +21,7 @@ only), ``both`` (kvproxy), ``cap:N`` at a few N (the best reported), ``ceiling``
 
     python scripts/replication.py --seeds 0,1 --out results/replication.json
     python scripts/replication.py --only 06,13/48 --policies off,thunder --seeds 0
-    python scripts/replication.py --table results/replication.json   # the markdown only
+    python scripts/replication.py --table a.json b.json   # the markdown of runs together
 
 Metrics per run, over the window's turns (those that end in it): output tokens/s (real
 tokens), cache hit rate (cached / prompt tokens), TTFT p50 / p99 (from the client's
@@ -321,11 +321,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     ap.add_argument("--seeds", default="0")
     ap.add_argument("--out", type=Path, default=Path("results/replication.json"))
-    ap.add_argument("--table", type=Path, default=None, help="print the table of a JSON and exit")
+    ap.add_argument(
+        "--table",
+        type=Path,
+        nargs="+",
+        default=None,
+        help="print the table of one or more JSONs (their rows together) and exit",
+    )
     args = ap.parse_args(argv)
     if args.table is not None:
-        doc = json.loads(args.table.read_text())
-        print(markdown(cells(doc["rows"])))
+        rows = [r for path in args.table for r in json.loads(path.read_text())["rows"]]
+        print(markdown(cells(rows)))
         return 0
     names = None if args.only is None else set(args.only.split(","))
     exps = [e for e in EXPERIMENTS if names is None or e.name in names]
