@@ -5,8 +5,9 @@ experiment, the real GPU numbers beside the lab's.
 
 Experiments (the replication's own sizes, sessions per pod as it ran them):
 
-- ``06``: one pod, the ``burst`` workload (80 sessions x 3 turns x ~61k unique tokens,
-  2.2x the pool), run to its end; throughput is output tokens / makespan.
+- ``06``, ``06/exact``: one pod, the ``burst`` workload (80 sessions x 3 turns x ~61k
+  unique tokens, 2.2x the pool), run to its end; throughput is output tokens / makespan;
+  ThunderAgent's first-response token estimate at 4.5 chars per token, or exact.
 - ``13/<n>``: four pods, ``claude-code``, n sessions per pod (12, 24, 32, 48, 64, 84:
   working set / pool 0.45 ... 1.85 in the replication), a 30-minute window measured
   from minute 10, closed loop.
@@ -81,22 +82,31 @@ W30 = (600.0, 1800.0)
 W45 = (900.0, 2700.0)
 S13 = "13-llm-d-router-sweep/BENCHMARK-REPORT.md, section 6.1"
 S20 = "20-cpu-offload-pool/results/analysis.md"
-PORT = {"resume_placement": "origin-first"}  # the llm-d port's "most-room"
+# The llm-d port's "most-room" resume (own pod if it fits, else the most room); its
+# acting decay counts everywhere (the default decay_scope).
+PORT = {"resume_placement": "origin-first"}
 
 # fmt: off
 EXPERIMENTS: tuple[Experiment, ...] = (
-    Experiment(
-        "06",
-        "burst",
-        1,
-        80,
-        None,
-        # Output tok/s = 240 turns x 80 tokens / makespan (457.5 s, 315.3 s).
-        Real(240 * 80 / 457.5, 0.000),
-        Real(240 * 80 / 315.3, 0.345),
-        ws_over_pool=2.2,
-        caps=(20, 30, 40),
-        source="06-single-node-ab/results.md (tr + acting decay, no release)",
+    # Step 06 ran the public ThunderAgent (decay for resume only). Its token count before
+    # the first response is characters / 5.0; the preamble's characters per token are
+    # not published: "06" assumes 4.5 (a 10% undercount), "06/exact" counts exactly.
+    *(
+        Experiment(
+            name,
+            "burst",
+            1,
+            80,
+            None,
+            # Output tok/s = 240 turns x 80 tokens / makespan (457.5 s, 315.3 s).
+            Real(240 * 80 / 457.5, 0.000),
+            Real(240 * 80 / 315.3, 0.345),
+            ws_over_pool=2.2,
+            thunder={"decay_scope": "resume", "chars_per_token": cpt},
+            caps=(20, 30, 40),
+            source="06-single-node-ab/results.md (tr + acting decay, no release)",
+        )
+        for name, cpt in (("06", 4.5), ("06/exact", 5.0))
     ),
     *(
         Experiment(
@@ -174,7 +184,9 @@ def measure(result: Any, exp: Experiment) -> dict[str, Any]:
 
 def config(exp: Experiment, policy: str, seed: int) -> LabConfig:
     n = exp.engines * exp.per_engine
-    peer = dict(exp.thunder) if policy == "thunder" else {}
+    peer = dict(exp.thunder) if policy.startswith("thunder") else {}
+    if policy == "thunder-origin":
+        peer.pop("resume_placement", None)
     return LabConfig(
         workload=exp.workload,
         engines=exp.engines,

@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 REASONING = "reasoning"
 ACTING = "acting"
 RESUME_PLACEMENTS = ("most-room", "origin-first", "origin-only")
+DEFAULT_CHARS_PER_TOKEN = 5.0  # ThunderAgent's ratio before its first response
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +63,12 @@ class ThunderConfig:
     # replication's llm-d port) or "resume" (the public code's --use-acting-token-decay).
     decay_scope: str = "all"
     idle_ttl_s: float = 3600.0
+    # ThunderAgent counts a request's tokens as its characters / a chars-per-token ratio
+    # learned from responses, 5.0 until the first response of any program. The lab's
+    # requests are token ids: this is the traffic's chars per token, so that until the
+    # first response a request counts tokens x chars_per_token / 5.0 (5.0: exact; the
+    # replication's random-word preambles: not published, see docs/lab.md).
+    chars_per_token: float = 5.0
 
     def __post_init__(self) -> None:
         if self.capacity_tokens < 1 or self.tick_s <= 0 or self.force_after_s < 0:
@@ -70,6 +77,8 @@ class ThunderConfig:
             raise ValueError("thunder: weights, buffer and half-life must be >= 0")
         if self.resume_placement not in RESUME_PLACEMENTS:
             raise ValueError(f"thunder: resume_placement must be one of {RESUME_PLACEMENTS}")
+        if not self.chars_per_token > 0:
+            raise ValueError("thunder: chars_per_token must be > 0")
         if self.decay_scope not in ("resume", "all"):
             raise ValueError("thunder: decay_scope must be 'resume' or 'all'")
 
@@ -108,6 +117,7 @@ class ThunderScheduler:
     backends: Sequence[str]
     programs: dict[str, Program] = field(default_factory=dict)
     counters: ThunderCounters = field(default_factory=ThunderCounters)
+    calibrated: bool = False  # a response has been seen (the chars-per-token ratio)
 
     # -- accounting --------------------------------------------------------------
 
@@ -141,14 +151,15 @@ class ThunderScheduler:
             p = self.programs[pid] = Program(pid, prompt_tokens)
         # The prompt is the context the request puts on the engine (the last response's
         # usage.total_tokens plus the tool output since; smaller after a compaction).
-        p.tokens = prompt_tokens
+        p.tokens = self._estimate(prompt_tokens)
         p.last_seen = now
         p.phase = REASONING
         if p.started and not p.paused:
             return p.backend
-        if not p.started and p.waiting_since is None:
+        if not p.started and p.waiting_since is None and not self._queued():
             # A new program: the backend with the least active tokens that has room
-            # for it (decayed only with decay_scope "all"), else it waits.
+            # for it (decayed only with decay_scope "all"), else it waits; it always
+            # waits while any program is paused or waiting (fairness: the queue first).
             target = self._new_backend(p, now)
             if target is not None:
                 self.counters.immediate += 1
@@ -161,6 +172,7 @@ class ThunderScheduler:
         """The response of ``pid``'s request: its context is ``total_tokens``
         (``usage.total_tokens``); it now waits for its tool (acting). A program marked
         for pause is paused now."""
+        self.calibrated = True
         p = self.programs.get(pid)
         if p is None:
             return
@@ -290,6 +302,16 @@ class ThunderScheduler:
                     over -= p.tokens
 
     # -- placement -----------------------------------------------------------------
+
+    def _estimate(self, tokens: int) -> int:
+        """ThunderAgent's count of a request's tokens: exact once a response has set
+        its chars-per-token ratio, before that at the default 5.0 chars per token."""
+        if self.calibrated:
+            return tokens
+        return round(tokens * self.cfg.chars_per_token / DEFAULT_CHARS_PER_TOKEN)
+
+    def _queued(self) -> bool:
+        return any(p.paused or p.waiting_since is not None for p in self.programs.values())
 
     @property
     def _order(self) -> dict[str, int]:

@@ -167,29 +167,43 @@ def test_resume_placements(placement: str, backend: str) -> None:
 def test_origin_only_waits_for_its_own_backend() -> None:
     s = sched(cap=500, acting_half_life_s=0.0, resume_placement="origin-only")
     s.request("p", 200, 0.0)  # -> A
+    s.request("q", 250, 0.5)  # -> B (least loaded)
+    s.request("r", 200, 0.6)  # -> A (A 200, B 250 active)
     s.response("p", 200, 1.0)
     s.programs["p"].paused = True
-    s.request("q", 400, 2.0)  # -> A: A has 90 left, B 500
+    s.programs["r"].tokens = 280  # A: 280 + 10 left 210 free; B: 240 free
     assert s.request("p", 250, 3.0) is None
-    assert s.tick(5.0) == []  # B has room, but p waits for A
-    s.release("q")
+    assert s.tick(5.0) == []  # B has the room (240 < 260, A 210): p waits for A
+    s.release("r")
     assert s.tick(10.0) == [("p", A)]
+    assert s.counters.migrations == 0
+
+
+def test_new_programs_wait_behind_the_queue() -> None:
+    s = sched(cap=500, acting_half_life_s=0.0)
+    s.request("p", 200, 0.0)  # -> A
+    s.response("p", 200, 1.0)
+    s.programs["p"].paused = True  # the queue is not empty
+    assert s.request("n", 100, 2.0) is None  # it would fit, but waits (fairness)
+    assert s.tick(5.0) == [("n", B)]  # largest first: p (200) takes A (a tie), n then B
+    assert not s.programs["p"].paused  # paused acting programs resume too, room allowing
 
 
 def test_force_after_1800_s_on_its_own_backend() -> None:
     s = sched(cap=300, acting_half_life_s=0.0)
-    s.request("p", 200, 0.0)  # -> A
-    s.response("p", 200, 1.0)
-    s.programs["p"].paused = True
-    s.request("a", 280, 2.0)  # -> A
-    s.request("b", 280, 2.0)  # -> B
-    assert s.request("p", 250, 10.0) is None
-    assert s.tick(1805.0) == []
-    assert s.tick(1810.0) == [("p", A)]
-    assert s.counters.forced == 1
-    # A new program forced goes to the least loaded backend.
-    assert s.request("n", 250, 1811.0) is None
-    assert s.tick(3611.0) == [("n", B)]  # A: 280 + 250 active, B: 280
+    s.request("a", 280, 0.0)  # -> A
+    s.request("b", 200, 0.0)  # -> B
+    s.response("b", 200, 1.0)
+    s.programs["b"].paused = True
+    s.request("c", 280, 2.0)  # waits: the queue is not empty
+    s.programs["b"].paused = False
+    assert s.tick(3.0) == []  # no room for c (A 10, B 90 left)
+    assert s.request("b", 250, 4.0) == B  # active: passes
+    s.programs["b"].paused = True  # paused with its request in flight: forced later
+    s.programs["b"].waiting_since = 10.0
+    assert s.tick(1805.0) == [("c", B)]  # c waited 1803 s: forced on the least loaded (b paused)
+    assert s.tick(1810.0) == [("b", B)]  # b forced on its own backend
+    assert s.counters.forced == 2
 
 
 def test_decay_lets_resume_use_idle_programs_room() -> None:
@@ -212,9 +226,17 @@ def test_paper_scope_admits_on_decayed_room_and_pauses_nobody_idle() -> None:
     s.request("idle", 300, 0.0)
     s.response("idle", 300, 1.0)
     assert s.request("new", 300, 1.5) is None  # 0.5 s idle: still counts 212 tokens
-    assert s.request("new2", 200, 5.0) == A  # 4 s idle: counts 19 tokens
-    s.tick(6.0)
+    assert s.tick(5.0) == [("new", A)]  # 4 s idle: counts 19 tokens
     assert not s.programs["idle"].paused  # decayed: the backend is not over capacity
+
+
+def test_chars_per_token_undercounts_until_the_first_response() -> None:
+    s = sched(cap=1000, chars_per_token=4.0)
+    assert s.request("p", 500, 0.0) == A
+    assert s.programs["p"].tokens == 400  # 500 x 4.0 / 5.0: ThunderAgent's default ratio
+    s.response("p", 520, 1.0)
+    assert s.request("q", 500, 2.0) == B
+    assert s.programs["q"].tokens == 500  # calibrated by a response: exact
 
 
 def test_idle_programs_are_forgotten_after_the_ttl() -> None:
