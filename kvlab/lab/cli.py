@@ -113,6 +113,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="override an admission.* key (YAML/JSON value, e.g. paused_max_wait_s=30); repeatable",
     )
     parser.add_argument(
+        "--deadline-s",
+        type=float,
+        default=None,
+        help="stop the workload at this simulated second (a measurement window; sessions "
+        "still running count as failed); default: run every session to its end",
+    )
+    parser.add_argument(
         "--peer",
         action="append",
         default=[],
@@ -208,6 +215,7 @@ def run(args: argparse.Namespace) -> int:
         workload_overrides=workload_overrides,
         admission_overrides=admission,
         peer_overrides={k: yaml.safe_load(v) for k, v in peer_values.items()},
+        deadline_s=args.deadline_s,
         signal_fault=args.signal_fault,
         tool_hints=args.tool_hints,
         hicache_ratio=hicache_ratio(args),
