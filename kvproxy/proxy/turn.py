@@ -74,6 +74,7 @@ class TurnSessions(Protocol[_K]):
         close_after: bool,
         *,
         forwarded: bool = False,
+        parent: str | None = None,
     ) -> _K: ...
 
     def leave(self, req: _K) -> None: ...
@@ -191,6 +192,7 @@ class TurnFlow(Generic[R, T, S, K]):
                     plan.body if plan.body is not None else {},
                     plan.session_id,
                     plan.routing_key,
+                    plan.parent_id,
                 )
                 admission = self.admission.admit(areq)
                 decision = admission.decide_now()
@@ -223,7 +225,12 @@ class TurnFlow(Generic[R, T, S, K]):
             # request is entered as forwarded (not queued, then moved).
             rids = plan.abort_rids or (plan.ticket,)
             tracked = self.sessions.enter(
-                sid, plan.ticket, rids, plan.close_after, forwarded=not plan.admit
+                sid,
+                plan.ticket,
+                rids,
+                plan.close_after,
+                forwarded=not plan.admit,
+                parent=plan.parent_id,
             )
             self.shell.entered(req, plan, tracked)
             return tracked

@@ -35,11 +35,13 @@ from typing import Any
 
 from prometheus_client.core import Metric
 
+from kvproxy.admission.family import Link
 from kvproxy.config import SessionLifecycleConfig
 from kvproxy.fleet.client import EngineHttp
 from kvproxy.fleet.engine_info import EngineSessionMode, mode_warnings, probe
 from kvproxy.fleet.fanout import post_to_all
 from kvproxy.observability import WindowedCounters, counter_families, gauge_families
+from kvproxy.sessions import identity as _identity
 from kvproxy.sessions.identity import SKIP_SESSION_PARAMS, InjectionPlan
 from kvproxy.sessions.lifecycle_core import (
     CloseResult,
@@ -62,16 +64,26 @@ from kvproxy.sessions.lifecycle_metrics import (
     CLOSED_FINAL,
     CLOSED_IDLE,
     CLOSED_REMEMBERED,
+    CLOSED_WITH_PARENT,
     CLOSING,
     COUNTER_HELP,
     DISCONNECT_ABORTS,
     EVICTED,
     FORWARDED_REQUESTS,
     GAUGE_HELP,
+    ID_CONFLICT,
+    ID_REJECTED,
     INJECTED,
     INJECTION_SKIPPED,
     LIFECYCLE_ENABLED,
+    NVEXT_SESSION_CONTROL,
     OPEN,
+    PARENT_CYCLE,
+    PARENT_FULL,
+    PARENT_INVALID,
+    PARENT_LINKED,
+    PARENT_MOVED,
+    PARENT_SELF,
     QUEUED_REQUESTS,
     REJECTED_CLOSING,
     REJECTED_QUEUED,
@@ -79,7 +91,7 @@ from kvproxy.sessions.lifecycle_metrics import (
     STARTED,
     table_gauges,
 )
-from kvproxy.sessions.table import CloseStatus, SessionTable
+from kvproxy.sessions.table import CloseStatus, SessionState, SessionTable
 from kvproxy.sessions.tracked import TrackedRequest, Tracking
 
 # Names the proxy, the admin views and the tests import from here.
@@ -115,6 +127,22 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
+# The identity's notes and the table's link outcomes, as counters.
+_NOTE_COUNTERS = {
+    _identity.NOTE_CONFLICT: ID_CONFLICT,
+    _identity.NOTE_REJECTED: ID_REJECTED,
+    _identity.NOTE_NVEXT: NVEXT_SESSION_CONTROL,
+    _identity.NOTE_PARENT_SELF: PARENT_SELF,
+    _identity.NOTE_PARENT_INVALID: PARENT_INVALID,
+}
+_LINK_COUNTERS = {
+    Link.LINKED: PARENT_LINKED,
+    Link.MOVED: PARENT_MOVED,
+    Link.CYCLE: PARENT_CYCLE,
+    Link.FULL: PARENT_FULL,
+    Link.SELF: PARENT_SELF,
+}
+
 # Start-up check of the engines' session mode.
 _PROBE_TIMEOUT_S = 5.0
 _CHECK_DELAYS_S = check_delays(rounds=12, first_s=0.5, max_s=30.0)
@@ -146,6 +174,7 @@ class SessionManager:
             max_sessions=cfg.max_sessions,
             closed_ttl_s=cfg.closed_ttl_s,
             idle_timeout_s=cfg.idle_timeout_s,
+            max_children=cfg.max_children,
         )
         self._counters = WindowedCounters(COUNTER_HELP)
         self._requests: dict[int, TrackedRequest] = {}
@@ -249,6 +278,8 @@ class SessionManager:
             self._counters.inc(INJECTION_SKIPPED)
         elif "session_id" in plan.fields:  # plan.injects_session_id
             self._counters.inc(INJECTED)
+        for note in plan.notes:  # the identity's (kvproxy.sessions.identity NOTE_*)
+            self._counters.inc(_NOTE_COUNTERS[note])
 
     def track(
         self,
@@ -277,12 +308,14 @@ class SessionManager:
         close_after: bool,
         *,
         forwarded: bool = False,
+        parent: str | None = None,
     ) -> TrackedRequest:
         """:meth:`track` without the context manager, for the request path (no
         coroutine per step): the caller calls :meth:`leave` on every path after it.
         ``rids``: the rids an abort must name (at least ``rid``). ``forwarded``: the
         request goes upstream with nothing awaited before (no admission wait), so it
-        is entered as forwarded (as if :meth:`TrackedRequest.forwarded` followed)."""
+        is entered as forwarded (as if :meth:`TrackedRequest.forwarded` followed).
+        ``parent``: the session's parent, linked in the table (counted)."""
         begin = self._table.begin(session_id, self._clock(), rids if forwarded else None)
         if begin.token is None:
             self._counters.inc(REJECTED_CLOSING)
@@ -293,6 +326,10 @@ class SessionManager:
             self._counters.inc(REOPENED)
         if begin.evicted:
             self._counters.inc(EVICTED, len(begin.evicted))
+        if parent is not None:
+            outcome = self._table.link(session_id, parent)
+            if outcome is not Link.KNOWN:
+                self._counters.inc(_LINK_COUNTERS[outcome])
         req = TrackedRequest(self, session_id, begin.token, rid, rids, close_after)
         req._forwarded = forwarded
         self._requests[begin.token] = req
@@ -385,6 +422,8 @@ class SessionManager:
                 rejected += 1
         if rejected:
             self._counters.inc(REJECTED_QUEUED, rejected)
+        if self._cfg.close_children:
+            self._close_children(session_id)
         task = asyncio.create_task(
             self._close_sequence(session_id, reason, rejected, start.forwarded),
             name=f"kvproxy-close-{session_id}",
@@ -396,6 +435,18 @@ class SessionManager:
             on_closed = self._on_closed
             task.add_done_callback(lambda _task: on_closed(session_id))
         return task
+
+    def _close_children(self, session_id: str) -> None:
+        """Close the session's children still open (session_lifecycle.close_children),
+        each with its own close sequence (and so its own children, the tree bounded
+        by the table's links and cycle check)."""
+        for child in sorted(self._table.children(session_id)):
+            if (
+                self._table.state(child) is SessionState.OPEN
+                and child not in self._closes
+                and self._begin_close(child, "parent_closed") is not None
+            ):
+                self._counters.inc(CLOSED_WITH_PARENT)
 
     async def _close_sequence(
         self,
