@@ -25,6 +25,7 @@ from kvproxy.config import ConfigError
 from kvproxy.keys import ADMISSION, CONFIG, DYNAMO, REGISTRY, SESSIONS
 from kvproxy.proxy.errors import ErrorType
 from kvproxy.proxy.responses import error_response
+from kvproxy.sessions.listing import parse_limit
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +95,18 @@ async def handle_prefetch(request: web.Request) -> web.Response:
     return json_response({"session_id": sid, "in_s": in_s, "planned": True}, status=202)
 
 
+async def handle_sessions(request: web.Request) -> web.Response:
+    """``GET /kvproxy/sessions[?limit=N][&after=ID]``: one page of the session table,
+    each session with its parent and children (docs/sessions.md, "Parent sessions");
+    ``next`` is the ``after`` of the next page (None: the last page)."""
+    try:
+        limit = parse_limit(request.query.get("limit"))
+    except ValueError:
+        return error_response(ErrorType.INVALID_REQUEST, "limit must be an integer >= 1")
+    after = request.query.get("after") or None
+    return json_response(request.app[SESSIONS].listing(after=after, limit=limit))
+
+
 def add_admin_routes(
     app: web.Application,
     close_session: Callable[[web.Request], Awaitable[web.StreamResponse]],
@@ -104,6 +117,7 @@ def add_admin_routes(
     app.router.add_get("/kvproxy/stats", handle_stats)
     app.router.add_get("/metrics", guarded(Access.STATS, handle_metrics))
     app.router.add_post("/kvproxy/config/reload", guarded(Access.ADMIN, handle_reload))
+    app.router.add_get("/kvproxy/sessions", guarded(Access.ADMIN, handle_sessions))
     app.router.add_post(
         "/kvproxy/sessions/{session_id}/close",
         guarded(Access.ADMIN, close_session),

@@ -91,6 +91,7 @@ from kvproxy.sessions.lifecycle_metrics import (
     STARTED,
     table_gauges,
 )
+from kvproxy.sessions.listing import session_tree, sessions_page
 from kvproxy.sessions.table import CloseStatus, SessionState, SessionTable
 from kvproxy.sessions.tracked import TrackedRequest, Tracking
 
@@ -605,6 +606,15 @@ class SessionManager:
         finally:
             if self._check_state == "pending":
                 self._check_state = "stopped"
+
+    def listing(self, *, after: str | None, limit: int) -> dict[str, Any]:
+        """One page of the live sessions with their parents and children
+        (``GET /kvproxy/sessions``; kvproxy.sessions.listing)."""
+        return sessions_page(self._table, self._clock(), after=after, limit=limit)
+
+    def tree(self) -> list[dict[str, Any]]:
+        """The recently active parents and their children (the dashboard's tree)."""
+        return session_tree(self._table, self._clock())
 
     def health(self) -> SessionsHealth:
         """Engine session modes found by the start-up check, and warnings."""

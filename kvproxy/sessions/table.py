@@ -213,6 +213,15 @@ class SessionTable:
             out.append(entry)
         return out
 
+    def recent(self, limit: int) -> list[SessionEntry]:
+        """At most ``limit`` live sessions, the most recently active first."""
+        out: list[SessionEntry] = []
+        for sid in reversed(self._live):
+            if len(out) >= limit:
+                break
+            out.append(self._live[sid])
+        return out
+
     # -- parent links ------------------------------------------------------------
 
     def link(self, session_id: str, parent: str) -> Link:
