@@ -245,7 +245,7 @@ async def _run(cfg: LabConfig) -> LabResult:
         fault=FAULTS[cfg.signal_fault],
         seed=cfg.seed,
     )
-    transport = LabTransport(proxy)
+    transport = LabTransport(proxy, subagent_identity=spec.subagent_identity)
     async with proxy.running():
         try:
             result = await asyncio.wait_for(
