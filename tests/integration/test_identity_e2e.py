@@ -317,3 +317,30 @@ async def test_sessions_listing_shows_the_tree_behind_the_admin_token(
     (tree,) = doc["session_tree"]
     assert tree["session_id"] == lead
     assert sorted(c["session_id"] for c in tree["child_rows"]) == sorted(kids)
+
+
+# ------------------------------------------------------------- /v1/responses
+
+
+async def test_responses_api_is_forwarded_unchanged_as_smg_refuses_session_id_there(
+    make_proxy: MakeProxy, router: Any, http: aiohttp.ClientSession, engine_urls: list[str]
+) -> None:
+    # SGLang's ResponsesRequest takes a top-level session_id (#29436), but smg (1.13)
+    # refuses it on /v1/responses (unknown field): kvproxy must not inject it there.
+    marker = new_marker()
+    body = {"model": MODEL, "input": f"resp {marker}", "max_output_tokens": 2}
+    async with http.post(router.url + "/v1/responses", json={**body, "session_id": "s"}) as resp:
+        assert resp.status == 400 and "session_id" in await resp.text()
+    proxy = await make_proxy(session_lifecycle={"enabled": True})
+    sid = _id("resp")
+    async with http.post(
+        proxy.url + "/v1/responses", json=body, headers={"X-Dynamo-Session-ID": sid}
+    ) as resp:
+        assert resp.status == 200, await resp.text()
+        doc = await resp.json()
+    assert doc["object"] == "response"
+    (entry,) = [
+        r for r in await recorded(http, engine_urls, path="/v1/responses") if marker in r["body"]
+    ]
+    assert "session_id" not in orjson.loads(entry["body"])
+    assert proxy.app[SESSIONS].state(sid) is None  # not tracked: forwarded as received
