@@ -176,21 +176,32 @@ def _session_control(body: Mapping[str, Any] | None) -> Mapping[str, Any] | None
     return vocab.nvext_section(body, "session_control")
 
 
-def _claude_code(headers: Mapping[str, str]) -> tuple[str | None, str | None]:
-    """Claude Code's (session, parent): a child agent's own id under its root session."""
+def _claude_code(headers: Mapping[str, str]) -> str | None:
+    """Claude Code's session: a child agent's own id, else the root session."""
+    root = _header(headers, CLAUDE_SESSION_HEADER)
+    if root is None:
+        return _header(headers, CLAUDE_AGENT_HEADER)
+    agent = _header(headers, CLAUDE_AGENT_HEADER)
+    return agent if agent is not None else root
+
+
+def _claude_code_parent(headers: Mapping[str, str]) -> str | None:
+    """A Claude Code child agent's parent: the parent agent, else the root session (a
+    root turn, whose agent id is absent or the session's own, has none)."""
     root = _header(headers, CLAUDE_SESSION_HEADER)
     agent = _header(headers, CLAUDE_AGENT_HEADER)
-    if agent is not None and agent != root:
-        return agent, _header(headers, CLAUDE_PARENT_HEADER) or root
-    return root, None
+    if agent is None or agent == root:
+        return None
+    return _header(headers, CLAUDE_PARENT_HEADER) or root
 
 
-def _codex(headers: Mapping[str, str]) -> str | None:
-    for name in CODEX_SESSION_HEADERS:
-        value = _header(headers, name)
-        if value is not None:
-            return value
-    return None
+# The sources that are one header each (the ``header`` source's name is the config's).
+_ONE_HEADER = {
+    "dynamo": DYNAMO_SESSION_HEADER,
+    "routing_key": ROUTING_KEY_HEADER,
+    "opencode": OPENCODE_SESSION_HEADER,
+    "header": "",
+}
 
 
 def _source_value(
@@ -200,27 +211,31 @@ def _source_value(
     headers: Mapping[str, str],
     body: Mapping[str, Any] | None,
     control: Mapping[str, Any] | None,
-) -> tuple[Any, str | None]:
-    """The id one source carries (None: none) and the parent it names with it."""
+) -> Any:
+    """The id one of the other sources carries (None: none)."""
     if src == "body":
-        return (body.get("session_id") if body is not None else None), None
-    if src == "header":
-        return _header(headers, cfg.id_header), _header(headers, PARENT_HEADER)
-    if src == "nvext":
-        return (control.get("session_id") if control is not None else None), None
-    if src == "routing_key":
-        return _header(headers, ROUTING_KEY_HEADER), None
-    if src == "path":
-        return path_session_id, None
-    if src == "dynamo":
-        return _header(headers, DYNAMO_SESSION_HEADER), _header(headers, DYNAMO_PARENT_HEADER)
+        return body.get("session_id") if body is not None else None
     if src == "claude_code":
         return _claude_code(headers)
     if src == "codex":
-        return _codex(headers), None
-    if src == "opencode":
-        return _header(headers, OPENCODE_SESSION_HEADER), _header(headers, PARENT_HEADER)
-    return None, None
+        value = _header(headers, CODEX_SESSION_HEADERS[0])
+        return value if value is not None else _header(headers, CODEX_SESSION_HEADERS[1])
+    if src == "nvext":
+        return control.get("session_id") if control is not None else None
+    if src == "path":
+        return path_session_id
+    return None
+
+
+def _source_parent(src: str, headers: Mapping[str, str]) -> str | None:
+    """The parent the winning source names with its id (read for the winner only)."""
+    if src == "dynamo":
+        return _header(headers, DYNAMO_PARENT_HEADER)
+    if src == "claude_code":
+        return _claude_code_parent(headers)
+    if src in ("header", "opencode"):
+        return _header(headers, PARENT_HEADER)
+    return None
 
 
 def _checked_parent(parent: Any, session_id: str, max_length: int, notes: list[str]) -> str | None:
@@ -267,9 +282,15 @@ def resolve_identity(
     notes: list[str] = [NOTE_NVEXT] if control is not None else []
     session_id: str | None = None
     source: str | None = None
-    parent: Any = None
+    # (a case-insensitive mapping is read directly: this loop runs on every request)
+    get = headers.get if type(headers) in vocab.CASE_INSENSITIVE else None
     for src in cfg.id_sources:
-        value, named_parent = _source_value(src, cfg, path_session_id, headers, body, control)
+        name = _ONE_HEADER.get(src)
+        if name is None:
+            value = _source_value(src, cfg, path_session_id, headers, body, control)
+        else:
+            name = name or cfg.id_header
+            value = get(name) if get is not None else _header(headers, name)
         if value is None:
             continue
         if session_id is not None:
@@ -284,11 +305,12 @@ def resolve_identity(
                 continue
         else:
             session_id = validate_session_id(value, cfg.id_max_length, source=src)
-        source, parent = src, named_parent
-    if session_id is None:
+        source = src
+    if session_id is None or source is None:
         if notes:
             return SessionIdentity(None, None, False, None, tuple(notes))
         return NO_IDENTITY
+    parent = _source_parent(source, headers)
     parent_id = _checked_parent(parent, session_id, cfg.id_max_length, notes)
     close_after = bool(control is not None and control.get("action") == "close")
     if not close_after and cfg.final_header:
