@@ -312,13 +312,22 @@ def resolve_identity(
         return NO_IDENTITY
     parent = _source_parent(source, headers)
     parent_id = _checked_parent(parent, session_id, cfg.id_max_length, notes)
-    close_after = bool(control is not None and control.get("action") == "close")
-    if not close_after and cfg.final_header:
-        # The same truthy values as every other boolean header (vocab.TRUTHY).
-        close_after = vocab.header_flag(headers, cfg.final_header)
-    if not close_after:
-        close_after = vocab.header_flag(headers, DYNAMO_FINAL_HEADER)
-    return SessionIdentity(session_id, source, close_after, parent_id, tuple(notes))
+    return SessionIdentity(
+        session_id, source, _closes_after(cfg, control, headers), parent_id, tuple(notes)
+    )
+
+
+def _closes_after(
+    cfg: SessionLifecycleConfig, control: Mapping[str, Any] | None, headers: Mapping[str, str]
+) -> bool:
+    """The request is its session's last: session_control's close, ``final_header`` or
+    Dynamo's ``X-Dynamo-Session-Final`` (the same truthy values as every boolean header,
+    vocab.TRUTHY)."""
+    if control is not None and control.get("action") == "close":
+        return True
+    if cfg.final_header and vocab.header_flag(headers, cfg.final_header):
+        return True
+    return vocab.header_flag(headers, DYNAMO_FINAL_HEADER)
 
 
 # Rids drawn from the kernel per ``os.urandom`` call: one system call per this many
