@@ -20,7 +20,7 @@ Footprints::
     U(e) = sum over ACTIVE sessions on e of footprint - credit            (pause pressure)
     credit(e) = shared_prefix(e) x (active sessions on e - 1)
 
-A lead whose child sessions run (parent links: kvproxy.admission.family; a child runs
+A lead whose child sessions run (parent links: kvproxy.sessions.family; a child runs
 while it is in this ledger, between its turns too) counts as running: idle 0, weight
 1, never paused or expired while a child runs; its idle clock restarts when its last
 running child ends.
@@ -40,8 +40,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from kvproxy.admission.engagement import Engagement, Load
-from kvproxy.admission.family import Family, Link
 from kvproxy.admission.params import ProgramParams
+from kvproxy.sessions.family import Family, Link
 
 
 class SessionState(StrEnum):
@@ -67,7 +67,7 @@ class Session:
     # Its last tool calls' lengths (request after an answer), newest last: with
     # prefetch on only (kvproxy.admission.prefetch).
     tool_s: tuple[float, ...] = ()
-    # Child sessions (those naming this one as parent) running now (kvproxy.admission.family).
+    # Child sessions (those naming this one as parent) running now (kvproxy.sessions.family).
     children_running: int = 0
     # Its id had several turns in flight at once (a harness sharing one id across
     # subagents): its turns' contexts diverge (observe_response).

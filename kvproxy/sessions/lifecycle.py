@@ -35,13 +35,13 @@ from typing import Any
 
 from prometheus_client.core import Metric
 
-from kvproxy.admission.family import Link
 from kvproxy.config import SessionLifecycleConfig
 from kvproxy.fleet.client import EngineHttp
 from kvproxy.fleet.engine_info import EngineSessionMode, mode_warnings, probe
 from kvproxy.fleet.fanout import post_to_all
 from kvproxy.observability import WindowedCounters, counter_families, gauge_families
 from kvproxy.sessions import identity as _identity
+from kvproxy.sessions.family import Link
 from kvproxy.sessions.identity import SKIP_SESSION_PARAMS, InjectionPlan
 from kvproxy.sessions.lifecycle_core import (
     CloseResult,

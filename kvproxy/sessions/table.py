@@ -18,7 +18,7 @@ a close in progress are never forgotten, so the cap can be exceeded by those. At
 ``max_closed`` tombstones, each for at most ``closed_ttl_s``.
 
 Parent links (docs/sessions.md, "Parent sessions"): a session may name its parent; the
-table keeps the tree (:class:`~kvproxy.admission.family.Family`: bounded links,
+table keeps the tree (:class:`~kvproxy.sessions.family.Family`: bounded links,
 ``max_children`` per parent, no self link, no cycle) for the close of a lead's children
 and the ``/kvproxy/sessions`` listing. A link outlives neither end's close.
 """
@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Final
 
-from kvproxy.admission.family import Family, Link
 from kvproxy.record import Record
+from kvproxy.sessions.family import Family, Link
 
 # Most live entries one insert looks at when making room under the cap.
 _SCAN_LIMIT = 256

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from kvproxy.admission.engine_ledger import EngineLedger, SessionState
-from kvproxy.admission.family import MAX_DEPTH, Family, Link
 from kvproxy.admission.params import ProgramParams
+from kvproxy.sessions.family import MAX_DEPTH, Family, Link
 
 
 @pytest.mark.parametrize(

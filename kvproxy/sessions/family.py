@@ -1,4 +1,4 @@
-"""Parent links between sessions, as admission reads them. Pure: no I/O, no clock.
+"""Parent links between sessions: the session table's tree and admission's running leads. Pure.
 
 A subagent's session may name its parent (its lead: docs/sessions.md, "Parent
 sessions"). A lead that waits for its subagents runs no turn of its own, yet it is not
