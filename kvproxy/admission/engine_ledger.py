@@ -21,9 +21,10 @@ Footprints::
     credit(e) = shared_prefix(e) x (active sessions on e - 1)
 
 A lead whose child sessions run (parent links: kvproxy.sessions.family; a child runs
-while it is in this ledger, between its turns too) counts as running: idle 0, weight
-1, never paused or expired while a child runs; its idle clock restarts when its last
-running child ends.
+while it is in this ledger, between its turns too) is ``busy``: never paused, expired
+or evicted by the bound while a child runs. Its weight decays as any idle session's
+(counting a waiting lead at full weight held its own subagents' first turns longer and
+lost: docs/sessions.md, "Parent sessions").
 
 PAUSED, NEW (not yet admitted) and CLOSED sessions count nowhere. A closed session
 leaves at once; an idle one leaves after ``idle_ttl_s``; the table is bounded by
@@ -82,7 +83,7 @@ class Session:
         return int(max(self.ctx + self.growth, self.est)) + buffer
 
     def idle_s(self, now: float) -> float:
-        return 0.0 if self.running or self.children_running else max(0.0, now - self.since)
+        return 0.0 if self.running else max(0.0, now - self.since)
 
 
 class PeakModel:
@@ -448,7 +449,7 @@ class EngineLedger:
         s = Session(sid=sid, engine=engine, since=now, est=est)
         s.children_running = self.family.running_children(sid)
         self.sessions[sid] = s
-        self._child_changed(self.family.started(sid), now)
+        self._child_changed(self.family.started(sid))
         self.engine(engine, now)
         self._bound()
         return s
@@ -490,26 +491,23 @@ class EngineLedger:
     def link(self, sid: str, parent: str, now: float) -> Link:
         """Session ``sid`` names ``parent`` (on each of its requests)."""
         s = self.sessions.get(sid)
+        old = self.family.parent(sid)
         outcome = self.family.link(sid, parent, running=s is not None)
         if outcome in (Link.LINKED, Link.MOVED):
-            self._child_changed(parent, now)
+            self._child_changed(parent)
+            self._child_changed(old)
         return outcome
 
     def has_running_children(self, sid: str) -> bool:
         return self.family.running_children(sid) > 0
 
-    def _child_changed(self, parent: str | None, now: float) -> None:
-        """A child of ``parent`` started or ended: the parent's count follows; its idle
-        clock restarts when its last running child ends."""
+    def _child_changed(self, parent: str | None) -> None:
+        """A child of ``parent`` started or ended: the parent's count follows."""
         if parent is None:
             return
         p = self.sessions.get(parent)
-        if p is None:
-            return
-        was = p.children_running
-        p.children_running = self.family.running_children(parent)
-        if was and not p.children_running and not p.running:
-            p.since = max(p.since, now)
+        if p is not None:
+            p.children_running = self.family.running_children(parent)
 
     def observe_response(
         self,
@@ -588,8 +586,7 @@ class EngineLedger:
         s = self.sessions.pop(sid, None)
         if s is None:
             return None
-        # (no clock here: a lead's idle clock restarts at its child's last activity)
-        self._child_changed(self.family.ended(sid), s.since)
+        self._child_changed(self.family.ended(sid))
         self.family.forget(sid)
         if s.turns > 0:  # what it grew to (contexts only grow within a session)
             self.peaks.observe_closed(s.ctx)

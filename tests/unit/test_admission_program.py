@@ -571,8 +571,9 @@ def test_a_lead_whose_child_runs_is_never_paused_and_pauses_once_it_ended() -> N
     assert c.ledger.has_running_children("s1")
     c.end_session("s10", 7.0)
     assert not c.ledger.has_running_children("s1")
-    # Idle again (pausable past the lease) once its child ended.
-    assert c.ledger.sessions["s1"].idle_s(20.0) >= P.idle_lease_s
+    # Pausable again once its child ended.
+    s1 = c.ledger.sessions["s1"]
+    assert not s1.busy and s1.idle_s(20.0) >= P.idle_lease_s
 
 
 def test_one_id_with_turns_in_flight_at_once_is_counted_once() -> None:

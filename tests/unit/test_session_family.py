@@ -99,24 +99,33 @@ def active(led: EngineLedger, sid: str, now: float) -> None:
     led.turn_ended(s, now + 1)
 
 
-def test_a_lead_with_a_running_child_is_not_idle() -> None:
+def test_a_lead_with_a_running_child_is_busy_and_kept() -> None:
     led = ledger()
     active(led, "lead", 0.0)
     lead = led.sessions["lead"]
-    assert lead.idle_s(50.0) == 49.0
-    assert led.weight(lead, 50.0) < 1.0
+    assert not lead.busy and lead.idle_s(50.0) == 49.0
     # The child names its lead before its first turn opens it.
     assert led.link("child", "lead", 50.0) is Link.LINKED
     assert not led.has_running_children("lead")
     active(led, "child", 50.0)
-    assert led.has_running_children("lead")
-    assert lead.busy and lead.idle_s(80.0) == 0.0 and led.weight(lead, 80.0) == 1.0
+    assert led.has_running_children("lead") and lead.busy
+    # Its weight decays as any idle session's (only pausing and expiry spare it).
+    assert lead.idle_s(80.0) == 79.0 and led.weight(lead, 80.0) < 1.0
     # Between the child's turns (its tool calls) the lead still waits for it.
     assert led.expire(500.0) == ["child"]  # the child expires; the lead was kept
-    assert not led.has_running_children("lead")
-    # The lead's idle clock restarted at the child's last activity.
-    assert lead.idle_s(500.0) == pytest.approx(500.0 - 51.0)
-    assert led.expire(700.0) == ["lead"]
+    assert not led.has_running_children("lead") and not lead.busy
+    assert led.expire(501.0) == ["lead"]
+
+
+def test_a_child_moving_to_another_parent_leaves_the_first() -> None:
+    led = ledger()
+    for sid in ("p", "q"):
+        active(led, sid, 0.0)
+    led.link("c", "p", 0.0)
+    active(led, "c", 0.0)
+    assert led.sessions["p"].children_running == 1
+    assert led.link("c", "q", 1.0) is Link.MOVED
+    assert (led.sessions["p"].children_running, led.sessions["q"].children_running) == (0, 1)
 
 
 def test_a_closed_child_frees_its_lead_and_a_late_link_counts_at_once() -> None:
