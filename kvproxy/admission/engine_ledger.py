@@ -476,11 +476,10 @@ class EngineLedger:
         s.running += 1
         s.since = now
         # One id with several turns in flight (a harness sharing it across subagents):
-        # its turns' contexts diverge, and each holds its own KV: the session's size is
-        # its context and its running turns' sizes together.
+        # the largest turn's size, not the last one's.
         if s.running > 1:
             s.shared = True
-        s.est = max(est, 0) if s.running == 1 else max(s.est, s.ctx) + max(est, 0)
+        s.est = max(est, 0) if s.running == 1 else max(s.est, est, 0)
         self.sessions.move_to_end(s.sid)
 
     def turn_ended(self, s: Session, now: float) -> None:
@@ -545,8 +544,7 @@ class EngineLedger:
         if s.shared:
             # One id, several turns at once (a shared id: contexts that diverge, a
             # subagent's smaller than its lead's). The session is counted once, at its
-            # largest context plus its running turns' sizes (turn_started) until the last
-            # of them answers; a turn's context is no growth of another's.
+            # largest context; a turn's context is no growth of another's.
             s.ctx = max(s.ctx, total)
             if not s.running > 1:
                 s.est = 0
