@@ -488,7 +488,7 @@ class EngineLedger:
 
     # -- parent links --------------------------------------------------------------
 
-    def link(self, sid: str, parent: str, now: float) -> Link:
+    def link(self, sid: str, parent: str) -> Link:
         """Session ``sid`` names ``parent`` (on each of its requests)."""
         s = self.sessions.get(sid)
         old = self.family.parent(sid)

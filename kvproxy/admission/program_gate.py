@@ -208,7 +208,7 @@ class ProgramGate:
         if sid is not None and core.ledger.get(sid) is None:
             self._first_turn(ticket)
         if sid is not None and req.parent_id is not None:
-            core.ledger.link(sid, req.parent_id, now)  # a lead counts while its child runs
+            core.ledger.link(sid, req.parent_id)  # a lead counts while its child runs
         verdict = core.request(ticket, sid, owner, tokens, now)
         if core.p.prefetch and sid is not None and self.prefetcher is not None:
             self.prefetcher.keep(req)

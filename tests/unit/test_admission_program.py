@@ -560,7 +560,7 @@ def test_program_params_defaults_are_the_configs_defaults() -> None:
 def test_a_lead_whose_child_runs_is_never_paused_and_pauses_once_it_ended() -> None:
     # s1 (the largest) is a lead; s10 names it as parent: s1 is running while s10 is.
     c = core(dataclasses.replace(P, feedback=False))
-    c.ledger.link("s10", "s1", 0.0)
+    c.ledger.link("s10", "s1")
     fill(c, TEN)
     assert c.ledger.has_running_children("s1")
     c.tick(6.0)

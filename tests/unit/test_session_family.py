@@ -105,7 +105,7 @@ def test_a_lead_with_a_running_child_is_busy_and_kept() -> None:
     lead = led.sessions["lead"]
     assert not lead.busy and lead.idle_s(50.0) == 49.0
     # The child names its lead before its first turn opens it.
-    assert led.link("child", "lead", 50.0) is Link.LINKED
+    assert led.link("child", "lead") is Link.LINKED
     assert not led.has_running_children("lead")
     active(led, "child", 50.0)
     assert led.has_running_children("lead") and lead.busy
@@ -121,10 +121,10 @@ def test_a_child_moving_to_another_parent_leaves_the_first() -> None:
     led = ledger()
     for sid in ("p", "q"):
         active(led, sid, 0.0)
-    led.link("c", "p", 0.0)
+    led.link("c", "p")
     active(led, "c", 0.0)
     assert led.sessions["p"].children_running == 1
-    assert led.link("c", "q", 1.0) is Link.MOVED
+    assert led.link("c", "q") is Link.MOVED
     assert (led.sessions["p"].children_running, led.sessions["q"].children_running) == (0, 1)
 
 
@@ -133,7 +133,7 @@ def test_a_closed_child_frees_its_lead_and_a_late_link_counts_at_once() -> None:
     active(led, "lead", 0.0)
     active(led, "child", 1.0)  # opened before naming its parent
     assert not led.has_running_children("lead")
-    assert led.link("child", "lead", 2.0) is Link.LINKED
+    assert led.link("child", "lead") is Link.LINKED
     assert led.sessions["lead"].children_running == 1
     led.drop("child")
     assert led.sessions["lead"].children_running == 0
@@ -142,7 +142,7 @@ def test_a_closed_child_frees_its_lead_and_a_late_link_counts_at_once() -> None:
 
 def test_a_lead_opened_after_its_children_counts_them() -> None:
     led = ledger()
-    led.link("child", "lead", 0.0)
+    led.link("child", "lead")
     active(led, "child", 0.0)
     active(led, "lead", 1.0)
     assert led.sessions["lead"].children_running == 1
