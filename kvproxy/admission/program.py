@@ -516,7 +516,6 @@ class ProgramCore:
             return
         b = self.p.session_buffer_tokens
         active = [led.sessions[sid] for sid in led.engines[url].sessions]
-        # (busy: a turn of its own, or a child session, runs: a lead waiting for them)
         idle = [s for s in active if not s.busy and s.idle_s(now) >= self.p.idle_lease_s]
         # (ties last by id: the set's order depends on the hash seed)
         idle.sort(key=lambda s: (-s.footprint(b), s.sid))
