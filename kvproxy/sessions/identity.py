@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Any, Final
 from urllib.parse import unquote
@@ -176,66 +176,63 @@ def _session_control(body: Mapping[str, Any] | None) -> Mapping[str, Any] | None
     return vocab.nvext_section(body, "session_control")
 
 
-def _claude_code(headers: Mapping[str, str]) -> str | None:
-    """Claude Code's session: a child agent's own id, else the root session."""
-    root = _header(headers, CLAUDE_SESSION_HEADER)
-    if root is None:
-        return _header(headers, CLAUDE_AGENT_HEADER)
-    agent = _header(headers, CLAUDE_AGENT_HEADER)
-    return agent if agent is not None else root
-
-
-def _claude_code_parent(headers: Mapping[str, str]) -> str | None:
+def _claude_code_parent(get: Callable[[str], str | None]) -> str | None:
     """A Claude Code child agent's parent: the parent agent, else the root session (a
     root turn, whose agent id is absent or the session's own, has none)."""
-    root = _header(headers, CLAUDE_SESSION_HEADER)
-    agent = _header(headers, CLAUDE_AGENT_HEADER)
+    root = get(CLAUDE_SESSION_HEADER)
+    agent = get(CLAUDE_AGENT_HEADER)
     if agent is None or agent == root:
         return None
-    return _header(headers, CLAUDE_PARENT_HEADER) or root
+    return get(CLAUDE_PARENT_HEADER) or root
 
 
-# The sources that are one header each (the ``header`` source's name is the config's).
+# The sources read as a header each (the ``header`` source's name is the config's;
+# ``claude_code`` and ``codex`` are refined in the loop: a child agent's id, Codex's older
+# spelling).
 _ONE_HEADER = {
     "dynamo": DYNAMO_SESSION_HEADER,
+    "claude_code": CLAUDE_SESSION_HEADER,
+    "codex": CODEX_SESSION_HEADERS[0],
     "routing_key": ROUTING_KEY_HEADER,
     "opencode": OPENCODE_SESSION_HEADER,
     "header": "",
 }
 
 
-def _source_value(
-    src: str,
-    cfg: SessionLifecycleConfig,
-    path_session_id: str | None,
-    headers: Mapping[str, str],
-    body: Mapping[str, Any] | None,
-    control: Mapping[str, Any] | None,
-) -> Any:
-    """The id one of the other sources carries (None: none)."""
-    if src == "body":
-        return body.get("session_id") if body is not None else None
-    if src == "claude_code":
-        return _claude_code(headers)
-    if src == "codex":
-        value = _header(headers, CODEX_SESSION_HEADERS[0])
-        return value if value is not None else _header(headers, CODEX_SESSION_HEADERS[1])
-    if src == "nvext":
-        return control.get("session_id") if control is not None else None
-    if src == "path":
-        return path_session_id
-    return None
+def _getter(headers: Mapping[str, str]) -> Callable[[str], str | None]:
+    """A case-insensitive ``get`` of ``headers`` (the mapping's own when it has one)."""
+    if type(headers) in vocab.CASE_INSENSITIVE:
+        return headers.get
+
+    def get(name: str) -> str | None:
+        return _header(headers, name)
+
+    return get
 
 
-def _source_parent(src: str, headers: Mapping[str, str]) -> str | None:
+# The sources that name a parent with the id.
+_PARENT_SOURCES = frozenset({"dynamo", "claude_code", "header", "opencode"})
+
+
+def _source_parent(src: str, get: Callable[[str], str | None]) -> str | None:
     """The parent the winning source names with its id (read for the winner only)."""
     if src == "dynamo":
-        return _header(headers, DYNAMO_PARENT_HEADER)
+        return get(DYNAMO_PARENT_HEADER)
     if src == "claude_code":
-        return _claude_code_parent(headers)
-    if src in ("header", "opencode"):
-        return _header(headers, PARENT_HEADER)
-    return None
+        return _claude_code_parent(get)
+    return get(PARENT_HEADER)
+
+
+def _accepted(src: str, value: Any, max_length: int, notes: list[str]) -> str | None:
+    """The winning source's id, validated: an invalid one refuses the request
+    (:class:`InvalidSessionId`), or from a lenient source is ignored (None, noted)."""
+    if src not in LENIENT_SOURCES:
+        return validate_session_id(value, max_length, source=src)
+    try:
+        return validate_session_id(value, max_length, source=src)
+    except InvalidSessionId:
+        notes.append(NOTE_REJECTED)
+        return None
 
 
 def _checked_parent(parent: Any, session_id: str, max_length: int, notes: list[str]) -> str | None:
@@ -282,36 +279,38 @@ def resolve_identity(
     notes: list[str] = [NOTE_NVEXT] if control is not None else []
     session_id: str | None = None
     source: str | None = None
-    # (a case-insensitive mapping is read directly: this loop runs on every request)
-    get = headers.get if type(headers) in vocab.CASE_INSENSITIVE else None
+    get = _getter(headers)
+    # The sources that are no header, read once (cheap: this loop runs on every request).
+    others = {
+        "body": body.get("session_id") if body is not None else None,
+        "nvext": control.get("session_id") if control is not None else None,
+        "path": path_session_id,
+    }
     for src in cfg.id_sources:
         name = _ONE_HEADER.get(src)
-        if name is None:
-            value = _source_value(src, cfg, path_session_id, headers, body, control)
-        else:
-            name = name or cfg.id_header
-            value = get(name) if get is not None else _header(headers, name)
+        value = others.get(src) if name is None else get(name or cfg.id_header)
         if value is None:
-            continue
+            if src != "codex":
+                continue
+            value = get(CODEX_SESSION_HEADERS[1])  # Codex's older spelling
+            if value is None:
+                continue
+        elif src == "claude_code":
+            value = get(CLAUDE_AGENT_HEADER) or value  # a child agent's own id
         if session_id is not None:
             if value != session_id and NOTE_CONFLICT not in notes:
                 notes.append(NOTE_CONFLICT)
             continue
-        if src in LENIENT_SOURCES:
-            try:
-                session_id = validate_session_id(value, cfg.id_max_length, source=src)
-            except InvalidSessionId:
-                notes.append(NOTE_REJECTED)
-                continue
-        else:
-            session_id = validate_session_id(value, cfg.id_max_length, source=src)
-        source = src
+        session_id = _accepted(src, value, cfg.id_max_length, notes)
+        source = src if session_id is not None else None
     if session_id is None or source is None:
         if notes:
             return SessionIdentity(None, None, False, None, tuple(notes))
         return NO_IDENTITY
-    parent = _source_parent(source, headers)
-    parent_id = _checked_parent(parent, session_id, cfg.id_max_length, notes)
+    parent = _source_parent(source, get) if source in _PARENT_SOURCES else None
+    parent_id = (
+        None if parent is None else _checked_parent(parent, session_id, cfg.id_max_length, notes)
+    )
     return SessionIdentity(
         session_id, source, _closes_after(cfg, control, headers), parent_id, tuple(notes)
     )
