@@ -24,6 +24,8 @@ from multidict import CIMultiDict, CIMultiDictProxy
 TRUTHY: frozenset[str] = frozenset({"1", "true", "yes", "on"})
 
 _CASE_INSENSITIVE = (CIMultiDict, CIMultiDictProxy)
+# The mapping types whose ``get`` ignores case (a caller may read them directly).
+CASE_INSENSITIVE = _CASE_INSENSITIVE
 
 
 def header(headers: Mapping[str, str], name: str) -> str | None:

@@ -96,10 +96,15 @@ class Job:
     hicache_write_policy: str | None = None  # its write policy; None: write_through
     cap: int | None = None  # policy "cap": off with this many live sessions per engine
     tool_hints: bool = False  # both: the workload tells kvproxy each tool call's length
+    # How W3's subagents name themselves (own | parent | shared; every policy alike).
+    subagent_identity: str = "own"
 
     def config(self) -> LabConfig:
         sc = self.fleet.scenario()
         pool, _ = self.fleet.pool()
+        workload = dict(sc.workload_overrides)
+        if self.subagent_identity != "own":
+            workload["subagent_identity"] = self.subagent_identity
         return LabConfig(
             workload=self.fleet.workload,
             engines=ENGINES,
@@ -109,7 +114,7 @@ class Job:
             policy="off" if self.policy == "cap" else self.policy,
             seed=self.seed,
             engine_overrides={"max_total_tokens": pool},
-            workload_overrides=dict(sc.workload_overrides),
+            workload_overrides=workload,
             admission_overrides=dict(self.admission),
             signal_fault=self.fault,
             hicache_ratio=self.hicache_ratio,
@@ -220,15 +225,18 @@ def jobs_for(
     hicache_write_policy: str | None = None,
     policies: Sequence[str] = GRID_POLICIES,
     tool_hints: bool = False,
+    subagent_identity: str = "own",
 ) -> list[Job]:
     """The runs of ``policies`` (of off, ceiling, both and the peers; faults run with
     both) per cell and seed; ``tool_hints``: both's workload tells kvproxy its tool
-    calls' lengths."""
+    calls' lengths; ``subagent_identity``: how W3's subagents name themselves, in every
+    run."""
     out: list[Job] = []
     h: dict[str, Any] = {
         "hicache_ratio": hicache_ratio,
         "hicache_link_gb_s": hicache_link_gb_s,
         "hicache_write_policy": hicache_write_policy,
+        "subagent_identity": subagent_identity,
     }
     for f in cells:
         for seed in seeds:
@@ -707,6 +715,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="both's workload tells kvproxy each tool call's length as it starts "
         "(POST /kvproxy/sessions/{id}/prefetch), for admission.prefetch",
     )
+    ap.add_argument(
+        "--subagent-identity",
+        choices=("own", "parent", "shared"),
+        default="own",
+        help="how W3's subagents name themselves, in every policy's runs: own ids "
+        "(default), own ids naming their lead as parent, or their lead's id (docs/adoption.md)",
+    )
     ap.add_argument("--out", type=Path, default=Path("results/regime_grid.json"))
     ap.add_argument(
         "--check",
@@ -807,6 +822,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             policy,
             policies=policies,
             tool_hints=args.tool_hints,
+            subagent_identity=args.subagent_identity,
         )
     t0 = time.perf_counter()
     rows: list[dict[str, Any]] = []

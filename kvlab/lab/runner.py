@@ -273,7 +273,7 @@ async def _run(cfg: LabConfig) -> LabResult:
     )
     if is_peer(cfg.policy):
         proxy = _peer(cfg, engines, urls, sched_cfg.max_total_tokens)
-    transport = LabTransport(proxy)
+    transport = LabTransport(proxy, subagent_identity=spec.subagent_identity)
     async with proxy.running():
         try:
             result = await asyncio.wait_for(

@@ -5,7 +5,9 @@ Each turn becomes the body and headers the workload's HTTP driver
 ``kvlab.workload.wire.generate_body`` (``input_ids``, ``max_new_tokens`` with
 ``ignore_eos``, ``stream``), ``X-Session-ID`` and ``X-SMG-Routing-Key`` = the session
 id, and ``X-Session-Final`` on a session's last turn when ``send_final`` (off by
-default, as in the driver). The lab also names every request's rid (a fixed-length
+default, as in the driver); a W3 subagent's turn is sent as the workload's
+``subagent_identity`` says (``kvlab.workload.wire.identity_headers``: its own id, also its
+lead's as ``X-Parent-Session-ID``, or its lead's id). The lab also names every request's rid (a fixed-length
 counter, so aborts by rid prefix stay exact): the proxy would otherwise draw a random
 one, and a lab run must be reproducible.
 
@@ -25,15 +27,24 @@ from kvlab.workload.wire import (
     ROUTING_KEY_HEADER,
     SESSION_HEADER,
     generate_body,
+    identity_headers,
+    wire_identity,
 )
 
 
 class LabTransport:
     """``kvlab.workload.runner.Transport`` over a :class:`LabProxy`."""
 
-    def __init__(self, proxy: LabProxy | PeerProxy, *, send_final: bool = False) -> None:
+    def __init__(
+        self,
+        proxy: LabProxy | PeerProxy,
+        *,
+        send_final: bool = False,
+        subagent_identity: str = "own",
+    ) -> None:
         self.proxy = proxy
         self.send_final = send_final
+        self.subagent_identity = subagent_identity
         self._rid = 0
         self.errors: dict[str, int] = {}
 
@@ -44,7 +55,8 @@ class LabTransport:
         self._rid += 1
         body = generate_body(input_ids, max_new_tokens)
         body["rid"] = f"{self._rid:032x}"
-        headers = {SESSION_HEADER: session_id, ROUTING_KEY_HEADER: session_id}
+        headers = identity_headers(session_id, self.subagent_identity)
+        headers[ROUTING_KEY_HEADER] = headers[SESSION_HEADER]
         if final and self.send_final:
             headers[FINAL_HEADER] = "1"
         start = loop.time()
@@ -75,7 +87,9 @@ class LabTransport:
         )
 
     async def close(self, session_id: str) -> None:
-        await self.proxy.close_session(session_id)
+        sid, _ = wire_identity(session_id, self.subagent_identity)
+        if sid == session_id:  # a subagent sharing its lead's id leaves it open
+            await self.proxy.close_session(session_id)
 
     async def tool_call(self, session_id: str, seconds: float) -> None:
         """``POST /kvproxy/sessions/{id}/prefetch {"in_s": seconds}`` to the proxy."""

@@ -19,7 +19,7 @@ from kvlab.sim.httpio import error_response, json_response, read_json, validatio
 from kvlab.sim.parse import BadRequest
 from kvlab.sim.state import SIM_STATE
 
-DATA_PLANE = frozenset({"/generate", "/v1/chat/completions", "/v1/completions"})
+DATA_PLANE = frozenset({"/generate", "/v1/chat/completions", "/v1/completions", "/v1/responses"})
 HEALTH = frozenset({"/health", "/health_generate"})
 
 

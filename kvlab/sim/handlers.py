@@ -1,5 +1,5 @@
 """The simulated engine's data plane: ``/generate``, ``/v1/chat/completions``,
-``/v1/completions``.
+``/v1/completions`` and (non-streamed) ``/v1/responses``.
 
 A handler parses the body (:mod:`kvlab.sim.parse`), submits the request to the
 scheduler of a DP rank, and either waits for it to finish or streams it
@@ -15,9 +15,15 @@ from typing import Any
 from aiohttp import web
 
 from kvlab.sim.httpio import error_response, json_response, read_json
-from kvlab.sim.parse import ParsedRequest, parse_generate, parse_openai, scheduler_request
+from kvlab.sim.parse import (
+    ParsedRequest,
+    parse_generate,
+    parse_openai,
+    parse_responses,
+    scheduler_request,
+)
 from kvlab.sim.rank import Rank, Waiter
-from kvlab.sim.responses import OpenAIChunks, generate_body, openai_body
+from kvlab.sim.responses import OpenAIChunks, generate_body, openai_body, responses_body
 from kvlab.sim.scheduler import SimError
 from kvlab.sim.state import SIM_STATE, SimState
 from kvlab.sim.streaming import stream, stream_error
@@ -97,6 +103,23 @@ async def _handle_openai(request: web.Request, chat: bool) -> web.StreamResponse
         req, chat=chat, created=created, model=model, include_usage=bool(opts.get("include_usage"))
     )
     return await stream(request, rank, w, chunks.after)
+
+
+async def handle_responses(request: web.Request) -> web.StreamResponse:
+    """SGLang's Responses API, non-streamed: the request id is ``request_id``."""
+    st = request.app[SIM_STATE]
+    body = await read_json(request)
+    p = parse_responses(body)
+    model = body.get("model") if isinstance(body.get("model"), str) else st.cfg.model_name
+    try:
+        rank, w = submit(st, body, p)
+    except SimError as e:
+        return await _refused(request, p, e)
+    await rank.wait_done(w)
+    if not w.req.finished:
+        return error_response(_STOPPED, 500)
+    ids = rank.sched.output_ids(w.req)
+    return json_response(responses_body(w.req, ids, created=int(time.time()), model=model))
 
 
 async def handle_chat(request: web.Request) -> web.StreamResponse:

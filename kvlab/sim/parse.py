@@ -188,6 +188,42 @@ def parse_openai(body: Mapping[str, Any], chat: bool) -> ParsedRequest:
     return _common_fields(body, sampling, input_ids, max_new)
 
 
+def _responses_text(value: Any) -> str:
+    """The text of a Responses ``input``: a string, or items whose content is a string or
+    parts with ``text``."""
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, list) or not value:
+        raise BadRequest("input must be a string or a non-empty list of items")
+    parts: list[str] = []
+    for item in value:
+        content = item.get("content") if isinstance(item, dict) else None
+        if isinstance(content, str):
+            parts.append(content)
+        elif isinstance(content, list):
+            parts.extend(str(c.get("text", "")) for c in content if isinstance(c, dict))
+        else:
+            raise BadRequest("each input item must carry content")
+    return "\n".join(parts)
+
+
+def parse_responses(body: Mapping[str, Any]) -> ParsedRequest:
+    """SGLang's ``/v1/responses`` (``ResponsesRequest``): ``input``, ``instructions``,
+    ``max_output_tokens``, ``session_id``, and the request id as ``request_id`` (its rid)."""
+    if body.get("stream"):
+        raise BadRequest("Streamed responses are not supported by the simulator.", validation=False)
+    text = _responses_text(body.get("input"))
+    if isinstance(body.get("instructions"), str):
+        text = body["instructions"] + "\n" + text
+    rid = parse_str(body.get("request_id"), "request_id")
+    fields = {k: v for k, v in body.items() if k in ("session_id", "priority")}
+    if rid is not None:
+        fields["rid"] = rid
+    max_new = parse_int(body.get("max_output_tokens"), "max_output_tokens")
+    sampling: dict[str, Any] = {"n": None, "stop_token_ids": None, "ignore_eos": False}
+    return _common_fields(fields, sampling, tokenizer.encode(text), max_new)
+
+
 class SubmitOptions(TypedDict):
     """The keywords of ``Scheduler.submit`` that a body sets."""
 

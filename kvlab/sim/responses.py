@@ -147,6 +147,31 @@ def openai_body(
     }
 
 
+def responses_body(req: SimRequest, ids: list[int], *, created: int, model: Any) -> dict[str, Any]:
+    """The non-streamed Responses API answer (``/v1/responses``) of a finished request."""
+    u = usage(req, len(ids))
+    return {
+        "id": req.rid,
+        "object": "response",
+        "created_at": created,
+        "model": model,
+        "status": "completed",
+        "output": [
+            {
+                "type": "message",
+                "role": "assistant",
+                "status": "completed",
+                "content": [{"type": "output_text", "text": tokenizer.decode(ids)}],
+            }
+        ],
+        "usage": {
+            "input_tokens": u["prompt_tokens"],
+            "output_tokens": u["completion_tokens"],
+            "total_tokens": u["total_tokens"],
+        },
+    }
+
+
 class OpenAIChunks:
     """The SSE chunks of one streamed OpenAI response, step by step: each call of
     :meth:`after` gives the chunks for the text generated since the last call."""

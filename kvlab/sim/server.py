@@ -58,6 +58,7 @@ def create_sim_app(cfg: SimConfig) -> web.Application:
     r.add_post("/generate", handlers.handle_generate)
     r.add_post("/v1/chat/completions", handlers.handle_chat)
     r.add_post("/v1/completions", handlers.handle_completions)
+    r.add_post("/v1/responses", handlers.handle_responses)
     for path, handler in (
         ("/open_session", control.handle_open_session),
         ("/close_session", control.handle_close_session),

@@ -36,8 +36,10 @@ from kvlab.workload.wire import (
     StreamState,
     diff_counters,
     generate_body,
+    identity_headers,
     parse_prometheus,
     parse_sse_line,
+    wire_identity,
 )
 
 # Bounds the per-run table of close statuses.
@@ -175,6 +177,7 @@ class HttpTransport:
         session_timeout_s: float | None = None,
         session_control_scope: str = "all",
         routing_key: Callable[[str], str] | None = None,
+        subagent_identity: str = "own",
     ) -> None:
         nvext_for(
             "probe",
@@ -197,6 +200,7 @@ class HttpTransport:
         self.session_timeout_s = session_timeout_s
         self.session_control_scope = session_control_scope
         self.routing_key = routing_key
+        self.subagent_identity = subagent_identity
         self._hint_timeout = aiohttp.ClientTimeout(total=5.0)
         self._started: set[str] = set()
         # session id -> HTTP status of its /close_session (None: no answer).
@@ -205,11 +209,12 @@ class HttpTransport:
         self.tool_hint_status: dict[int, int] = {}
 
     def _headers(self, session_id: str) -> dict[str, str]:
-        return {
-            "Content-Type": "application/json",
-            SESSION_HEADER: session_id,
-            ROUTING_KEY_HEADER: self.routing_key(session_id) if self.routing_key else session_id,
-        }
+        # A W3 subagent as the workload's subagent_identity says (wire.identity_headers).
+        headers = identity_headers(session_id, self.subagent_identity)
+        sid = headers[SESSION_HEADER]
+        headers["Content-Type"] = "application/json"
+        headers[ROUTING_KEY_HEADER] = self.routing_key(sid) if self.routing_key else sid
+        return headers
 
     def _turn_request(
         self, session_id: str, input_ids: list[int], max_new_tokens: int, final: bool
@@ -326,6 +331,8 @@ class HttpTransport:
     async def close(self, session_id: str) -> None:
         if not self.close_sessions:
             return
+        if wire_identity(session_id, self.subagent_identity)[0] != session_id:
+            return  # a subagent sharing its lead's id leaves it open
         status: int | None = None
         try:
             async with self.http.post(
@@ -497,6 +504,7 @@ async def run_http(
             session_timeout_s=session_timeout_s,
             session_control_scope=session_control_scope,
             routing_key=routing_key,
+            subagent_identity=spec.subagent_identity,
         )
         start = loop.time()
         run.result = await run_workload(

@@ -21,6 +21,10 @@ from typing import Any
 
 DIST_KINDS = ("lognormal", "uniform", "fixed")
 STEP_MODES = ("closed", "sync")
+# How W3's subagents name themselves on the wire (docs/adoption.md): each its own id
+# (``own``, as before), its own id and its lead's as parent (``parent``:
+# X-Parent-Session-ID), or its lead's id (``shared``, as Claude Code and Codex do).
+SUBAGENT_IDENTITIES = ("own", "parent", "shared")
 
 
 class WorkloadError(ValueError):
@@ -227,6 +231,7 @@ class WorkloadSpec:
     # many tokens, the conversation restarts from a fresh prompt drawn as the first one
     # (a prefix the engine has never seen), as an agent that compacts its history. 0: off.
     compact_at: int = field(default=0, metadata=_TOKENS)
+    subagent_identity: str = "own"
     # The first wave of sessions starts staggered: slot i waits i x start_stagger_s.
     start_stagger_s: float = 0.0
     close_sessions: bool = True
@@ -236,6 +241,16 @@ class WorkloadSpec:
     # trace:PATH workloads: the parsed trace (its sessions replace the drawn ones).
     trace_path: str | None = None
     trace: Trace | None = field(default=None, repr=False, compare=False)
+
+    def _validate_choices(self) -> None:
+        for name, allowed in (
+            ("subagent_identity", SUBAGENT_IDENTITIES),
+            ("step_mode", STEP_MODES),
+        ):
+            if getattr(self, name) not in allowed:
+                raise WorkloadError(
+                    f"{name} must be one of {allowed} (got {getattr(self, name)!r})"
+                )
 
     def validate(self) -> None:
         if not isinstance(self.token_scale, int) or self.token_scale < 1:
@@ -265,8 +280,7 @@ class WorkloadSpec:
             raise WorkloadError(
                 f"fanout_second_prob must be in [0, 1] (got {self.fanout_second_prob!r})"
             )
-        if self.step_mode not in STEP_MODES:
-            raise WorkloadError(f"step_mode must be one of {STEP_MODES} (got {self.step_mode!r})")
+        self._validate_choices()
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if isinstance(value, Dist):

@@ -7,6 +7,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from kvlab.workload.plan import SUBAGENT_INFIX
 from kvproxy.sse import StreamState, parse_sse_line
 
 __all__ = ["StreamState", "parse_sse_line"]  # re-exported: the driver's callers use them here
@@ -14,6 +15,36 @@ __all__ = ["StreamState", "parse_sse_line"]  # re-exported: the driver's callers
 SESSION_HEADER = "X-Session-ID"
 ROUTING_KEY_HEADER = "X-SMG-Routing-Key"
 FINAL_HEADER = "X-Session-Final"
+PARENT_HEADER = "X-Parent-Session-ID"
+
+
+def lead_of(session_id: str) -> str | None:
+    """The lead of a W3 subagent's session id (None: not a subagent's)."""
+    at = session_id.rfind(SUBAGENT_INFIX)  # subagents are ``<lead>-sub<turn>.<j>``
+    return session_id[:at] if at > 0 else None
+
+
+def wire_identity(session_id: str, convention: str) -> tuple[str, str | None]:
+    """The session id a turn is sent under and the parent it names, for the workload's
+    ``subagent_identity`` (``own``: its own id; ``parent``: its own and its lead's as
+    parent; ``shared``: its lead's). Only subagents differ."""
+    if convention == "own":
+        return session_id, None
+    lead = lead_of(session_id)
+    if lead is None:
+        return session_id, None
+    return (session_id, lead) if convention == "parent" else (lead, None)
+
+
+def identity_headers(session_id: str, convention: str) -> dict[str, str]:
+    """``X-Session-ID`` (and ``X-Parent-Session-ID``) of one turn (:func:`wire_identity`)."""
+    sid, parent = wire_identity(session_id, convention)
+    out = {SESSION_HEADER: sid}
+    if parent is not None:
+        out[PARENT_HEADER] = parent
+    return out
+
+
 ADMISSION_WAIT_HEADER = "X-KVProxy-Admission-Wait-Ms"
 
 # Engine counters scraped before and after a run. Counters are summed over label

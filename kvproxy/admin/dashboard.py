@@ -148,6 +148,7 @@ def data_doc(app: web.Application, timeline: Timeline, since: int) -> dict[str, 
         "timeline": timeline.origin,
         "last_seq": timeline.last_seq,
         "samples": timeline.since(since),
+        "session_tree": app[SESSIONS].tree(),
     }
 
 

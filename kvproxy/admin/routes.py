@@ -26,6 +26,7 @@ from kvproxy.keys import ADMISSION, CONFIG, DYNAMO, REGISTRY, SESSIONS
 from kvproxy.proxy.errors import ErrorType
 from kvproxy.proxy.refusals import Refused, json_body, refusal_response
 from kvproxy.proxy.responses import error_response
+from kvproxy.sessions.listing import parse_limit
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +107,18 @@ async def handle_prefetch(request: web.Request) -> web.Response:
     return json_response({"session_id": sid, "in_s": in_s, "planned": True}, status=202)
 
 
+async def handle_sessions(request: web.Request) -> web.Response:
+    """``GET /kvproxy/sessions[?limit=N][&after=ID]``: one page of the session table,
+    each session with its parent and children (docs/sessions.md, "Parent sessions");
+    ``next`` is the ``after`` of the next page (None: the last page)."""
+    try:
+        limit = parse_limit(request.query.get("limit"))
+    except ValueError:
+        return error_response(ErrorType.INVALID_REQUEST, "limit must be an integer >= 1")
+    after = request.query.get("after") or None
+    return json_response(request.app[SESSIONS].listing(after=after, limit=limit))
+
+
 def add_admin_routes(
     app: web.Application,
     close_session: Callable[[web.Request], Awaitable[web.StreamResponse]],
@@ -116,6 +129,7 @@ def add_admin_routes(
     app.router.add_get("/kvproxy/stats", on_plane(handle_stats))
     app.router.add_get("/metrics", on_plane(guarded(Access.STATS, handle_metrics)))
     app.router.add_post("/kvproxy/config/reload", on_plane(guarded(Access.ADMIN, handle_reload)))
+    app.router.add_get("/kvproxy/sessions", on_plane(guarded(Access.ADMIN, handle_sessions)))
     app.router.add_post(
         "/kvproxy/sessions/{session_id}/close",
         on_plane(guarded(Access.ADMIN, close_session)),

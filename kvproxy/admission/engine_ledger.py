@@ -20,6 +20,12 @@ Footprints::
     U(e) = sum over ACTIVE sessions on e of footprint - credit            (pause pressure)
     credit(e) = shared_prefix(e) x (active sessions on e - 1)
 
+A lead whose child sessions run (parent links: kvproxy.sessions.family; a child runs
+while it is in this ledger, between its turns too) is ``busy``: never paused, expired
+or evicted by the bound while a child runs. Its weight decays as any idle session's
+(counting a waiting lead at full weight held its own subagents' first turns longer and
+lost: docs/sessions.md, "Parent sessions").
+
 PAUSED, NEW (not yet admitted) and CLOSED sessions count nowhere. A closed session
 leaves at once; an idle one leaves after ``idle_ttl_s``; the table is bounded by
 ``max_sessions`` (least recently active idle session first).
@@ -36,6 +42,7 @@ from enum import StrEnum
 
 from kvproxy.admission.engagement import Engagement, Load
 from kvproxy.admission.params import ProgramParams
+from kvproxy.sessions.family import Family, Link
 
 
 class SessionState(StrEnum):
@@ -61,6 +68,16 @@ class Session:
     # Its last tool calls' lengths (request after an answer), newest last: with
     # prefetch on only (kvproxy.admission.prefetch).
     tool_s: tuple[float, ...] = ()
+    # Child sessions (those naming this one as parent) running now (kvproxy.sessions.family).
+    children_running: int = 0
+    # Its id had several turns in flight at once (a harness sharing one id across
+    # subagents): its turns' contexts diverge (observe_response).
+    shared: bool = False
+
+    @property
+    def busy(self) -> bool:
+        """A turn of its own runs, or a child runs (a lead waiting for its subagents)."""
+        return bool(self.running or self.children_running)
 
     def footprint(self, buffer: int) -> int:
         return int(max(self.ctx + self.growth, self.est)) + buffer
@@ -200,6 +217,7 @@ class EngineLedger:
         self.p = params
         self.sessions: OrderedDict[str, Session] = OrderedDict()  # least recent first
         self.engines: dict[str, Engine] = {}
+        self.family = Family(max_links=params.max_sessions)
         self.peaks = PeakModel(
             quantile=params.growth_quantile,
             window=params.growth_window,
@@ -429,7 +447,9 @@ class EngineLedger:
 
     def open(self, sid: str, engine: str, now: float, est: int) -> Session:
         s = Session(sid=sid, engine=engine, since=now, est=est)
+        s.children_running = self.family.running_children(sid)
         self.sessions[sid] = s
+        self._child_changed(self.family.started(sid))
         self.engine(engine, now)
         self._bound()
         return s
@@ -442,7 +462,7 @@ class EngineLedger:
         for sid, s in list(self.sessions.items()):
             if len(self.sessions) <= self.p.max_sessions:
                 break
-            if not s.running and s.state is not SessionState.NEW:
+            if not s.busy and s.state is not SessionState.NEW:
                 self.drop(sid)
                 dropped.append(sid)
         return dropped
@@ -455,12 +475,39 @@ class EngineLedger:
     def turn_started(self, s: Session, now: float, est: int) -> None:
         s.running += 1
         s.since = now
-        s.est = max(est, 0)
+        # One id with several turns in flight (a harness sharing it across subagents):
+        # the largest turn's size, not the last one's.
+        if s.running > 1:
+            s.shared = True
+        s.est = max(est, 0) if s.running == 1 else max(s.est, est, 0)
         self.sessions.move_to_end(s.sid)
 
     def turn_ended(self, s: Session, now: float) -> None:
         s.running = max(0, s.running - 1)
         s.since = now
+
+    # -- parent links --------------------------------------------------------------
+
+    def link(self, sid: str, parent: str) -> Link:
+        """Session ``sid`` names ``parent`` (on each of its requests)."""
+        s = self.sessions.get(sid)
+        old = self.family.parent(sid)
+        outcome = self.family.link(sid, parent, running=s is not None)
+        if outcome in (Link.LINKED, Link.MOVED):
+            self._child_changed(parent)
+            self._child_changed(old)
+        return outcome
+
+    def has_running_children(self, sid: str) -> bool:
+        return self.family.running_children(sid) > 0
+
+    def _child_changed(self, parent: str | None) -> None:
+        """A child of ``parent`` started or ended: the parent's count follows."""
+        if parent is None:
+            return
+        p = self.sessions.get(parent)
+        if p is not None:
+            p.children_running = self.family.running_children(parent)
 
     def observe_response(
         self,
@@ -494,6 +541,15 @@ class EngineLedger:
                 eng.cached_sum += min(cached_tokens, s.ctx)
                 eng.resident_sum += s.ctx
                 eng.turns_in_window += 1
+        if s.shared:
+            # One id, several turns at once (a shared id: contexts that diverge, a
+            # subagent's smaller than its lead's). The session is counted once, at its
+            # largest context; a turn's context is no growth of another's.
+            s.ctx = max(s.ctx, total)
+            if not s.running > 1:
+                s.est = 0
+            s.turns += 1
+            return
         if s.turns > 0:
             delta = max(0, total - s.ctx)
             a = self.p.growth_alpha
@@ -530,6 +586,8 @@ class EngineLedger:
         s = self.sessions.pop(sid, None)
         if s is None:
             return None
+        self._child_changed(self.family.ended(sid))
+        self.family.forget(sid)
         if s.turns > 0:  # what it grew to (contexts only grow within a session)
             self.peaks.observe_closed(s.ctx)
         eng = self.engines.get(s.engine)
@@ -544,7 +602,7 @@ class EngineLedger:
         ttl = self.p.idle_ttl_s
         out: list[str] = []
         for sid, s in list(self.sessions.items()):
-            if s.state is SessionState.NEW or s.running:
+            if s.state is SessionState.NEW or s.busy:
                 continue
             if now - s.since > ttl:
                 self.drop(sid)

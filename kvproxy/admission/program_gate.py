@@ -207,6 +207,8 @@ class ProgramGate:
         owner = None if sid is None else self.placement.owner(req.routing_key or sid)
         if sid is not None and core.ledger.get(sid) is None:
             self._first_turn(ticket)
+        if sid is not None and req.parent_id is not None:
+            core.ledger.link(sid, req.parent_id)  # a lead counts while its child runs
         verdict = core.request(ticket, sid, owner, tokens, now)
         if core.p.prefetch and sid is not None and self.prefetcher is not None:
             self.prefetcher.keep(req)

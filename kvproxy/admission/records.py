@@ -40,7 +40,7 @@ class Reason(StrEnum):
 
 
 class AdmissionRequest(Record):
-    __slots__ = ("body", "headers", "path", "routing_key", "session_id", "ticket_id")
+    __slots__ = ("body", "headers", "parent_id", "path", "routing_key", "session_id", "ticket_id")
 
     def __init__(
         self,
@@ -50,6 +50,7 @@ class AdmissionRequest(Record):
         body: Mapping[str, Any],
         session_id: str | None,
         routing_key: str | None = None,
+        parent_id: str | None = None,
     ) -> None:
         self.ticket_id: Final = ticket_id  # unique per forwarded attempt (the rid)
         self.path: Final = path  # "/generate", "/v1/chat/completions", "/v1/completions"
@@ -58,6 +59,8 @@ class AdmissionRequest(Record):
         self.session_id: Final = session_id
         # The X-SMG-Routing-Key the router will see (None: the session id).
         self.routing_key: Final = routing_key
+        # The session's parent, when it names one (docs/sessions.md, "Parent sessions").
+        self.parent_id: Final = parent_id
 
 
 class Decision(Record):

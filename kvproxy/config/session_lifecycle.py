@@ -6,7 +6,22 @@ from dataclasses import dataclass
 
 from kvproxy.config.errors import check
 
-SESSION_ID_SOURCES = ("body", "header", "nvext", "routing_key", "path")
+# Every source a session id may come from (docs/sessions.md, "Where the session id comes
+# from"): Dynamo's canonical header, the headers coding agents send by themselves, then
+# kvproxy's own forms. OpenCode's ``x-session-id`` / ``x-parent-session-id`` are the
+# ``header`` source's defaults, read there (so a body ``session_id`` still outranks it);
+# ``opencode`` names them whatever ``id_header`` says, for an order that lists it.
+SESSION_ID_SOURCES = (
+    "dynamo",
+    "claude_code",
+    "codex",
+    "body",
+    "header",
+    "nvext",
+    "routing_key",
+    "path",
+)
+KNOWN_ID_SOURCES = (*SESSION_ID_SOURCES, "opencode")
 # The paths whose nvext block session_lifecycle.strip_nvext_paths may remove.
 NVEXT_PATHS = ("/generate", "/v1/chat/completions", "/v1/completions")
 
@@ -66,6 +81,12 @@ class SessionLifecycleConfig:
     # Paths on which the nvext block is removed before forwarding (SGLang ignores it on
     # all of them, so none by default).
     strip_nvext_paths: tuple[str, ...] = ()
+    # Closing a session also closes its child sessions (those that named it as their
+    # parent) that are still open; off: children close on their own (final turn, idle
+    # timeout, explicit close).
+    close_children: bool = False
+    # Children remembered per parent session (a link past it is not kept, counted).
+    max_children: int = 256
 
 
 def validate_session_lifecycle(sl: SessionLifecycleConfig) -> None:
@@ -80,11 +101,15 @@ def validate_session_lifecycle(sl: SessionLifecycleConfig) -> None:
 def _validate_identity(sl: SessionLifecycleConfig) -> None:
     for src in sl.id_sources:
         check(
-            src in SESSION_ID_SOURCES,
+            src in KNOWN_ID_SOURCES,
             f"session_lifecycle.id_sources: unknown source {src!r} "
-            f"(allowed: {', '.join(SESSION_ID_SOURCES)})",
+            f"(allowed: {', '.join(KNOWN_ID_SOURCES)})",
         )
     check(bool(sl.id_sources), "session_lifecycle.id_sources: must not be empty")
+    check(
+        1 <= sl.max_children <= 65536,
+        f"session_lifecycle.max_children: must be in [1, 65536] (got {sl.max_children})",
+    )
 
 
 def _validate_close(sl: SessionLifecycleConfig) -> None:

@@ -37,6 +37,7 @@ from kvproxy.proxy.errors import STATUS, ErrorType
 from kvproxy.proxy.scan import BodyScan, counted_keys_for, members, scan_object, validated
 from kvproxy.record import Record
 from kvproxy.sessions.identity import (
+    NO_IDENTITY,
     ROUTING_KEY_HEADER,
     InjectionPlan,
     InvalidSessionId,
@@ -81,6 +82,7 @@ class Plan(Record):
         "injection",
         "nvext",
         "overwrite",
+        "parent_id",
         "priority_hint",
         "routing_key",
         "session_id",
@@ -108,6 +110,7 @@ class Plan(Record):
         turn: bool = False,
         strip_nvext: bool = False,
         priority_hint: int | None = None,
+        parent_id: str | None = None,
     ) -> None:
         self.body: Final = body
         # Top-level fields to add (``overwrite``: one replaces a member the body has).
@@ -136,6 +139,8 @@ class Plan(Record):
         self.strip_nvext: Final = strip_nvext
         # Priority source: the client's agent_hints.priority when agent hints are on.
         self.priority_hint: Final = priority_hint
+        # The session's parent, when it names one (docs/sessions.md, "Parent sessions").
+        self.parent_id: Final = parent_id
 
     @property
     def passthrough(self) -> bool:
@@ -160,6 +165,7 @@ class Plan(Record):
             self.turn,
             self.strip_nvext,
             self.priority_hint,
+            self.parent_id,
         )
 
 
@@ -210,6 +216,7 @@ def _lifecycle_plan(
         admit=admit,
         strip_nvext=path in lc.strip_nvext_paths and "nvext" in top,
         priority_hint=nvext.hints.priority if lc.agent_hints else None,
+        parent_id=identity.parent_id,
     )
     if _reads_token_arrays(lc, plan) and not validated(body):
         return PASS_THROUGH  # a deferred token array is not JSON: as the full parse says
@@ -248,11 +255,12 @@ def _admission_only_plan(
     identity_only = _identity_only(config.session_lifecycle)
     top = members(body)
     try:
-        sid = resolve_identity(
+        identity = resolve_identity(
             identity_only, path_session_id=path_session_id, headers=headers, body=top
-        ).session_id
+        )
     except InvalidSessionId:
-        sid = None
+        identity = NO_IDENTITY
+    sid = identity.session_id
     routing_key, extra = _routing_key(config, sid, headers, _NONE)
     return Plan(
         body=body,
@@ -261,6 +269,7 @@ def _admission_only_plan(
         admit=True,
         headers=extra,
         routing_key=routing_key,
+        parent_id=identity.parent_id,
     )
 
 

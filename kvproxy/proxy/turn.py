@@ -75,6 +75,7 @@ class TurnSessions(Protocol[_K]):
         *,
         forwarded: bool = False,
         headers: Mapping[str, str] | None = None,
+        parent: str | None = None,
     ) -> _K: ...
 
     def leave(self, req: _K) -> None: ...
@@ -192,6 +193,7 @@ class TurnFlow(Generic[R, T, S, K]):
                     plan.body if plan.body is not None else {},
                     plan.session_id,
                     plan.routing_key,
+                    plan.parent_id,
                 )
                 admission = self.admission.admit(areq)
                 decision = admission.decide_now()
@@ -233,6 +235,7 @@ class TurnFlow(Generic[R, T, S, K]):
                 plan.close_after,
                 forwarded=not plan.admit,
                 headers=headers,
+                parent=plan.parent_id,
             )
             self.shell.entered(req, plan, tracked)
             return tracked

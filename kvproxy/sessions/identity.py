@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Any, Final
 from urllib.parse import unquote
@@ -24,6 +24,37 @@ from kvproxy.record import Record
 
 ROUTING_KEY_HEADER = "X-SMG-Routing-Key"
 SESSION_PATH_PREFIX = "/sessions/"
+
+# Dynamo's canonical session headers (Dynamo docs/agents/session-ids.md, "Session ID
+# Inputs"): normalised to agent_context.{session_id, parent_session_id, session_final}.
+DYNAMO_SESSION_HEADER = "X-Dynamo-Session-ID"
+DYNAMO_PARENT_HEADER = "X-Dynamo-Parent-Session-ID"
+DYNAMO_FINAL_HEADER = "X-Dynamo-Session-Final"
+# The identity headers coding agents send by themselves (the same page, "Native Agent
+# Headers"). Claude Code: the session header on root turns; a child agent's turns also
+# carry its agent id (the child's own session), and its parent is the parent-agent
+# header, else the root session.
+CLAUDE_SESSION_HEADER = "x-claude-code-session-id"
+CLAUDE_AGENT_HEADER = "x-claude-code-agent-id"
+CLAUDE_PARENT_HEADER = "x-claude-code-parent-agent-id"
+# Codex: ``session-id`` (older releases spell it ``session_id``); no parent.
+CODEX_SESSION_HEADERS = ("session-id", "session_id")
+# OpenCode: its own id per session, subtasks name their parent. kvproxy's generic
+# parent header is the same one (read with the ``header`` source too).
+OPENCODE_SESSION_HEADER = "x-session-id"
+PARENT_HEADER = "X-Parent-Session-ID"
+
+# Sources read leniently: an id that fails validation there is ignored (counted), and
+# the next source is tried. These headers are sent by agents on their own, not by a
+# client that chose kvproxy's form, so a refusal would break an unmodified agent.
+LENIENT_SOURCES = frozenset({"dynamo", "claude_code", "codex", "opencode"})
+
+# Identity notes: counted by the lifecycle as agentic_kv/session/<note>.
+NOTE_CONFLICT = "id_conflict"  # two sources carried different ids (the first won)
+NOTE_REJECTED = "id_rejected"  # a lenient source carried an invalid id (ignored)
+NOTE_NVEXT = "nvext_session_control"  # the deprecated nvext.session_control was used
+NOTE_PARENT_SELF = "parent_self"  # a session named itself as its parent (link dropped)
+NOTE_PARENT_INVALID = "parent_invalid"  # a parent id failed validation (link dropped)
 RID_LENGTH = 32  # 16 random bytes in hex
 
 _ID_RE = re.compile(r"[A-Za-z0-9._:@-]+")
@@ -52,6 +83,11 @@ _SOURCE_LABELS = {
     "routing_key": f"the {ROUTING_KEY_HEADER} header",
     "path": "the /sessions/{session_id}/ path prefix",
     "close": "the close request",
+    "dynamo": f"the {DYNAMO_SESSION_HEADER} header",
+    "claude_code": "the Claude Code session headers",
+    "codex": "the Codex session-id header",
+    "opencode": f"the OpenCode {OPENCODE_SESSION_HEADER} header",
+    "parent": "the parent session header",
 }
 
 
@@ -104,13 +140,25 @@ def split_session_path(path: str) -> tuple[str | None, str]:
 
 
 class SessionIdentity(Record):
-    __slots__ = ("close_after", "session_id", "source")
+    __slots__ = ("close_after", "notes", "parent_id", "session_id", "source")
 
-    def __init__(self, session_id: str | None, source: str | None, close_after: bool) -> None:
+    def __init__(
+        self,
+        session_id: str | None,
+        source: str | None,
+        close_after: bool,
+        parent_id: str | None = None,
+        notes: tuple[str, ...] = (),
+    ) -> None:
         self.session_id: Final = session_id
         self.source: Final = source
         # The request is the session's last turn: close the session once it completes.
         self.close_after: Final = close_after
+        # The session's parent (a lead's subagent names its lead), validated, never the
+        # session itself; a cycle is refused later, by the session table.
+        self.parent_id: Final = parent_id
+        # What was odd about the identity (NOTE_*), counted; the request goes on.
+        self.notes: Final = notes
 
     @property
     def present(self) -> bool:
@@ -128,6 +176,80 @@ def _session_control(body: Mapping[str, Any] | None) -> Mapping[str, Any] | None
     return vocab.nvext_section(body, "session_control")
 
 
+def _claude_code_parent(get: Callable[[str], str | None]) -> str | None:
+    """A Claude Code child agent's parent: the parent agent, else the root session (a
+    root turn, whose agent id is absent or the session's own, has none)."""
+    root = get(CLAUDE_SESSION_HEADER)
+    agent = get(CLAUDE_AGENT_HEADER)
+    if agent is None or agent == root:
+        return None
+    return get(CLAUDE_PARENT_HEADER) or root
+
+
+# The sources read as a header each (the ``header`` source's name is the config's;
+# ``claude_code`` and ``codex`` are refined in the loop: a child agent's id, Codex's older
+# spelling).
+_ONE_HEADER = {
+    "dynamo": DYNAMO_SESSION_HEADER,
+    "claude_code": CLAUDE_SESSION_HEADER,
+    "codex": CODEX_SESSION_HEADERS[0],
+    "routing_key": ROUTING_KEY_HEADER,
+    "opencode": OPENCODE_SESSION_HEADER,
+    "header": "",
+}
+
+
+def _getter(headers: Mapping[str, str]) -> Callable[[str], str | None]:
+    """A case-insensitive ``get`` of ``headers`` (the mapping's own when it has one)."""
+    if type(headers) in vocab.CASE_INSENSITIVE:
+        return headers.get
+
+    def get(name: str) -> str | None:
+        return _header(headers, name)
+
+    return get
+
+
+# The sources that name a parent with the id.
+_PARENT_SOURCES = frozenset({"dynamo", "claude_code", "header", "opencode"})
+
+
+def _source_parent(src: str, get: Callable[[str], str | None]) -> str | None:
+    """The parent the winning source names with its id (read for the winner only)."""
+    if src == "dynamo":
+        return get(DYNAMO_PARENT_HEADER)
+    if src == "claude_code":
+        return _claude_code_parent(get)
+    return get(PARENT_HEADER)
+
+
+def _accepted(src: str, value: Any, max_length: int, notes: list[str]) -> str | None:
+    """The winning source's id, validated: an invalid one refuses the request
+    (:class:`InvalidSessionId`), or from a lenient source is ignored (None, noted)."""
+    if src not in LENIENT_SOURCES:
+        return validate_session_id(value, max_length, source=src)
+    try:
+        return validate_session_id(value, max_length, source=src)
+    except InvalidSessionId:
+        notes.append(NOTE_REJECTED)
+        return None
+
+
+def _checked_parent(parent: Any, session_id: str, max_length: int, notes: list[str]) -> str | None:
+    """The parent link kept (None: none, or dropped and noted)."""
+    if parent is None or parent == "":
+        return None
+    try:
+        parent = validate_session_id(parent, max_length, source="parent")
+    except InvalidSessionId:
+        notes.append(NOTE_PARENT_INVALID)
+        return None
+    if parent == session_id:
+        notes.append(NOTE_PARENT_SELF)
+        return None
+    return str(parent)
+
+
 def resolve_identity(
     cfg: SessionLifecycleConfig,
     *,
@@ -137,42 +259,74 @@ def resolve_identity(
 ) -> SessionIdentity:
     """Find the request's session id in the sources ``cfg.id_sources``, in order.
 
-    The first source that carries a value wins, and that value must be valid
-    (otherwise :class:`InvalidSessionId`; later sources are not consulted). A JSON
-    ``null`` counts as absent. With the feature disabled nothing is read or
-    validated and the request has no identity.
+    The first source that carries a valid value wins. A kvproxy source (``body``,
+    ``header``, ``nvext``, ``routing_key``, ``path``) that carries an invalid value
+    refuses the request (:class:`InvalidSessionId`); a header an agent sends by
+    itself (:data:`LENIENT_SOURCES`) is then ignored (noted ``id_rejected``) and the
+    next source is tried. A later source carrying another id is noted
+    ``id_conflict`` (the first still wins). A JSON ``null`` counts as absent. With
+    the feature disabled nothing is read or validated and the request has no identity.
+
+    The parent comes with the winning source (Dynamo's parent header, Claude Code's
+    agent under its session, OpenCode's / kvproxy's ``X-Parent-Session-ID``); one
+    naming the session itself, or invalid, is dropped and noted.
     """
     if not cfg.enabled:
         return NO_IDENTITY
     # Dynamo's session_control (an id source, and its close action): read only when the
     # body has an nvext at all (most have none).
     control = _session_control(body) if body is not None and "nvext" in body else None
+    notes: list[str] = [NOTE_NVEXT] if control is not None else []
     session_id: str | None = None
     source: str | None = None
+    get = _getter(headers)
+    # The sources that are no header, read once (cheap: this loop runs on every request).
+    others = {
+        "body": body.get("session_id") if body is not None else None,
+        "nvext": control.get("session_id") if control is not None else None,
+        "path": path_session_id,
+    }
     for src in cfg.id_sources:
-        value: Any = None
-        if src == "body":
-            value = body.get("session_id") if body is not None else None
-        elif src == "header":
-            value = _header(headers, cfg.id_header)
-        elif src == "nvext":
-            value = control.get("session_id") if control is not None else None
-        elif src == "routing_key":
-            value = _header(headers, ROUTING_KEY_HEADER)
-        elif src == "path":
-            value = path_session_id
+        name = _ONE_HEADER.get(src)
+        value = others.get(src) if name is None else get(name or cfg.id_header)
         if value is None:
+            if src != "codex":
+                continue
+            value = get(CODEX_SESSION_HEADERS[1])  # Codex's older spelling
+            if value is None:
+                continue
+        elif src == "claude_code":
+            value = get(CLAUDE_AGENT_HEADER) or value  # a child agent's own id
+        if session_id is not None:
+            if value != session_id and NOTE_CONFLICT not in notes:
+                notes.append(NOTE_CONFLICT)
             continue
-        session_id = validate_session_id(value, cfg.id_max_length, source=src)
-        source = src
-        break
-    if session_id is None:
+        session_id = _accepted(src, value, cfg.id_max_length, notes)
+        source = src if session_id is not None else None
+    if session_id is None or source is None:
+        if notes:
+            return SessionIdentity(None, None, False, None, tuple(notes))
         return NO_IDENTITY
-    close_after = bool(control is not None and control.get("action") == "close")
-    if not close_after and cfg.final_header:
-        # The same truthy values as every other boolean header (vocab.TRUTHY).
-        close_after = vocab.header_flag(headers, cfg.final_header)
-    return SessionIdentity(session_id, source, close_after)
+    parent = _source_parent(source, get) if source in _PARENT_SOURCES else None
+    parent_id = (
+        None if parent is None else _checked_parent(parent, session_id, cfg.id_max_length, notes)
+    )
+    return SessionIdentity(
+        session_id, source, _closes_after(cfg, control, headers), parent_id, tuple(notes)
+    )
+
+
+def _closes_after(
+    cfg: SessionLifecycleConfig, control: Mapping[str, Any] | None, headers: Mapping[str, str]
+) -> bool:
+    """The request is its session's last: session_control's close, ``final_header`` or
+    Dynamo's ``X-Dynamo-Session-Final`` (the same truthy values as every boolean header,
+    vocab.TRUTHY)."""
+    if control is not None and control.get("action") == "close":
+        return True
+    if cfg.final_header and vocab.header_flag(headers, cfg.final_header):
+        return True
+    return vocab.header_flag(headers, DYNAMO_FINAL_HEADER)
 
 
 # Rids drawn from the kernel per ``os.urandom`` call: one system call per this many
@@ -212,6 +366,7 @@ class InjectionPlan(Record):
         "abort_rids",
         "fields",
         "headers",
+        "notes",
         "overwrites",
         "rid",
         "rid_generated",
@@ -227,6 +382,7 @@ class InjectionPlan(Record):
         abort_rids: tuple[str, ...] = (),
         rid_generated: bool = False,
         skip_reason: str | None = None,
+        notes: tuple[str, ...] = (),
     ) -> None:
         # Top-level JSON fields to set. A key listed in ``overwrites`` is already in the
         # body (with another value) and must be replaced; every other key is new.
@@ -243,6 +399,8 @@ class InjectionPlan(Record):
         self.rid_generated: Final = rid_generated
         # Why no session_id is injected (None when it is): one of the SKIP_* values.
         self.skip_reason: Final = skip_reason
+        # The identity's notes (SessionIdentity.notes), counted with the injection.
+        self.notes: Final = notes
 
     @property
     def injects_session_id(self) -> bool:
@@ -316,7 +474,7 @@ def injection_plan(
     if not cfg.enabled:
         return EMPTY_PLAN
     if body is None:  # not a JSON object
-        return InjectionPlan(skip_reason=SKIP_NOT_JSON_OBJECT)
+        return InjectionPlan(skip_reason=SKIP_NOT_JSON_OBJECT, notes=identity.notes)
     # Built as the final values, not as a list and dicts then copied (every
     # intercepted request is planned here).
     fields: dict[str, Any] = {}
@@ -361,4 +519,5 @@ def injection_plan(
         _abort_rids(rid, n, generated, cfg),  # abort_rids
         generated,  # rid_generated
         skip,  # skip_reason
+        identity.notes,  # notes
     )

@@ -65,6 +65,7 @@ from kvproxy.sessions.lifecycle_metrics import (
     CLOSED_FINAL,
     CLOSED_IDLE,
     CLOSED_REMEMBERED,
+    CLOSED_WITH_PARENT,
     CLOSING,
     COUNTER_HELP,
     DISCONNECT_ABORTS,
@@ -74,6 +75,8 @@ from kvproxy.sessions.lifecycle_metrics import (
     INJECTED,
     INJECTION_SKIPPED,
     LIFECYCLE_ENABLED,
+    LINK_COUNTERS,
+    NOTE_COUNTERS,
     OPEN,
     QUEUED_REQUESTS,
     REJECTED_CLOSING,
@@ -82,7 +85,8 @@ from kvproxy.sessions.lifecycle_metrics import (
     STARTED,
     table_gauges,
 )
-from kvproxy.sessions.table import CloseStatus, SessionTable
+from kvproxy.sessions.listing import session_tree, sessions_page
+from kvproxy.sessions.table import CloseStatus, SessionState, SessionTable
 from kvproxy.sessions.tracked import TrackedRequest, Tracking
 
 # Names the proxy, the admin views and the tests import from here.
@@ -150,6 +154,7 @@ class SessionManager:
             max_sessions=cfg.max_sessions,
             closed_ttl_s=cfg.closed_ttl_s,
             idle_timeout_s=cfg.idle_timeout_s,
+            max_children=cfg.max_children,
         )
         self._counters = WindowedCounters(COUNTER_HELP)
         self._requests: dict[int, TrackedRequest] = {}
@@ -258,6 +263,8 @@ class SessionManager:
             self._counters.inc(INJECTION_SKIPPED)
         elif "session_id" in plan.fields:  # plan.injects_session_id
             self._counters.inc(INJECTED)
+        for note in plan.notes:  # the identity's (kvproxy.sessions.identity NOTE_*)
+            self._counters.inc(NOTE_COUNTERS[note])
 
     def track(
         self,
@@ -287,6 +294,7 @@ class SessionManager:
         *,
         forwarded: bool = False,
         headers: Mapping[str, str] | None = None,
+        parent: str | None = None,
     ) -> TrackedRequest:
         """:meth:`track` without the context manager, for the request path (no
         coroutine per step): the caller calls :meth:`leave` on every path after it.
@@ -295,7 +303,8 @@ class SessionManager:
         is entered as forwarded (as if :meth:`TrackedRequest.forwarded` followed).
         ``headers``: the request's, whose data-plane credential a new session is bound
         to (``bind_credential``); a session bound to another raises
-        :class:`SessionForbidden`."""
+        :class:`SessionForbidden`. ``parent``: the session's parent, linked in the table
+        (counted)."""
         owner = None
         if headers is not None and self._cfg.bind_credential:
             owner = fingerprint(headers)
@@ -311,6 +320,11 @@ class SessionManager:
             self._counters.inc(REOPENED)
         if begin.evicted:
             self._counters.inc(EVICTED, len(begin.evicted))
+        if parent is not None:
+            outcome = self._table.link(session_id, parent)
+            counter = LINK_COUNTERS.get(outcome)  # none for a link already known
+            if counter is not None:
+                self._counters.inc(counter)
         req = TrackedRequest(self, session_id, begin.token, rid, rids, close_after)
         req._forwarded = forwarded
         self._requests[begin.token] = req
@@ -422,6 +436,8 @@ class SessionManager:
                 rejected += 1
         if rejected:
             self._counters.inc(REJECTED_QUEUED, rejected)
+        if self._cfg.close_children:
+            self._close_children(session_id)
         task = asyncio.create_task(
             self._close_sequence(session_id, reason, rejected, start.forwarded),
             name=f"kvproxy-close-{session_id}",
@@ -433,6 +449,18 @@ class SessionManager:
             on_closed = self._on_closed
             task.add_done_callback(lambda _task: on_closed(session_id))
         return task
+
+    def _close_children(self, session_id: str) -> None:
+        """Close the session's children still open (session_lifecycle.close_children),
+        each with its own close sequence (and so its own children, the tree bounded
+        by the table's links and cycle check)."""
+        for child in sorted(self._table.children(session_id)):
+            if (
+                self._table.state(child) is SessionState.OPEN
+                and child not in self._closes
+                and self._begin_close(child, "parent_closed") is not None
+            ):
+                self._counters.inc(CLOSED_WITH_PARENT)
 
     async def _close_sequence(
         self,
@@ -592,6 +620,15 @@ class SessionManager:
         finally:
             if self._check_state == "pending":
                 self._check_state = "stopped"
+
+    def listing(self, *, after: str | None, limit: int) -> dict[str, Any]:
+        """One page of the live sessions with their parents and children
+        (``GET /kvproxy/sessions``; kvproxy.sessions.listing)."""
+        return sessions_page(self._table, self._clock(), after=after, limit=limit)
+
+    def tree(self) -> list[dict[str, Any]]:
+        """The recently active parents and their children (the dashboard's tree)."""
+        return session_tree(self._table, self._clock())
 
     def health(self) -> SessionsHealth:
         """Engine session modes found by the start-up check, and warnings."""

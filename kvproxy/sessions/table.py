@@ -16,6 +16,11 @@ Bounds: at most ``max_sessions`` live sessions, enforced by forgetting (not clos
 the least recently active *idle* open sessions; sessions with requests in flight or
 a close in progress are never forgotten, so the cap can be exceeded by those. At most
 ``max_closed`` tombstones, each for at most ``closed_ttl_s``.
+
+Parent links (docs/sessions.md, "Parent sessions"): a session may name its parent; the
+table keeps the tree (:class:`~kvproxy.sessions.family.Family`: bounded links,
+``max_children`` per parent, no self link, no cycle) for the close of a lead's children
+and the ``/kvproxy/sessions`` listing. A link outlives neither end's close.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from enum import StrEnum
 from typing import Final
 
 from kvproxy.record import Record
+from kvproxy.sessions.family import Family, Link
 
 # Most live entries one insert looks at when making room under the cap.
 _SCAN_LIMIT = 256
@@ -103,6 +109,7 @@ class SessionTable:
     __slots__ = (
         "_closed",
         "_closed_ttl_s",
+        "_family",
         "_idle_timeout_s",
         "_live",
         "_max_closed",
@@ -120,7 +127,9 @@ class SessionTable:
         closed_ttl_s: float,
         idle_timeout_s: float | None = None,
         max_closed: int | None = None,
+        max_children: int = 256,
     ) -> None:
+        self._family = Family(max_links=max(1, max_sessions), max_children=max_children)
         # Live sessions, least recently active first (idle open ones stay sorted by
         # last_active; busy and closing ones may sit anywhere).
         self._live: OrderedDict[str, SessionEntry] = OrderedDict()
@@ -193,6 +202,44 @@ class SessionTable:
 
     def __len__(self) -> int:
         return len(self._live)
+
+    def parent(self, session_id: str) -> str | None:
+        return self._family.parent(session_id)
+
+    def children(self, session_id: str) -> frozenset[str]:
+        return self._family.children(session_id)
+
+    def entries(self, after: str | None, limit: int) -> list[SessionEntry]:
+        """Live sessions in table order (least recently active first), at most
+        ``limit``, starting after session ``after`` (None: from the start; an id no
+        longer live: from the start too). One page of the ``/kvproxy/sessions`` listing."""
+        out: list[SessionEntry] = []
+        started = after is None or after not in self._live
+        for sid, entry in self._live.items():
+            if not started:
+                started = sid == after
+                continue
+            if len(out) >= limit:
+                break
+            out.append(entry)
+        return out
+
+    def recent(self, limit: int) -> list[SessionEntry]:
+        """At most ``limit`` live sessions, the most recently active first."""
+        out: list[SessionEntry] = []
+        for sid in reversed(self._live):
+            if len(out) >= limit:
+                break
+            out.append(self._live[sid])
+        return out
+
+    # -- parent links ------------------------------------------------------------
+
+    def link(self, session_id: str, parent: str) -> Link:
+        """``session_id`` names ``parent`` (kept while both are known; see the module
+        docstring). A closing or closed parent is linked all the same: its children
+        may outlive it."""
+        return self._family.link(session_id, parent)
 
     # -- requests --------------------------------------------------------------
 
@@ -300,6 +347,7 @@ class SessionTable:
     def finish_close(self, session_id: str, now: float) -> None:
         """The close is over: forget the session and remember it as closed."""
         entry = self._live.pop(session_id, None)
+        self._family.forget(session_id)
         if entry is not None:
             if entry.state is SessionState.CLOSING:
                 self._n_closing -= 1
@@ -359,6 +407,7 @@ class SessionTable:
                 busy.append(sid)
         for sid in evicted:
             del self._live[sid]
+            self._family.forget(sid)
         # Busy and closing sessions scanned past are moved back so that the next scan
         # does not walk over them again (their idle clock restarts when they end).
         for sid in busy:

@@ -32,6 +32,7 @@ class RequestOwner(Protocol):
         close_after: bool,
         *,
         forwarded: bool = False,
+        parent: str | None = None,
     ) -> TrackedRequest: ...
 
     def leave(self, req: TrackedRequest) -> None: ...

@@ -555,3 +555,44 @@ def test_program_params_defaults_are_the_configs_defaults() -> None:
     # ProgramParams takes its defaults from AdmissionConfig (so the pure core can be built
     # without a config); from_config must carry every key over, unscaled at time scale 1.
     assert ProgramParams() == ProgramParams.from_config(AdmissionConfig())
+
+
+def test_a_lead_whose_child_runs_is_never_paused_and_pauses_once_it_ended() -> None:
+    # s1 (the largest) is a lead; s10 names it as parent: s1 is running while s10 is.
+    c = core(dataclasses.replace(P, feedback=False))
+    c.ledger.link("s10", "s1")
+    fill(c, TEN)
+    assert c.ledger.has_running_children("s1")
+    c.tick(6.0)
+    paused = {sid for sid in TEN if c.ledger.sessions[sid].state is SessionState.PAUSED}
+    # 965 - 100 (s2) = 865 > 850 -> the next largest idle ones (95 each; ties by id)
+    assert "s1" not in paused and paused == {"s2", "s10"}
+    # A paused child has not ended: its lead still waits for it.
+    assert c.ledger.has_running_children("s1")
+    c.end_session("s10", 7.0)
+    assert not c.ledger.has_running_children("s1")
+    # Pausable again once its child ended.
+    s1 = c.ledger.sessions["s1"]
+    assert not s1.busy and s1.idle_s(20.0) >= P.idle_lease_s
+
+
+def test_one_id_with_turns_in_flight_at_once_is_counted_once() -> None:
+    # A harness sharing one id across its subagents: the lead's turn, then three
+    # subagent turns at once on smaller, diverging contexts, then the lead again.
+    c = core(dataclasses.replace(P, feedback=False))
+    assert turn(c, "lead0", "s", 10, 0.0).outcome is Outcome.NEW_ADMITTED
+    finish(c, "lead0", 1.0, prompt=400)
+    for i in range(3):
+        assert turn(c, f"sub{i}", "s", 50, 2.0).outcome is Outcome.CONTINUING_FORWARDED
+    s = c.ledger.sessions["s"]
+    assert s.running == 3 and s.shared
+    assert c.ledger.counts()["running"] == 1  # one session running, not three
+    for i in range(3):
+        finish(c, f"sub{i}", 3.0 + i, prompt=60 + i, completion=10)
+    assert s.running == 0 and s.turns == 4
+    assert s.ctx == 400  # the largest context, not the last subagent's 72
+    assert s.growth == 0.0  # no subagent's context counted as growth
+    assert turn(c, "lead1", "s", 500, 6.0).outcome is Outcome.CONTINUING_FORWARDED
+    finish(c, "lead1", 7.0, prompt=480, completion=20)
+    assert s.ctx == 500 and s.growth == 0.0
+    assert c.ledger.undecayed(E1) == 500  # the session's footprint, once

@@ -303,3 +303,25 @@ async def test_prefetch_keeps_each_sessions_last_prompt_and_a_reload_turning_it_
         assert not ctl.expect_tool_end("other", 30.0)
     finally:
         await ctl.stop()
+
+
+async def test_a_childs_request_naming_its_parent_keeps_the_lead_running(lab) -> None:
+    ctl = await lab()
+    lead, child = keys_on(A, 2)
+    await turn(ctl, request("l1", lead, 100), prompt=100)
+    led = ctl.program.ledger
+    assert not led.has_running_children(lead)
+    r = AdmissionRequest(
+        "c1",
+        "/generate",
+        CIMultiDict(),
+        {"input_ids": [1] * 50, "sampling_params": {"max_new_tokens": 0}},
+        child,
+        None,
+        lead,
+    )
+    await turn(ctl, r, prompt=50)
+    assert led.family.parent(child) == lead and led.has_running_children(lead)
+    assert led.sessions[lead].busy
+    ctl.end_session(child)
+    assert not led.has_running_children(lead)

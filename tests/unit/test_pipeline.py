@@ -44,6 +44,33 @@ ROUTING = "X-SMG-Routing-Key"
 # (rule, config, path, path session id, headers, body) -> expected plan fields / refusal
 ROWS: list[tuple[str, dict[str, Any], str, str | None, dict[str, str], bytes, Any]] = [
     (
+        "dynamo_headers_name_the_session_and_its_parent",
+        LIFECYCLE,
+        "/generate",
+        None,
+        {"X-Dynamo-Session-ID": "child", "X-Dynamo-Parent-Session-ID": "lead"},
+        b'{"text":"x"}',
+        {"session_id": "child", "parent_id": "lead", "fields_keys": {"session_id", "rid"}},
+    ),
+    (
+        "admission_alone_reads_the_parent_too",
+        ADMISSION,
+        "/generate",
+        None,
+        {"x-claude-code-session-id": "root", "x-claude-code-agent-id": "agent"},
+        b'{"text":"x"}',
+        {"session_id": "agent", "parent_id": "root", "routing_key": "agent"},
+    ),
+    (
+        "a_bad_agent_header_is_ignored_not_refused",
+        LIFECYCLE,
+        "/generate",
+        None,
+        {"x-claude-code-session-id": "bad id"},
+        b'{"text":"x"}',
+        {"session_id": None, "parent_id": None},
+    ),
+    (
         "features_off_forward_as_received",
         OFF,
         "/generate",

@@ -221,7 +221,8 @@ def test_close_after(headers: dict[str, str], body: dict[str, Any], close_after:
 
 def test_nvext_supplies_id_and_close_together() -> None:
     ident = resolve_identity(ON, path_session_id=None, headers={}, body=nvext("n1", "close"))
-    assert ident == SessionIdentity("n1", "nvext", True)
+    # The deprecated block is noted (counted) every time it is used.
+    assert ident == SessionIdentity("n1", "nvext", True, None, ("nvext_session_control",))
 
 
 # -- injection_plan ------------------------------------------------------------

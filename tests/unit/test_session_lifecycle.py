@@ -678,3 +678,70 @@ async def test_a_bound_session_is_used_and_closed_only_with_its_credential(
     off.leave(off.enter("s", "r", ("r",), False, headers=alice))
     off.leave(off.enter("s", "r", ("r",), False, headers=bob))
     assert off.may_close("s", bob)
+
+
+# -- parent links, children closed with their lead, one id shared by concurrent turns ---
+
+
+async def test_parent_links_are_kept_counted_and_refused_on_a_cycle(
+    http: aiohttp.ClientSession,
+) -> None:
+    from kvproxy.sessions.lifecycle_metrics import PARENT_CYCLE, PARENT_LINKED, PARENT_SELF
+
+    mgr = manager(http, [])
+    for sid, parent in (("a", "lead"), ("b", "lead"), ("a", "lead"), ("lead", "a"), ("c", "c")):
+        req = mgr.enter(sid, f"r-{sid}", (f"r-{sid}",), False, forwarded=True, parent=parent)
+        mgr.leave(req)
+    table = mgr._table
+    assert table.children("lead") == frozenset({"a", "b"})
+    assert table.parent("lead") is None and table.parent("c") is None
+    stats = mgr.stats()
+    assert stats[PARENT_LINKED] == 2.0  # the repeated link is not counted again
+    assert stats[PARENT_CYCLE] == 1.0 and stats[PARENT_SELF] == 1.0
+
+
+@pytest.mark.parametrize("close_children", [False, True])
+async def test_closing_a_lead_closes_its_open_children_only_when_set(
+    make_engine: Factory, http: aiohttp.ClientSession, close_children: bool
+) -> None:
+    from kvproxy.sessions.lifecycle_metrics import CLOSED_WITH_PARENT
+
+    e1 = await make_engine("e1")
+    cfg = dataclasses.replace(CFG, close_children=close_children)
+    mgr = manager(http, [e1.url], cfg)
+    for sid in ("a", "b"):
+        mgr.leave(mgr.enter(sid, f"r-{sid}", (f"r-{sid}",), False, forwarded=True, parent="lead"))
+    mgr.leave(mgr.enter("lead", "r-lead", ("r-lead",), False, forwarded=True))
+    await mgr.close("b", reason="api")  # a child that closed on its own
+    await mgr.close("lead", reason="api")
+    await until(lambda: not mgr._closes)
+    closed = sorted(p["session_id"] for p in e1.posts("/close_session"))
+    if close_children:
+        assert closed == ["a", "b", "lead"] and mgr.state("a") == "closed"
+        assert mgr.stats()[CLOSED_WITH_PARENT] == 1.0
+    else:
+        assert closed == ["b", "lead"] and mgr.state("a") == "open"
+        assert mgr.stats()[CLOSED_WITH_PARENT] == 0.0
+
+
+async def test_one_id_with_concurrent_turns_is_one_session_closed_once(
+    make_engine: Factory, http: aiohttp.ClientSession
+) -> None:
+    # Claude Code / Codex share one id across subagents: several turns in flight at once.
+    from kvproxy.sessions.lifecycle_metrics import STARTED
+
+    e1 = await make_engine("e1")
+    mgr = manager(http, [e1.url])
+    reqs = [mgr.enter("s", f"r{i}", (f"r{i}",), False, forwarded=True) for i in range(4)]
+    assert mgr._table.get("s") is not None and mgr._table.get("s").in_flight == 4  # type: ignore[union-attr]
+    assert mgr.stats()[STARTED] == 1.0 and mgr.stats()[OPEN] == 1.0
+    for req in reqs[:3]:
+        mgr.leave(req)
+    # The last one in flight is the final turn: the session closes once, after it.
+    final = mgr.enter("s", "r-final", ("r-final",), True, forwarded=True)
+    mgr.leave(reqs[3])
+    assert mgr.state("s") == "open"
+    mgr.leave(final)
+    await until(lambda: mgr.state("s") == "closed")
+    assert len(e1.posts("/close_session")) == 1 and e1.posts("/abort_request") == []
+    assert mgr.stats()[CLOSED_FINAL] == 1.0

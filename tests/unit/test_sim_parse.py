@@ -67,3 +67,22 @@ def test_openai_body_builds_the_same_request_shape() -> None:
 def test_bad_body_is_a_clear_error() -> None:
     with pytest.raises(BadRequest, match="input_ids must be a list of integers"):
         parse_generate({"input_ids": [1, "x"]})
+
+
+def test_responses_body_reads_input_request_id_and_session_id() -> None:
+    from kvlab.sim.parse import parse_responses
+
+    p = parse_responses(
+        {
+            "input": [{"role": "user", "content": [{"type": "input_text", "text": "hi"}]}],
+            "instructions": "be brief",
+            "max_output_tokens": 4,
+            "request_id": "resp_1",
+            "session_id": "s1",
+        }
+    )
+    assert (p.rid, p.session_id) == ("resp_1", "s1")
+    assert parse_responses({"input": "hello"}).session_id is None
+    for bad in ({"input": []}, {"input": [{"role": "user"}]}, {"input": "x", "stream": True}):
+        with pytest.raises(BadRequest):
+            parse_responses(bad)

@@ -104,8 +104,11 @@ class FakeSessions:
         *,
         forwarded: bool = False,
         headers: Mapping[str, str] | None = None,
+        parent: str | None = None,
     ) -> FakeTracked:
         self.pb.log.append(("enter", session_id, rid, rids, close_after, forwarded))
+        if parent is not None:
+            self.pb.log.append(("parent", session_id, parent))
         if self.pb.script.closing_at_entry:
             raise SessionClosed(session_id)
         return FakeTracked(self.pb)

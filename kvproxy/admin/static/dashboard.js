@@ -411,6 +411,27 @@ function renderProgram(doc) {
   document.getElementById("program-note").textContent = note;
 }
 
+function sessionLine(row) {
+  const busy = row.in_flight ? `${row.in_flight} in flight` : `idle ${fmt(row.idle_s)} s`;
+  return el("span", {}, el("code", {}, row.session_id), ` ${row.state}, ${busy}`);
+}
+
+function renderSessionTree(doc) {
+  const tree = doc.session_tree || [];
+  const items = tree.map((lead) => {
+    const kids = (lead.child_rows || []).map((c) => el("li", { "data-session": c.session_id }, sessionLine(c)));
+    const more = (lead.children_count || 0) > kids.length
+      ? [el("li", { class: "muted" }, `${lead.children_count - kids.length} more (see /kvproxy/sessions)`)] : [];
+    return el("li", { "data-session": lead.session_id },
+      lead.state === "closed" ? el("span", {}, el("code", {}, lead.session_id), " (closed)") : sessionLine(lead),
+      el("ul", {}, ...kids, ...more));
+  });
+  document.getElementById("session-tree").replaceChildren(...items);
+  document.getElementById("session-tree-note").textContent = items.length ? ""
+    : (doc.health.features.session_lifecycle === false ? "(session lifecycle is off)"
+      : "No session names a parent yet (docs/sessions.md, \"Parent sessions\").");
+}
+
 function renderConfig(doc) {
   const c = doc.config;
   const lc = c.session_lifecycle;
@@ -443,6 +464,7 @@ function render(doc) {
   for (const chart of CHARTS) drawChart(chart, doc);
   renderEngines(doc);
   renderProgram(doc);
+  renderSessionTree(doc);
   renderConfig(doc);
   document.body.dataset.lastSeq = String(state.lastSeq);
 }
