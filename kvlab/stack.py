@@ -402,7 +402,7 @@ def start_redis(
     conf = log_dir / f"redis-{port}.conf"
     conf.touch(mode=0o600)
     conf.write_text(
-        f"bind {HOST}\nport {port}\nrequirepass {password}\nsave \"\"\nappendonly no\n"
+        f'bind {HOST}\nport {port}\nrequirepass {password}\nsave ""\nappendonly no\n'
         f"dir {log_dir}\nprotected-mode yes\n"
     )
     proc = _spawn(f"redis-{port}", [binary, str(conf)], f"redis://{HOST}:{port}/0", log_dir)
@@ -456,7 +456,15 @@ http {{
 }}
 """
     )
-    argv = [binary, "-p", str(prefix), "-c", str(prefix / "nginx.conf"), "-e", str(prefix / "error.log")]
+    argv = [
+        binary,
+        "-p",
+        str(prefix),
+        "-c",
+        str(prefix / "nginx.conf"),
+        "-e",
+        str(prefix / "error.log"),
+    ]
     proc = _spawn(f"nginx-{port}", argv, f"http://{HOST}:{port}", Path(log_dir))
     _wait_ready(proc, lambda: _tcp_ready(port), ready_timeout_s, f"a connection on port {port}")
     return proc

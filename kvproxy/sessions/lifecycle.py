@@ -35,7 +35,7 @@ from typing import Any
 
 from prometheus_client.core import Metric
 
-from kvproxy.config import SessionLifecycleConfig
+from kvproxy.config import SessionLifecycleConfig, StateConfig
 from kvproxy.fleet.client import EngineHttp
 from kvproxy.fleet.engine_info import EngineSessionMode, mode_warnings, probe
 from kvproxy.fleet.fanout import post_to_all
@@ -79,8 +79,11 @@ from kvproxy.sessions.lifecycle_metrics import (
     STARTED,
     table_gauges,
 )
-from kvproxy.sessions.table import CloseStatus, SessionTable
+from kvproxy.sessions.table import CloseStatus, SessionState, SessionTable
 from kvproxy.sessions.tracked import TrackedRequest, Tracking
+from kvproxy.state.core import Begin as StateBegin
+from kvproxy.state.core import End as StateEnd
+from kvproxy.state.shared import SharedState, Store, replica_name
 
 # Names the proxy, the admin views and the tests import from here.
 __all__ = [
@@ -134,6 +137,8 @@ class SessionManager:
         http: EngineHttp,
         clock: Callable[[], float] = time.monotonic,
         on_closed: Callable[[str], None] | None = None,
+        store: Store | None = None,
+        state: StateConfig | None = None,
     ) -> None:
         self._cfg = cfg
         # Told the id of every session whose close sequence has finished (admission
@@ -159,6 +164,19 @@ class SessionManager:
         self._probe_errors: dict[str, str] = {}
         self._logged_warnings: set[str] = set()
         self._warnings = WarnThrottle(_WARN_INTERVAL_S, _WARN_KEYS_MAX)
+        self._shared: SharedState | None = None
+        if store is not None:
+            self._shared = SharedState(
+                state or StateConfig(backend="redis"),
+                store,
+                replica=replica_name(),
+                closed_ttl_s=lambda: self._cfg.closed_ttl_s,
+                idle_timeout_s=lambda: self._cfg.idle_timeout_s,
+                closing=lambda: list(self._closes),
+                snapshot=self._snapshot,
+                on_due=self._close_due,
+                on_remote_close=self._remote_close,
+            )
 
     # -- configuration and background tasks -----------------------------------
 
@@ -173,6 +191,8 @@ class SessionManager:
     async def start(self) -> None:
         """Start the idle reaper (if idle_timeout_s) and schedule the engine check."""
         self._started = True
+        if self._shared is not None and self._cfg.enabled:
+            await self._shared.start()
         self._start_tasks(reaper=True, checker=True)
 
     async def stop(self) -> None:
@@ -187,6 +207,8 @@ class SessionManager:
                 task.cancel()
             if late:
                 await asyncio.gather(*late, return_exceptions=True)
+        if self._shared is not None and self._shared.started:
+            await self._shared.stop()
 
     async def reconfigure(self, cfg: SessionLifecycleConfig) -> None:
         """Apply a new configuration (table bounds, timeouts, background tasks)."""
@@ -296,6 +318,13 @@ class SessionManager:
         req = TrackedRequest(self, session_id, begin.token, rid, rids, close_after)
         req._forwarded = forwarded
         self._requests[begin.token] = req
+        shared = self._shared
+        if shared is not None:
+            shared.submit(
+                StateBegin(
+                    session_id, shared.replica, shared.now(), shared.cfg.session_ttl_s, close_after
+                )
+            )
         return req
 
     def leave(self, req: TrackedRequest) -> None:
@@ -304,6 +333,11 @@ class SessionManager:
         self._requests.pop(req.token, None)
         self._table.end(session_id, req.token, self._clock())
         req._left = True
+        shared = self._shared
+        if shared is not None:
+            shared.submit(
+                StateEnd(session_id, shared.replica, shared.now(), shared.cfg.session_ttl_s)
+            )
         finished = req._finished
         if finished is not None and not finished.done():
             finished.set_result(None)
@@ -367,7 +401,9 @@ class SessionManager:
             return CloseResult(session_id, reason=reason, already_closed=True)
         return await asyncio.shield(task)
 
-    def _begin_close(self, session_id: str, reason: str) -> asyncio.Task[CloseResult] | None:
+    def _begin_close(
+        self, session_id: str, reason: str, *, fan_out: bool = True
+    ) -> asyncio.Task[CloseResult] | None:
         """Start the close (synchronously rejecting queued requests); None if closed."""
         task = self._closes.get(session_id)
         if task is not None:
@@ -386,7 +422,7 @@ class SessionManager:
         if rejected:
             self._counters.inc(REJECTED_QUEUED, rejected)
         task = asyncio.create_task(
-            self._close_sequence(session_id, reason, rejected, start.forwarded),
+            self._close_sequence(session_id, reason, rejected, start.forwarded, fan_out),
             name=f"kvproxy-close-{session_id}",
         )
         self._closes[session_id] = task
@@ -403,25 +439,22 @@ class SessionManager:
         reason: str,
         rejected: int,
         forwarded: tuple[tuple[int, tuple[str, ...]], ...],
+        fan_out: bool = True,
     ) -> CloseResult:
         cfg = self._cfg
         result = CloseResult(session_id, rejected_queued=rejected, reason=reason)
         failed = True
+        shared = self._shared
+        if fan_out and shared is not None:
+            # Exactly one replica fans the close out: the one whose claim wins (None:
+            # the store is unavailable, and the close goes out unclaimed).
+            fan_out = await shared.claim_close(session_id) is not False
         try:
-            tokens = [token for token, _ in forwarded]
-            rids_of = dict(forwarded)
-            if tokens and cfg.on_close == "wait":
-                done = await self._wait_finished(tokens, cfg.wait_timeout_s)
-                result.awaited = len(done)
-                leftovers = [t for t in tokens if t not in done]
-                if leftovers:
-                    await self._abort_for_close(leftovers, rids_of)
-                    result.aborted = len(leftovers)
-                    await self._wait_finished(leftovers, cfg.close_timeout_s)
-            elif tokens:
-                await self._abort_for_close(tokens, rids_of)
-                result.aborted = len(tokens)
-                await self._wait_finished(tokens, cfg.wait_timeout_s)
+            await self._settle_requests(result, forwarded)
+            if not fan_out:
+                result.note = "closed by another replica"
+                failed = False
+                return result
             urls = self._engines()
             fan = await post_to_all(
                 self._http,
@@ -446,7 +479,10 @@ class SessionManager:
             self._table.finish_close(session_id, self._clock())
             if self._closes.get(session_id) is asyncio.current_task():
                 del self._closes[session_id]
-            self._counters.inc(CLOSE)
+            if fan_out:
+                self._counters.inc(CLOSE)
+                if shared is not None:
+                    shared.finish_close(session_id)
             if failed:
                 self._counters.inc(CLOSE_FAILURE)
         log.debug(
@@ -460,6 +496,27 @@ class SessionManager:
             result.rejected_queued,
         )
         return result
+
+    async def _settle_requests(
+        self, result: CloseResult, forwarded: tuple[tuple[int, tuple[str, ...]], ...]
+    ) -> None:
+        """The close's forwarded requests: aborted then awaited (``on_close: abort``),
+        or awaited and the leftovers aborted (``wait``)."""
+        cfg = self._cfg
+        tokens = [token for token, _ in forwarded]
+        rids_of = dict(forwarded)
+        if tokens and cfg.on_close == "wait":
+            done = await self._wait_finished(tokens, cfg.wait_timeout_s)
+            result.awaited = len(done)
+            leftovers = [t for t in tokens if t not in done]
+            if leftovers:
+                await self._abort_for_close(leftovers, rids_of)
+                result.aborted = len(leftovers)
+                await self._wait_finished(leftovers, cfg.close_timeout_s)
+        elif tokens:
+            await self._abort_for_close(tokens, rids_of)
+            result.aborted = len(tokens)
+            await self._wait_finished(tokens, cfg.wait_timeout_s)
 
     async def _abort_for_close(
         self, tokens: list[int], rids_of: dict[int, tuple[str, ...]]
@@ -492,11 +549,34 @@ class SessionManager:
         now = self._clock()
         self._table.prune(now)
         started: list[str] = []
+        if self._shared is not None and self._shared.up:
+            return started  # the shared sweep decides (it knows the other replicas' turns)
         for sid in self._table.expired(now):
             if self._begin_close(sid, "idle") is not None:
                 self._counters.inc(CLOSED_IDLE)
                 started.append(sid)
         return started
+
+    # -- the shared state's callbacks ----------------------------------------------
+
+    def _close_due(self, session_id: str) -> None:
+        """The shared sweep found ``session_id`` idle, or owed by a dead replica."""
+        if self._begin_close(session_id, "idle") is not None:
+            self._counters.inc(CLOSED_IDLE)
+
+    def _remote_close(self, session_id: str) -> None:
+        """Another replica closes ``session_id``: abort the requests of it held here."""
+        if self._cfg.enabled and session_id not in self._closes:
+            self._begin_close(session_id, "remote", fan_out=False)
+
+    def _snapshot(self, now_wall: float) -> list[tuple[str, float, int]]:
+        """Open sessions (id, last activity on the wall clock, requests in flight)."""
+        now = self._clock()
+        return [
+            (e.session_id, now_wall - (now - e.last_active), e.in_flight)
+            for e in self._table.entries()
+            if e.state is SessionState.OPEN
+        ]
 
     async def _reap_loop(self) -> None:
         while True:
@@ -601,6 +681,8 @@ class SessionManager:
         )
         yield from counter_families(self._counters, COUNTER_HELP)
         yield from gauge_families(self._gauges(), GAUGE_HELP)
+        if self._shared is not None:
+            yield from self._shared.collect()
 
     # -- logging ---------------------------------------------------------------
 

@@ -21,6 +21,7 @@ a close in progress are never forgotten, so the cap can be exceeded by those. At
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Final
@@ -182,6 +183,11 @@ class SessionTable:
 
     def __len__(self) -> int:
         return len(self._live)
+
+    def entries(self) -> Iterator[SessionEntry]:
+        """The live sessions, least recently active first (do not change the table
+        while iterating)."""
+        return iter(self._live.values())
 
     # -- requests --------------------------------------------------------------
 

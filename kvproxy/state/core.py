@@ -229,9 +229,7 @@ class MemoryStore:
             return False
         sess = self._session(op.session_id, op.now)
         if sess is None:
-            sess = self._sessions[op.session_id] = _Session(
-                last=op.last, expires=op.now + op.ttl_s
-            )
+            sess = self._sessions[op.session_id] = _Session(last=op.last, expires=op.now + op.ttl_s)
         if op.in_flight > 0:
             sess.in_flight[op.replica] = op.in_flight
         else:

@@ -8,6 +8,7 @@ the environment variable ``state.redis_password_env`` and is never logged or sho
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
@@ -112,14 +113,14 @@ class RedisStore:
         except Exception as exc:
             raise StoreUnavailable(_describe(exc)) from exc
         finally:
-            try:
+            with contextlib.suppress(Exception):  # the connection is gone already
                 await pubsub.aclose()
-            except Exception:  # noqa: BLE001 - the connection is gone already
-                pass
 
     async def ping(self) -> None:
+        """PING, then load the scripts (a server that restarted has lost them)."""
         try:
             await self._client.ping()
+            await self._load()
         except Exception as exc:
             raise StoreUnavailable(_describe(exc)) from exc
 
@@ -130,10 +131,8 @@ class RedisStore:
             raise StoreUnavailable(_describe(exc)) from exc
 
     async def close(self) -> None:
-        try:
+        with contextlib.suppress(Exception):  # closing a broken client
             await self._client.aclose()
-        except Exception:  # noqa: BLE001 - closing a broken client
-            pass
 
 
 def _describe(exc: BaseException) -> str:

@@ -178,6 +178,7 @@ def _f(value: float) -> str:
 def encode(op: Op, prefix: str) -> Call:
     """The Redis call that runs ``op``. Pure."""
     p = prefix
+    keys: tuple[str, ...]
     if isinstance(op, Begin):
         sid = op.session_id
         keys = (f"{p}s:{sid}", f"{p}c:{sid}", f"{p}idx", f"{p}owed")

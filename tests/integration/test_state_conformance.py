@@ -188,9 +188,7 @@ async def test_every_key_has_a_ttl_and_closed_sessions_go(redis_server: RedisSer
         )
         client = store._client
         keys = sorted(await client.keys(f"{prefix}*"))
-        assert keys == sorted(
-            f"{prefix}{k}" for k in ("r:A", "l:sweep", "s:s2", "c:s1", "idx")
-        )
+        assert keys == sorted(f"{prefix}{k}" for k in ("r:A", "l:sweep", "s:s2", "c:s1", "idx"))
         for key in keys:
             assert await client.pttl(key) > 0, key
         # The closed session left nothing but its tombstone.
