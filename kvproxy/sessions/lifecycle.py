@@ -17,10 +17,9 @@ One task per session runs the sequence; concurrent and repeated closes await tha
 task (shielded, so a caller that goes away does not cancel it). Engine failures are
 counted and logged (rate-limited), never raised.
 
-The shell: its pure parts are :mod:`kvproxy.sessions.lifecycle_core` (close results,
-the health view, task plans, the warning throttle) and
-:mod:`kvproxy.sessions.lifecycle_metrics` (metric names, gauges); the request handle is
-:mod:`kvproxy.sessions.tracked`. Their public names are importable from here too.
+Pure parts: :mod:`~kvproxy.sessions.lifecycle_core`, :mod:`~kvproxy.sessions.lifecycle_metrics`
+(importable from here too); the request handle: :mod:`~kvproxy.sessions.tracked`. With
+``state.backend: redis`` the table is shared with other replicas (:mod:`kvproxy.state`).
 """
 
 from __future__ import annotations
@@ -48,6 +47,7 @@ from kvproxy.sessions.lifecycle_core import (
     WarnThrottle,
     base_urls,
     check_delays,
+    open_snapshot,
     reap_interval_s,
     reconfigure_plan,
     sessions_health,
@@ -79,7 +79,7 @@ from kvproxy.sessions.lifecycle_metrics import (
     STARTED,
     table_gauges,
 )
-from kvproxy.sessions.table import CloseStatus, SessionState, SessionTable
+from kvproxy.sessions.table import CloseStatus, SessionTable
 from kvproxy.sessions.tracked import TrackedRequest, Tracking
 from kvproxy.state.core import Begin as StateBegin
 from kvproxy.state.core import End as StateEnd
@@ -570,13 +570,7 @@ class SessionManager:
             self._begin_close(session_id, "remote", fan_out=False)
 
     def _snapshot(self, now_wall: float) -> list[tuple[str, float, int]]:
-        """Open sessions (id, last activity on the wall clock, requests in flight)."""
-        now = self._clock()
-        return [
-            (e.session_id, now_wall - (now - e.last_active), e.in_flight)
-            for e in self._table.entries()
-            if e.state is SessionState.OPEN
-        ]
+        return open_snapshot(self._table.entries(), self._clock(), now_wall)
 
     async def _reap_loop(self) -> None:
         while True:
@@ -650,6 +644,9 @@ class SessionManager:
             open_count=self._table.open_count,
             closing_count=self._table.closing_count,
         )
+
+    def state_health(self) -> dict[str, Any]:  # GET /kvproxy/health's "state"
+        return {"backend": "memory"} if self._shared is None else self._shared.health()
 
     # -- metrics ---------------------------------------------------------------
 
