@@ -301,3 +301,68 @@ async def test_redis_stopped_mid_run_falls_back_and_rejoins(
     finally:
         _stop(s)
         redis.stop()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
+    except OSError:
+        return []
+    return [int(p) for p in text.split()]
+
+
+async def test_workers_share_one_port_and_close_once(
+    logs: Path,
+    router: stack.ManagedProcess,
+    engines: list[stack.ManagedProcess],
+    redis: stack.ManagedProcess,
+) -> None:
+    config = _config(logs, redis.url, router.url)
+    proc = stack.start_kvproxy(
+        config_path=config, router_url=router.url, log_dir=logs, extra_args=("--workers", "2")
+    )
+    try:
+        workers = _children(proc.pid)
+        assert len(workers) == 2
+        # New connections are spread over the workers by the kernel: each answers as
+        # its own replica (bounded number of tries).
+        replicas: set[str] = set()
+        for _ in range(200):
+            async with (
+                aiohttp.ClientSession() as fresh,
+                fresh.get(f"{proc.url}/kvproxy/health") as resp,
+            ):
+                replicas.add((await resp.json())["state"]["replica"])
+            if len(replicas) == 2:
+                break
+        assert len(replicas) == 2
+        marker = new_marker()
+        sids = [f"{marker}-{i}" for i in range(8)]
+        async with aiohttp.ClientSession() as http:
+            for turn in range(3):
+                for sid in sids:
+                    # A connection per turn: turns land on either worker.
+                    async with aiohttp.ClientSession() as fresh:
+                        status, _ = await _turn(fresh, proc.url, sid, final=turn == 2)
+                    assert status == 200
+            engine_urls = [e.url for e in engines]
+            expected = {f"{u} {sid}" for u in engine_urls for sid in sids}
+
+            async def all_closed() -> bool:
+                return set(await _closes(http, engine_urls, marker)) == expected
+
+            await wait_until(all_closed, timeout_s=15, what="every session closed")
+            counts = await _closes(http, engine_urls, marker)
+            assert set(counts.values()) == {1}, counts
+    finally:
+        proc.stop()
+    # SIGTERM to the parent stopped every worker (the parent reaped them).
+    assert not [pid for pid in workers if _alive(pid)]
