@@ -209,3 +209,27 @@ async def test_a_wrong_password_is_an_error_that_does_not_show_it(
         assert redis_server.password not in str(err.value)
     finally:
         await store.close()
+
+
+async def test_doctor_reads_the_store(redis_server: RedisServer) -> None:
+    import os
+
+    from kvproxy.doctor.checks import Status
+    from kvproxy.doctor.gather import read_store
+    from kvproxy.doctor.store_checks import store_lines
+
+    cfg = StateConfig(
+        backend="redis", redis_url=redis_server.url, redis_password_env="KVPROXY_DOCTOR_TEST_PW"
+    )
+    os.environ["KVPROXY_DOCTOR_TEST_PW"] = redis_server.password
+    try:
+        ok = store_lines(await read_store(cfg, timeout_s=2.0))
+        os.environ["KVPROXY_DOCTOR_TEST_PW"] = "wrong-password-5678"
+        bad = store_lines(await read_store(cfg, timeout_s=2.0))
+    finally:
+        os.environ.pop("KVPROXY_DOCTOR_TEST_PW", None)
+    assert [line.status for line in ok] == [Status.OK, Status.OK]
+    assert "round trip" in ok[1].message
+    assert bad[0].status is Status.FAIL and "KVPROXY_DOCTOR_TEST_PW" in (bad[0].fix or "")
+    assert not any(redis_server.password in line.render() for line in ok + bad)
+    assert not any("wrong-password-5678" in line.render() for line in bad)
