@@ -15,7 +15,7 @@ from typing import Any
 
 from kvproxy.config import StateConfig
 from kvproxy.state.core import Op
-from kvproxy.state.scripts import SCRIPTS, decode, encode
+from kvproxy.state.scripts import SCRIPTS, batched, decode
 
 
 class StoreUnavailable(RuntimeError):
@@ -73,12 +73,12 @@ class RedisStore:
         """Run ``ops`` in order in one pipeline; their answers. Raises
         :class:`StoreUnavailable` on any error (a script missing after a restart of
         the server is loaded again for the next call)."""
+        calls = batched(ops, self.prefix)
         try:
             if not self._shas:
                 await self._load()
             pipe = self._client.pipeline(transaction=False)
-            for op in ops:
-                call = encode(op, self.prefix)
+            for call, _ in calls:
                 if call.script is None:
                     pipe.set(call.keys[0], call.args[0], nx=True, px=call.args[1])
                 else:
@@ -86,14 +86,16 @@ class RedisStore:
             replies = await pipe.execute(raise_on_error=False)
         except Exception as exc:
             raise StoreUnavailable(_describe(exc)) from exc
-        out: list[Any] = []
-        for op, reply in zip(ops, replies, strict=True):
+        raw: list[Any] = []
+        for (call, count), reply in zip(calls, replies, strict=True):
             if isinstance(reply, Exception):
                 if "NOSCRIPT" in str(reply):
                     self._shas = {}
                 raise StoreUnavailable(_describe(reply))
-            out.append(decode(op, reply))
-        return out
+            raw.extend(reply if call.script == "batch" else [reply])
+            if call.script == "batch" and len(reply) != count:
+                raise StoreUnavailable(f"batch answered {len(reply)} of {count} operations")
+        return [decode(op, reply) for op, reply in zip(ops, raw, strict=True)]
 
     async def publish(self, message: str) -> None:
         try:

@@ -11,6 +11,7 @@ script reads keys it derives from the index; not for Redis Cluster).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,52 +48,75 @@ local function touch(skey, idx, sid, now, ttl_ms)
 end
 """
 
+_WRITES = (
+    _TOUCH
+    + """
+local function op_begin(K, A)
+  local c = redis.call('GET', K[2])
+  if c and c ~= 'closed' then return 'closing' end
+  local answer = 'open'
+  if c == 'closed' then redis.call('DEL', K[2]); answer = 'reopened' end
+  redis.call('HINCRBY', K[1], 'n:' .. A[2], 1)
+  touch(K[1], K[3], A[1], A[3], A[4])
+  if A[5] == '1' then
+    redis.call('HSET', K[1], 'owed', A[2])
+    redis.call('ZADD', K[4], A[3], A[1])
+    redis.call('PEXPIRE', K[4], A[4])
+  end
+  return answer
+end
+local function op_end(K, A)
+  if redis.call('EXISTS', K[1]) == 0 then return 0 end
+  local n = redis.call('HINCRBY', K[1], 'n:' .. A[2], -1)
+  if n <= 0 then redis.call('HDEL', K[1], 'n:' .. A[2]) end
+  touch(K[1], K[2], A[1], A[3], A[4])
+  return 1
+end
+local function op_restore(K, A)
+  if redis.call('EXISTS', K[2]) == 1 then return 0 end
+  if tonumber(A[4]) > 0 then
+    redis.call('HSET', K[1], 'n:' .. A[2], A[4])
+  else
+    redis.call('HDEL', K[1], 'n:' .. A[2])
+  end
+  touch(K[1], K[3], A[1], A[3], A[5])
+  return 1
+end
+local function op_finish(K, A)
+  redis.call('DEL', K[1])
+  redis.call('ZREM', K[3], A[1])
+  redis.call('ZREM', K[4], A[1])
+  redis.call('SET', K[2], 'closed', 'PX', A[2])
+  return 0
+end
+"""
+)
+
 SCRIPTS: dict[str, str] = {
+    # The writer's operations (begin, end, restore, finish) in one command. ARGV: per
+    # operation its name, its number of keys and of arguments, then those.
+    "batch": _WRITES
+    + """
+local ops = {begin = op_begin, ['end'] = op_end, restore = op_restore, finish = op_finish}
+local out, i = {}, 1
+while i <= #ARGV do
+  local name, nk, na = ARGV[i], tonumber(ARGV[i + 1]), tonumber(ARGV[i + 2])
+  local K, A = {}, {}
+  for j = 1, nk do K[j] = ARGV[i + 2 + j] end
+  for j = 1, na do A[j] = ARGV[i + 2 + nk + j] end
+  out[#out + 1] = ops[name](K, A)
+  i = i + 3 + nk + na
+end
+return out
+""",
     # KEYS: s, c, idx, owed. ARGV: sid, replica, now, ttl_ms, final
-    "begin": _TOUCH
-    + """
-local c = redis.call('GET', KEYS[2])
-if c and c ~= 'closed' then return 'closing' end
-local answer = 'open'
-if c == 'closed' then redis.call('DEL', KEYS[2]); answer = 'reopened' end
-redis.call('HINCRBY', KEYS[1], 'n:' .. ARGV[2], 1)
-touch(KEYS[1], KEYS[3], ARGV[1], ARGV[3], ARGV[4])
-if ARGV[5] == '1' then
-  redis.call('HSET', KEYS[1], 'owed', ARGV[2])
-  redis.call('ZADD', KEYS[4], ARGV[3], ARGV[1])
-  redis.call('PEXPIRE', KEYS[4], ARGV[4])
-end
-return answer
-""",
+    "begin": _WRITES + "return op_begin(KEYS, ARGV)\n",
     # KEYS: s, idx. ARGV: sid, replica, now, ttl_ms
-    "end": _TOUCH
-    + """
-if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
-local n = redis.call('HINCRBY', KEYS[1], 'n:' .. ARGV[2], -1)
-if n <= 0 then redis.call('HDEL', KEYS[1], 'n:' .. ARGV[2]) end
-touch(KEYS[1], KEYS[2], ARGV[1], ARGV[3], ARGV[4])
-return 1
-""",
+    "end": _WRITES + "return op_end(KEYS, ARGV)\n",
     # KEYS: s, c, idx. ARGV: sid, replica, last, in_flight, ttl_ms
-    "restore": _TOUCH
-    + """
-if redis.call('EXISTS', KEYS[2]) == 1 then return 0 end
-if tonumber(ARGV[4]) > 0 then
-  redis.call('HSET', KEYS[1], 'n:' .. ARGV[2], ARGV[4])
-else
-  redis.call('HDEL', KEYS[1], 'n:' .. ARGV[2])
-end
-touch(KEYS[1], KEYS[3], ARGV[1], ARGV[3], ARGV[5])
-return 1
-""",
+    "restore": _WRITES + "return op_restore(KEYS, ARGV)\n",
     # KEYS: s, c, idx, owed. ARGV: sid, closed_ttl_ms
-    "finish": """
-redis.call('DEL', KEYS[1])
-redis.call('ZREM', KEYS[3], ARGV[1])
-redis.call('ZREM', KEYS[4], ARGV[1])
-redis.call('SET', KEYS[2], 'closed', 'PX', ARGV[2])
-return 0
-""",
+    "finish": _WRITES + "return op_finish(KEYS, ARGV)\n",
     # KEYS: r, c... ARGV: replica, ttl_ms
     "heartbeat": """
 redis.call('SET', KEYS[1], '1', 'PX', ARGV[2])
@@ -212,6 +236,31 @@ def encode(op: Op, prefix: str) -> Call:
         sid = op.session_id
         return Call("peek", (f"{p}s:{sid}", f"{p}c:{sid}"), ())
     raise TypeError(f"not a state operation: {op!r}")
+
+
+_WRITER_SCRIPTS = frozenset({"begin", "end", "restore", "finish"})
+
+
+def batched(ops: Sequence[Op], prefix: str) -> list[tuple[Call, int]]:
+    """The calls that run ``ops`` in order: consecutive writer operations (begin, end,
+    restore, finish) folded into one ``batch`` script call, each with how many of the
+    operations it runs (its reply is then the list of their replies). Pure."""
+    out: list[tuple[Call, int]] = []
+    folded: list[str | int | float] = []
+    count = 0
+    for op in ops:
+        call = encode(op, prefix)
+        if call.script in _WRITER_SCRIPTS:
+            folded += [call.script, len(call.keys), len(call.args), *call.keys, *call.args]
+            count += 1
+            continue
+        if count:
+            out.append((Call("batch", (), tuple(folded)), count))
+            folded, count = [], 0
+        out.append((call, 1))
+    if count:
+        out.append((Call("batch", (), tuple(folded)), count))
+    return out
 
 
 def decode(op: Op, raw: Any) -> Any:

@@ -138,6 +138,7 @@ class SharedState:
         self._queue: deque[Op] = deque()
         self._wake = asyncio.Event()
         self._up = False
+        self._stopping = False
         self._tasks: list[asyncio.Task[None]] = []
         self._counters = WindowedCounters(COUNTER_HELP)
         self._warnings = RateLimitedLog(log, _WARN_INTERVAL_S, max_keys=4)
@@ -168,13 +169,18 @@ class SharedState:
             self._tasks.append(asyncio.create_task(coro, name=f"kvproxy-state-{name}"))
 
     async def stop(self) -> None:
-        """Flush what is queued (bounded), stop the tasks, close the client."""
+        """Flush what is queued (bounded), stop the tasks (bounded), close the client."""
         if self._up and self._queue:
             await self._flush()
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        self._tasks.clear()
+        self._stopping = True
+        tasks, self._tasks = self._tasks, []
+        for _ in range(3):  # a cancellation a timeout swallowed is sent again
+            for task in tasks:
+                task.cancel()
+            _, pending = await asyncio.wait(tasks, timeout=1.0) if tasks else (set(), set())
+            tasks = list(pending)
+            if not tasks:
+                break
         await self._store.close()
 
     # -- the request path ------------------------------------------------------
@@ -299,7 +305,7 @@ class SharedState:
     # -- background tasks ------------------------------------------------------
 
     async def _write_loop(self) -> None:
-        while True:
+        while not self._stopping:
             await self._wake.wait()
             self._wake.clear()
             for _ in range(MAX_QUEUED // MAX_BATCH + 1):
@@ -317,7 +323,7 @@ class SharedState:
         ]
 
     async def _beat_loop(self) -> None:
-        while True:
+        while not self._stopping:
             if not self._up:
                 await asyncio.sleep(self.cfg.retry_interval_s)
                 await self._try_rejoin()
@@ -345,7 +351,7 @@ class SharedState:
         return due
 
     async def _events_loop(self) -> None:
-        while True:
+        while not self._stopping:
             if not self._up:
                 await asyncio.sleep(self.cfg.retry_interval_s)
                 continue

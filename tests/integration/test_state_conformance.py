@@ -95,16 +95,17 @@ SCENARIOS: dict[str, list[Step]] = {
         (0.0, lambda t: Claim("a", "A", t, SHORT), True),
         (0.0, lambda t: Claim("b", "A", t, SHORT), True),
         (0.0, lambda t: Heartbeat("A", t, SHORT, closing=("a", "b", "c")), 2),
-        (SHORT / 2, lambda t: Heartbeat("A", t, SHORT * 3, closing=("a",)), 1),
-        (SHORT + 0.2, lambda t: Claim("b", "B", t, TTL), True),
-        (SHORT + 0.2, lambda t: Claim("a", "B", t, TTL), False),
+        (SHORT / 2, lambda t: Heartbeat("A", t, SHORT * 8, closing=("a",)), 1),
+        (SHORT + 0.6, lambda t: Claim("b", "B", t, TTL), True),
+        (SHORT + 0.6, lambda t: Claim("a", "B", t, TTL), False),
     ],
     "one sweep lease at a time": [
         (0.0, lambda t: Lease("sweep", "A", t, SHORT), True),
         (0.0, lambda t: Lease("sweep", "B", t, SHORT), False),
         (0.0, lambda t: Lease("sweep", "A", t, SHORT), True),
-        (SHORT + 0.2, lambda t: Lease("sweep", "B", t, SHORT), True),
-        (SHORT + 0.2, lambda t: Lease("sweep", "A", t, SHORT), False),
+        # Late enough for a loaded machine's lag after the renewal above.
+        (SHORT + 0.6, lambda t: Lease("sweep", "B", t, SHORT), True),
+        (SHORT + 0.6, lambda t: Lease("sweep", "A", t, SHORT), False),
     ],
     "restore after an outage keeps the newest activity": [
         (0.0, lambda t: Begin("s", "A", t + 5, TTL), "open"),
@@ -228,8 +229,9 @@ async def test_doctor_reads_the_store(redis_server: RedisServer) -> None:
         bad = store_lines(await read_store(cfg, timeout_s=2.0))
     finally:
         os.environ.pop("KVPROXY_DOCTOR_TEST_PW", None)
-    assert [line.status for line in ok] == [Status.OK, Status.OK]
-    assert "round trip" in ok[1].message
+    assert ok[0].status is Status.OK and "answers" in ok[0].message
+    # The round trip is measured (a WARN past 2 ms, as on a loaded machine).
+    assert "round trip" in ok[1].message and len(ok) == 2
     assert bad[0].status is Status.FAIL and "KVPROXY_DOCTOR_TEST_PW" in (bad[0].fix or "")
     assert not any(redis_server.password in line.render() for line in ok + bad)
     assert not any("wrong-password-5678" in line.render() for line in bad)
