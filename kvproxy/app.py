@@ -207,15 +207,24 @@ async def _close_session_admin(request: web.Request) -> web.StreamResponse:
 
 # ------------------------------------------------------------------------ server layer
 def slow_client_guard(app: web.Application) -> SlowClientGuard:
-    """The server layer's bounds on slow clients, read from the running config (a
-    reload applies to the next request) and counted on ``/metrics``."""
+    """The server layer's bounds on slow clients and open connections, read from the
+    running config (a reload applies to the next request or connection) and counted on
+    ``/metrics``."""
     live = app[CONFIG]
 
     def limits() -> tuple[float, float]:
         server = live.config.server
         return server.header_read_timeout_s, server.body_read_timeout_s
 
-    return SlowClientGuard(limits, on_drop=app[PROXY_METRICS].slow_client_dropped)
+    def max_connections() -> int:
+        return live.config.server.max_connections
+
+    return SlowClientGuard(
+        limits,
+        on_drop=app[PROXY_METRICS].slow_client_dropped,
+        max_connections=max_connections,
+        on_refuse=app[PROXY_METRICS].connection_refused,
+    )
 
 
 # ------------------------------------------------------------------------ factory

@@ -11,6 +11,8 @@ from collections.abc import Mapping
 from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
+from kvproxy.credentials import COOKIE_NAME, bearer_matches
+
 # RFC 9110 section 7.6.1 connection-specific fields, plus the non-standard Proxy-Connection.
 HOP_BY_HOP = frozenset(
     {
@@ -54,12 +56,37 @@ def _without_dropped(headers: Mapping[str, str]) -> CIMultiDict[str]:
     return out
 
 
+_COOKIE_PREFIX = COOKIE_NAME + "="
+
+
+def _strip_own_credentials(out: CIMultiDict[str], admin_token: str | None) -> None:
+    """Remove kvproxy's own credentials: an ``Authorization: Bearer`` carrying
+    ``server.admin_token``, and the dashboard cookie (other cookies are kept)."""
+    if admin_token is not None and "Authorization" in out:
+        kept = [v for v in out.popall("Authorization") if not bearer_matches(admin_token, v)]
+        for value in kept:
+            out.add("Authorization", value)
+    cookies = out.getall("Cookie", ())
+    if cookies and any(_COOKIE_PREFIX in c for c in cookies):
+        del out["Cookie"]
+        for header in cookies:
+            parts = [p.strip() for p in header.split(";")]
+            kept_parts = [p for p in parts if p and not p.startswith(_COOKIE_PREFIX)]
+            if kept_parts:
+                out.add("Cookie", "; ".join(kept_parts))
+
+
 def forward_request_headers(
-    request: web.Request, extra: Mapping[str, str] | None = None
+    request: web.Request,
+    extra: Mapping[str, str] | None = None,
+    admin_token: str | None = None,
 ) -> CIMultiDict[str]:
-    """Client headers minus hop-by-hop ones, with X-Forwarded-For appended."""
+    """Client headers minus hop-by-hop ones and kvproxy's own credentials (the admin
+    bearer token ``admin_token``, the dashboard cookie), with X-Forwarded-For appended."""
     src = request.headers
     out = _without_dropped(src)
+    if admin_token is not None or "Cookie" in src:
+        _strip_own_credentials(out, admin_token)
     peer = request.remote or "unknown"
     prior = src.get("X-Forwarded-For")
     out["X-Forwarded-For"] = f"{prior}, {peer}" if prior else peer

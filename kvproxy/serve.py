@@ -151,6 +151,7 @@ def _serve(cfg: Config, overrides: dict[str, Any], *, reuse_port: bool) -> int:
 
     from kvproxy.admin.reload import reload_config
     from kvproxy.app import create_app, slow_client_guard
+    from kvproxy.plane import exposure_warning
     from kvproxy.proxy.slow_clients import run_guarded_app
 
     apply_malloc_retain(cfg.server.malloc_retain_bytes)
@@ -203,6 +204,9 @@ def _serve(cfg: Config, overrides: dict[str, Any], *, reuse_port: bool) -> int:
             compiled.build_name(compiled.compiled_modules()),
         )
 
+    exposed = exposure_warning(cfg.server.host, cfg.server.admin_token)
+    if exposed:
+        log.warning("%s", exposed)
     try:
         # web.run_app, with the server layer bounding slow clients (kvproxy.proxy.slow_clients).
         run_guarded_app(

@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # The one command that passes the tests, on a fresh clone too (.ci/run runs exactly this):
 #   1. creates .venv if needed and installs kvproxy with its test extra (pytest,
-#      pytest-aiohttp, ruff, playwright and smg, the real router);
+#      pytest-aiohttp, ruff, playwright and smg, the real router), at the versions pinned
+#      in constraints.txt, then audits them for known vulnerabilities
+#      (scripts/audit_deps.py: pip-audit in a virtualenv of its own; a known
+#      vulnerability fails, an unreachable vulnerability service is said in one line);
 #   2. makes sure a Chromium is there for the dashboard's browser tests
 #      (scripts/ensure_chromium.sh: KVPROXY_CHROMIUM, one on PATH, or Debian's package
 #      when it can install it); otherwise it says in one line what to install, goes on;
@@ -26,7 +29,8 @@ if [ ! -x .venv/bin/python ]; then
     "$PYTHON" -m venv .venv
 fi
 .venv/bin/python -m pip install --quiet --upgrade pip
-.venv/bin/python -m pip install --quiet -e '.[test]'
+.venv/bin/python -m pip install --quiet -c constraints.txt -e '.[test]'
+"$PYTHON" scripts/audit_deps.py --python .venv/bin/python
 
 # Chromium for the dashboard's browser tests (Playwright never downloads one).
 KVPROXY_CHROMIUM="$(bash scripts/ensure_chromium.sh)"

@@ -28,8 +28,8 @@ import orjson
 from aiohttp import web
 
 from kvproxy import __version__
-from kvproxy.admin.auth import COOKIE_NAME, Access, cookie_value, token_matches
-from kvproxy.admin.guard import guarded, is_allowed
+from kvproxy.admin.auth import COOKIE_NAME, Access, SignInLimiter, cookie_value, token_matches
+from kvproxy.admin.guard import guarded, is_allowed, on_plane
 from kvproxy.admin.health import health_doc
 from kvproxy.admin.timeline import Reading, Timeline
 from kvproxy.admin.views import (
@@ -109,6 +109,8 @@ def new_timeline() -> Timeline:
 
 # The dashboard's recent history: its own resource, owned by :func:`timeline_ctx`.
 TIMELINE = web.AppKey("timeline", Timeline)
+# Failed sign-ins per client address, and their log (one line a minute at most).
+SIGN_IN = web.AppKey("sign_in", SignInLimiter)
 
 
 async def timeline_ctx(app: web.Application) -> AsyncIterator[None]:
@@ -176,10 +178,15 @@ async def handle_page(request: web.Request) -> web.Response:
 
 
 async def handle_sign_in(request: web.Request) -> web.Response:
-    """The sign-in form's POST: a matching token gets the dashboard cookie."""
-    token = request.app[CONFIG].config.server.admin_token
+    """The sign-in form's POST: a matching token gets the dashboard cookie. Failed
+    attempts are bounded per client address (server.sign_in_attempts_per_minute)."""
+    server = request.app[CONFIG].config.server
+    token = server.admin_token
     if token is None:
         raise web.HTTPSeeOther("/kvproxy/dashboard")
+    limiter, client, now = request.app[SIGN_IN], request.remote or "?", time.monotonic()
+    if limiter.blocked(client, now, server.sign_in_attempts_per_minute):
+        return _sign_in_page("Too many wrong tokens: wait a minute.", 429)
     # Browsers send a form with its length; a chunked or oversized body is refused
     # before it is read (request.post() would read up to server.max_body_bytes).
     if request.content_length is None or request.content_length > _MAX_TOKEN_FORM_BYTES:
@@ -187,7 +194,14 @@ async def handle_sign_in(request: web.Request) -> web.Response:
     form = await request.post()
     submitted = form.get("token")
     if not isinstance(submitted, str) or not token_matches(token, submitted.strip()):
-        log.warning("dashboard sign-in with a wrong token from %s", request.remote)
+        limiter.failed(client, now)
+        if limiter.log_due(now):
+            log.warning(
+                "dashboard sign-in: %d wrong token(s) since the last such line, the latest from %s",
+                limiter.unlogged,
+                client,
+            )
+            limiter.unlogged = 0
         return _sign_in_page("Wrong token.", 401)
     response = web.HTTPSeeOther("/kvproxy/dashboard")
     response.set_cookie(
@@ -196,7 +210,8 @@ async def handle_sign_in(request: web.Request) -> web.Response:
         path="/kvproxy/",
         httponly=True,
         samesite="Strict",
-        secure=request.secure,
+        secure=request.secure if server.cookie_secure is None else server.cookie_secure,
+        max_age=server.cookie_max_age_s,
     )
     raise response
 
@@ -214,7 +229,8 @@ async def handle_asset(request: web.Request) -> web.Response:
 
 
 def add_routes(app: web.Application) -> None:
-    app.router.add_get("/kvproxy/dashboard", handle_page)
-    app.router.add_get("/kvproxy/dashboard/data", guarded(Access.VIEW, handle_data))
-    app.router.add_post("/kvproxy/dashboard/sign-in", handle_sign_in)
-    app.router.add_get("/kvproxy/dashboard/static/{name}", handle_asset)
+    app[SIGN_IN] = SignInLimiter()
+    app.router.add_get("/kvproxy/dashboard", on_plane(handle_page))
+    app.router.add_get("/kvproxy/dashboard/data", on_plane(guarded(Access.VIEW, handle_data)))
+    app.router.add_post("/kvproxy/dashboard/sign-in", on_plane(handle_sign_in, check_origin=False))
+    app.router.add_get("/kvproxy/dashboard/static/{name}", on_plane(handle_asset))

@@ -17,13 +17,14 @@ from prometheus_client import generate_latest
 
 from kvproxy.admin import dashboard
 from kvproxy.admin.auth import NEEDS_TOKEN, Access
-from kvproxy.admin.guard import guarded, is_allowed
+from kvproxy.admin.guard import guarded, is_allowed, on_plane
 from kvproxy.admin.health import health_doc
 from kvproxy.admin.reload import reload_config
 from kvproxy.admission.prefetch import tool_end_in_s
 from kvproxy.config import ConfigError
 from kvproxy.keys import ADMISSION, CONFIG, DYNAMO, REGISTRY, SESSIONS
 from kvproxy.proxy.errors import ErrorType
+from kvproxy.proxy.refusals import Refused, json_body, refusal_response
 from kvproxy.proxy.responses import error_response
 
 log = logging.getLogger(__name__)
@@ -34,7 +35,16 @@ def json_response(doc: Any, status: int = 200) -> web.Response:
 
 
 async def handle_health(request: web.Request) -> web.Response:
-    return json_response(health_doc(request.app))
+    """The whole document with the token (or when none is set), else its status only:
+    a probe needs no credential, and the fleet's URLs are not for everyone."""
+    doc = health_doc(request.app)
+    if is_allowed(request.app[CONFIG], request, Access.VIEW):
+        return json_response(doc)
+    return json_response({k: doc[k] for k in PUBLIC_HEALTH_KEYS})
+
+
+# What GET /kvproxy/health shows without credentials when an admin token is set.
+PUBLIC_HEALTH_KEYS = ("status", "router_reachable", "engines_known", "engines_healthy")
 
 
 async def handle_stats(request: web.Request) -> web.Response:
@@ -77,7 +87,9 @@ async def handle_prefetch(request: web.Request) -> web.Response:
     400 on a bad body or with prefetch off, 404 for a session it cannot plan for."""
     sid = request.match_info["session_id"]
     try:
-        in_s = tool_end_in_s(await request.read())
+        in_s = tool_end_in_s(await json_body(request))
+    except Refused as refused:
+        return refusal_response(refused)
     except ValueError as exc:
         return error_response(ErrorType.INVALID_REQUEST, str(exc))
     admission = request.app[ADMISSION]
@@ -100,16 +112,16 @@ def add_admin_routes(
 ) -> None:
     """Register the operator endpoints (before the catch-all proxy route);
     ``close_session`` serves ``POST /kvproxy/sessions/{id}/close``."""
-    app.router.add_get("/kvproxy/health", handle_health)
-    app.router.add_get("/kvproxy/stats", handle_stats)
-    app.router.add_get("/metrics", guarded(Access.STATS, handle_metrics))
-    app.router.add_post("/kvproxy/config/reload", guarded(Access.ADMIN, handle_reload))
+    app.router.add_get("/kvproxy/health", on_plane(handle_health))
+    app.router.add_get("/kvproxy/stats", on_plane(handle_stats))
+    app.router.add_get("/metrics", on_plane(guarded(Access.STATS, handle_metrics)))
+    app.router.add_post("/kvproxy/config/reload", on_plane(guarded(Access.ADMIN, handle_reload)))
     app.router.add_post(
         "/kvproxy/sessions/{session_id}/close",
-        guarded(Access.ADMIN, close_session),
+        on_plane(guarded(Access.ADMIN, close_session)),
     )
     app.router.add_post(
         "/kvproxy/sessions/{session_id}/prefetch",
-        guarded(Access.ADMIN, handle_prefetch),
+        on_plane(guarded(Access.ADMIN, handle_prefetch)),
     )
     dashboard.add_routes(app)

@@ -2,6 +2,9 @@
 
 Pure. Both are configured, never coded per deployment:
 
+The two headers below are client input that skips admission: they are honoured only
+with ``admission.trust_client_headers: true`` (off by default).
+
 * **eval** traffic is a request whose ``admission.eval_header`` (default
   ``X-KVProxy-Mode``) equals ``eval`` (case-insensitive), or whose path starts with
   ``admission.eval_path_prefix``. With ``scope: train`` eval traffic is out of scope
@@ -27,9 +30,10 @@ header_value = vocab.header
 
 
 def is_eval(cfg: AdmissionConfig, path: str, headers: Mapping[str, str]) -> bool:
-    mode = header_value(headers, cfg.eval_header)
-    if mode is not None and mode.strip().lower() == "eval":
-        return True
+    if cfg.trust_client_headers:
+        mode = header_value(headers, cfg.eval_header)
+        if mode is not None and mode.strip().lower() == "eval":
+            return True
     return bool(cfg.eval_path_prefix) and path.startswith(cfg.eval_path_prefix or "")
 
 
@@ -50,7 +54,7 @@ def request_priority(body: Mapping[str, Any]) -> int | None:
 
 
 def is_protected(cfg: AdmissionConfig, headers: Mapping[str, str], body: Mapping[str, Any]) -> bool:
-    if vocab.header_flag(headers, cfg.protected_header):
+    if cfg.trust_client_headers and vocab.header_flag(headers, cfg.protected_header):
         return True
     if cfg.protected_priority is None:
         return False

@@ -43,6 +43,11 @@ class AdmissionConfig:
     # Requests carrying protected_header with a true value, or a priority at or above
     # protected_priority, bypass admission without touching the ledger.
     protected_header: str = "X-KVProxy-Protected"
+    # Whether eval_header and protected_header are honoured: a client sending them
+    # skips admission, so they are read only where the operator trusts every client
+    # (or a gateway in front sets and strips them). Off: both headers are ignored
+    # (eval_path_prefix and protected_priority still apply).
+    trust_client_headers: bool = False
     protected_priority: int | None = None
     # Prompt-size estimate for text / chat bodies (no input_ids): characters per token
     # before calibration from the engines' reported prompt_tokens.

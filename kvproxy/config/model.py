@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvproxy.config.admission import AdmissionConfig, validate_admission
+from kvproxy.config.errors import check
 from kvproxy.config.router import RouterConfig, validate_router
 from kvproxy.config.server import ServerConfig, validate_server
 from kvproxy.config.session_lifecycle import SessionLifecycleConfig, validate_session_lifecycle
@@ -49,6 +50,11 @@ def validate(cfg: Config) -> None:
     """Raise ConfigError naming the first key out of range."""
     validate_server(cfg.server)
     validate_router(cfg.router)
+    check(
+        not cfg.router.forward_control_plane or cfg.server.admin_token is not None,
+        "router.forward_control_plane: needs server.admin_token (the router's control plane "
+        "is forwarded only to requests carrying it)",
+    )
     if cfg.session_lifecycle.enabled:
         validate_session_lifecycle(cfg.session_lifecycle)
     if cfg.admission.enabled:

@@ -6,6 +6,8 @@ import re
 from dataclasses import dataclass
 
 from kvproxy.config.errors import check
+from kvproxy.paths import DEFAULT_FORWARD_PATHS, pattern_problem
+from kvproxy.trust import host_pattern_problem
 
 # router.policy values whose placement kvproxy can mirror (a ledger per engine).
 ROUTER_POLICIES_MIRRORED = ("consistent_hashing",)
@@ -35,6 +37,19 @@ class RouterConfig:
     # consistent-hashing branch counter and counts and warns about requests smg routed
     # off the ring (random_fallback, no_healthy_workers, target_worker_miss).
     metrics_url: str | None = None
+    # The router paths kvproxy forwards (its data plane): exact paths, or a path
+    # followed by /* for its sub-resources (kvproxy.proxy.paths). Anything else is
+    # answered 404 by kvproxy: smg's control plane (/workers, /flush_cache, ...) is
+    # not reachable through it. ["/*"] forwards every path (kvproxy's own excepted).
+    forward_paths: tuple[str, ...] = DEFAULT_FORWARD_PATHS
+    # Forward the paths not in forward_paths too, but only with the admin bearer token
+    # (server.admin_token, which must be set; the token itself is not forwarded).
+    forward_control_plane: bool = False
+    # Engine URLs learned from the router (GET /workers) are used only when http(s);
+    # with this list non-empty, only when their host is one of these host names, IP
+    # addresses or CIDR networks (e.g. ["10.0.0.0/8", "engine-1.internal"]).
+    # Refused URLs are counted and logged (once per URL).
+    engine_hosts: tuple[str, ...] = ()
 
 
 _URL_RE = re.compile(r"^https?://[^/\s]+(/.*)?$")
@@ -55,6 +70,12 @@ def validate_router(r: RouterConfig) -> None:
         r.metrics_url is None or is_http_url(r.metrics_url),
         f"router.metrics_url: must be null or an http(s) URL (got {r.metrics_url!r})",
     )
+    for i, pattern in enumerate(r.forward_paths):
+        problem = pattern_problem(pattern)
+        check(problem is None, f"router.forward_paths[{i}]: {problem} (got {pattern!r})")
+    for i, host in enumerate(r.engine_hosts):
+        problem = host_pattern_problem(host)
+        check(problem is None, f"router.engine_hosts[{i}]: {problem} (got {host!r})")
     for i, url in enumerate(r.engines):
         check(is_http_url(url), f"router.engines[{i}]: must be an http(s) URL (got {url!r})")
     check(

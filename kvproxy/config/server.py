@@ -17,8 +17,28 @@ class ServerConfig:
     # cookie). Data-plane requests never do.
     admin_token: str | None = None
     # With admin_token set: whether GET /kvproxy/stats and /metrics stay readable
-    # without it. /kvproxy/health always does (probes).
+    # without it. /kvproxy/health always answers (probes): its status only, the details
+    # with the token (or the dashboard cookie).
     public_stats: bool = True
+    # The dashboard cookie: how long it is valid (checked by kvproxy, and its Max-Age),
+    # and whether it is marked Secure (null: when the sign-in came over https).
+    cookie_max_age_s: int = 43_200
+    cookie_secure: bool | None = None
+    # Failed dashboard sign-ins allowed per client address and minute; past it 429.
+    sign_in_attempts_per_minute: int = 10
+    # The admin plane (/kvproxy/..., /metrics) answers only requests whose Host names
+    # one of these (host names, with or without a port); empty: the loopback names
+    # when host is a loopback address, any host otherwise. Defeats DNS rebinding.
+    admin_hosts: tuple[str, ...] = ()
+    # Origins (scheme://host:port) a browser may send state-changing admin and session
+    # requests from, besides kvproxy's own origin; others get 403.
+    admin_origins: tuple[str, ...] = ()
+    # Open client connections at once; past it a new one gets 503 overloaded and is
+    # closed. 0 = no bound.
+    max_connections: int = 4096
+    # Request bodies held in memory at once, all requests together (a request waiting
+    # for admission holds its body); past it 503 overloaded. 0 = no bound.
+    max_buffered_bytes: int = 1024 * 1024 * 1024
     # Seconds to let in-flight requests finish on SIGTERM / SIGINT.
     shutdown_grace_s: float = 10.0
     # Listen backlog: bursts of new connections beyond it wait for SYN retransmits.
@@ -91,6 +111,26 @@ def validate_server(s: ServerConfig) -> None:
         lambda v: v >= 0,
         "must be >= 0 (0 = no bound)",
     )
+    check(
+        60 <= s.cookie_max_age_s <= 31_536_000,
+        f"server.cookie_max_age_s: must be in [60, 31536000] (got {s.cookie_max_age_s})",
+    )
+    check(
+        1 <= s.sign_in_attempts_per_minute <= 10_000,
+        "server.sign_in_attempts_per_minute: must be in [1, 10000] "
+        f"(got {s.sign_in_attempts_per_minute})",
+    )
+    check(s.max_connections >= 0, f"server.max_connections: must be >= 0 (got {s.max_connections})")
+    check(
+        s.max_buffered_bytes == 0 or s.max_buffered_bytes >= s.max_body_bytes,
+        f"server.max_buffered_bytes: must be 0 (no bound) or >= server.max_body_bytes "
+        f"(got {s.max_buffered_bytes})",
+    )
+    for i, origin in enumerate(s.admin_origins):
+        check(
+            origin.startswith(("http://", "https://")) and origin.count("/") == 2,
+            f"server.admin_origins[{i}]: must be scheme://host[:port] (got {origin!r})",
+        )
     check(
         s.gc_threshold == 0 or 100 <= s.gc_threshold <= 10_000_000,
         f"server.gc_threshold: must be 0 (Python's default) or in [100, 10000000] "

@@ -35,6 +35,19 @@ class SessionLifecycleConfig:
     closed_ttl_s: float = 600.0
     # Read each engine's /server_info at start and report its session mode.
     check_engines: bool = True
+    # Bind each session to the data-plane credential (Authorization, else x-api-key)
+    # of its first request: later requests of it and its close (/close_session, a
+    # final turn, /kvproxy/sessions/{id}/close without the admin token) need the same
+    # one, else 403 forbidden. A session opened without a credential stays unbound.
+    bind_credential: bool = True
+    # Rids one request may name (a rid list, or n samples of one rid): above it 400.
+    max_rids_per_request: int = 64
+    # SGLang aborts by rid prefix: a client rid shorter than this is never sent in an
+    # /abort_request (the request is still ended by dropping its upstream connection).
+    # kvproxy's own rids (32 random hex characters) always are.
+    abort_rid_min_length: int = 32
+    # /abort_request and /close_session posts in flight at once, all sessions together.
+    fanout_concurrency: int = 32
     # Dynamo's nvext (docs/dynamo.md). Each switch turns one behaviour off; all default on.
     # agent_hints.priority -> top-level priority; agent_hints.osl -> expected growth.
     agent_hints: bool = True
@@ -102,6 +115,20 @@ def _validate_close(sl: SessionLifecycleConfig) -> None:
     check(
         sl.closed_ttl_s >= 0,
         f"session_lifecycle.closed_ttl_s: must be >= 0 (got {sl.closed_ttl_s})",
+    )
+    check(
+        1 <= sl.max_rids_per_request <= 1024,
+        "session_lifecycle.max_rids_per_request: must be in [1, 1024] "
+        f"(got {sl.max_rids_per_request})",
+    )
+    check(
+        1 <= sl.abort_rid_min_length <= 256,
+        "session_lifecycle.abort_rid_min_length: must be in [1, 256] "
+        f"(got {sl.abort_rid_min_length})",
+    )
+    check(
+        1 <= sl.fanout_concurrency <= 1024,
+        f"session_lifecycle.fanout_concurrency: must be in [1, 1024] (got {sl.fanout_concurrency})",
     )
 
 

@@ -9,7 +9,7 @@ a 2xx only says that the engine received the call.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,6 +61,13 @@ async def _post_one(
         return _describe(exc)
 
 
+async def _bounded(limit: asyncio.Semaphore | None, post: Awaitable[str | None]) -> str | None:
+    if limit is None:
+        return await post
+    async with limit:
+        return await post
+
+
 async def post_to_all(
     http: EngineHttp,
     urls: Sequence[str],
@@ -69,8 +76,10 @@ async def post_to_all(
     *,
     timeout_s: float,
     headers: Mapping[str, str] | None = None,
+    limit: asyncio.Semaphore | None = None,
 ) -> FanoutResult:
-    """POST ``payload`` as JSON to ``{url}{path}`` for every url, in parallel.
+    """POST ``payload`` as JSON to ``{url}{path}`` for every url, in parallel (at most
+    ``limit``'s value at once, shared by every fan-out holding the same semaphore).
 
     URLs are deduplicated (a trailing ``/`` is ignored). The whole fan-out ends by
     ``timeout_s``: engines that have not answered by then are cancelled and reported
@@ -87,7 +96,9 @@ async def post_to_all(
         all_headers.update(headers)
     timeout = aiohttp.ClientTimeout(total=timeout_s)
     tasks = {
-        url: asyncio.create_task(_post_one(http, url + path, body, all_headers, timeout))
+        url: asyncio.create_task(
+            _bounded(limit, _post_one(http, url + path, body, all_headers, timeout))
+        )
         for url in targets
     }
     try:

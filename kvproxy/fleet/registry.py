@@ -26,9 +26,14 @@ from kvproxy.fleet.discovery import (
     parse_workers,
     static_engines,
 )
+from kvproxy.fleet.trust import trusted_engines
+from kvproxy.trust import EngineTrust
 from kvproxy.urls import join
 
 log = logging.getLogger(__name__)
+
+# Refused engine URLs remembered (each logged once); past this, refusals are counted only.
+_REFUSED_LOGGED_MAX = 256
 
 LEGACY_ROUTER_WARNING = (
     "the router is sglang-router <= 0.3 ({flavor}), which drops a top-level session_id on "
@@ -49,6 +54,8 @@ class FleetHealth:
     unhealthy: tuple[str, ...]
     last_refresh_age_s: float | None
     last_error: str | None
+    # Engine URLs the router listed that kvproxy refused (kvproxy.fleet.trust), so far.
+    engines_refused: int = 0
 
     @property
     def engines_healthy(self) -> int:
@@ -64,6 +71,7 @@ class FleetHealth:
             "engines": {"healthy": list(self.healthy), "unhealthy": list(self.unhealthy)},
             "last_refresh_age_s": self.last_refresh_age_s,
             "last_error": self.last_error,
+            "engines_refused": self.engines_refused,
         }
 
 
@@ -85,6 +93,10 @@ class Fleet:
         self._last_refresh: float | None = None
         self._last_error: str | None = None
         self._task: asyncio.Task[None] | None = None
+        self._trust = EngineTrust.of(cfg.engine_hosts)
+        # Refused engine URLs, each logged once (bounded), and how many refusals so far.
+        self._refused_logged: set[str] = set()
+        self.engines_refused = 0
 
     # -- read side -------------------------------------------------------------
     @property
@@ -117,6 +129,7 @@ class Fleet:
             unhealthy=self._engines.unhealthy,
             last_refresh_age_s=age,
             last_error=self._last_error,
+            engines_refused=self.engines_refused,
         )
 
     # -- refresh ---------------------------------------------------------------
@@ -165,11 +178,24 @@ class Fleet:
     async def _discover(self) -> EngineList:
         status, doc = await self._get_json("/workers")
         if status == 200:
-            return parse_workers(doc)
+            return self._trusted(parse_workers(doc))
         status, doc = await self._get_json("/list_workers")
         if status == 200:
-            return parse_list_workers(doc)
+            return self._trusted(parse_list_workers(doc))
         raise DiscoveryError(f"router answered {status} on /workers and /list_workers")
+
+    def _trusted(self, found: EngineList) -> EngineList:
+        """``found`` without the engine URLs kvproxy must not talk to (counted; each
+        logged once, the first :data:`_REFUSED_LOGGED_MAX` of them)."""
+        cleaned, refused = trusted_engines(found, self._trust)
+        for url, why in refused.items():
+            if url in self._refused_logged:
+                continue
+            self.engines_refused += 1
+            if len(self._refused_logged) < _REFUSED_LOGGED_MAX:
+                self._refused_logged.add(url)
+                log.warning("engine URL from the router refused (%s): %r", why, _redacted(url))
+        return cleaned
 
     async def _probe_router(self) -> bool:
         try:
@@ -200,8 +226,18 @@ class Fleet:
     def reconfigure(self, cfg: RouterConfig) -> None:
         """Apply a reloaded router section (interval, timeouts, static list)."""
         self._cfg = cfg
+        self._trust = EngineTrust.of(cfg.engine_hosts)
         if cfg.engines:
             self._engines = static_engines(cfg.engines)
+
+
+def _redacted(url: str) -> str:
+    """``url`` (at most 200 characters) with any user info hidden."""
+    scheme, sep, rest = url[:200].partition("://")
+    authority, slash, path = rest.partition("/")
+    if "@" in authority:
+        authority = "***@" + authority.rpartition("@")[2]
+    return f"{scheme}{sep}{authority}{slash}{path}"
 
 
 def reachability_message(

@@ -29,6 +29,11 @@ class ErrorType(StrEnum):
     INVALID_CONFIG = "invalid_config"  # 400
     UNAUTHORIZED = "unauthorized"  # 401
     SESSION_NOT_FOUND = "session_not_found"  # 404
+    NOT_FOUND = "not_found"  # 404: a path kvproxy does not forward (router.forward_paths)
+    INVALID_PATH = "invalid_path"  # 400: a path that is not canonical (kvproxy.proxy.paths)
+    FORBIDDEN = "forbidden"  # 403: the session belongs to another credential
+    UNSUPPORTED_MEDIA_TYPE = "unsupported_media_type"  # 415: a control body not JSON
+    OVERLOADED = "overloaded"  # 503: kvproxy's connection or buffered-bytes budget is spent
 
 
 STATUS: dict[ErrorType, int] = {
@@ -43,6 +48,11 @@ STATUS: dict[ErrorType, int] = {
     ErrorType.INVALID_CONFIG: 400,
     ErrorType.UNAUTHORIZED: 401,
     ErrorType.SESSION_NOT_FOUND: 404,
+    ErrorType.NOT_FOUND: 404,
+    ErrorType.INVALID_PATH: 400,
+    ErrorType.FORBIDDEN: 403,
+    ErrorType.UNSUPPORTED_MEDIA_TYPE: 415,
+    ErrorType.OVERLOADED: 503,
 }
 
 

@@ -1,13 +1,16 @@
 """HTTP handlers: thin glue between aiohttp and the pure request pipeline.
 
-Every request goes to ``router.url`` unchanged unless it is one of the intercepted
-LLM endpoints. Those are decided by :func:`kvproxy.proxy.pipeline.plan_request` (pure)
-and the plan is carried out by :class:`kvproxy.proxy.turn.TurnFlow` (the order: count the
-injection, open the Dynamo turn, track the request, wait for admission, send, release),
-with this module as its shell: :class:`ProxyHandlers` opens the Dynamo turn, says what a
-client disconnect aborts, puts the admission decision's headers on the response, and
-sends one :class:`Attempt` upstream, the planned fields spliced into the raw bytes, the
-response streamed back chunk by chunk; its usage (read from the tail) goes to admission.
+A request's path is checked once (:func:`kvproxy.paths.path_problem`: one canonical
+form), then it goes to ``router.url`` unchanged if ``router.forward_paths`` has its path
+(:class:`kvproxy.proxy.gate.ForwardGate`; else kvproxy's 404), unless it is one of the
+intercepted LLM endpoints. Those are decided by
+:func:`kvproxy.proxy.pipeline.plan_request` (pure) and the plan is carried out by
+:class:`kvproxy.proxy.turn.TurnFlow` (the order: count the injection, open the Dynamo
+turn, track the request, wait for admission, send, release), with this module as its
+shell: :class:`ProxyHandlers` opens the Dynamo turn, says what a client disconnect
+aborts, puts the admission decision's headers on the response, and sends one
+:class:`Attempt` upstream, the planned fields spliced into the raw bytes, the response
+streamed back chunk by chunk; its usage (read from the tail) goes to admission.
 
 With both features off the body is not even parsed: the bytes forwarded are the
 bytes received. Refusals are raised as :class:`~kvproxy.proxy.refusals.Refused`;
@@ -30,20 +33,24 @@ import aiohttp
 import orjson
 from aiohttp import web
 from multidict import CIMultiDict
+from yarl import URL
 
 from kvproxy.admission.coordinator import AdmissionController
 from kvproxy.admission.records import Decision
 from kvproxy.config import LiveConfig
+from kvproxy.credentials import bearer_matches
 from kvproxy.dynamo import streaming
 from kvproxy.dynamo.control import Dynamo, Turn
 from kvproxy.dynamo.prefill import StreamAnswer
 from kvproxy.dynamo.relay import serve_streaming
 from kvproxy.headers import forward_request_headers, forward_response_headers
-from kvproxy.proxy.body import BodyParts, parse_object, unjoined
+from kvproxy.paths import encoded_path, encoded_query, path_problem
+from kvproxy.plane import origin_allowed
+from kvproxy.proxy.body import BodyParts, parse_object
 from kvproxy.proxy.errors import ErrorType
+from kvproxy.proxy.gate import ForwardGate
 from kvproxy.proxy.metrics import ProxyMetrics
 from kvproxy.proxy.pipeline import (
-    PARTS_MIN_BYTES,
     Plan,
     Refusal,
     close_target,
@@ -52,17 +59,18 @@ from kvproxy.proxy.pipeline import (
     render_body,
     with_turn_headers,
 )
-from kvproxy.proxy.refusals import Refused, refusal_response
+from kvproxy.proxy.refusals import Refused, json_body, refusal_response
+from kvproxy.proxy.relaying import (
+    RESPONSE_BUFFER_LIMIT,
+    observe_streamed,
+    payload,
+    tail_observer,
+    usage_readers,
+)
 from kvproxy.proxy.responses import error_response
 from kvproxy.proxy.scan import validated
 from kvproxy.proxy.turn import ObserveUsage, TurnFlow
-from kvproxy.proxy.upstream import PartsPayload
-from kvproxy.proxy.usage import (
-    StreamedBodyUsage,
-    TailWindow,
-    search_usage,
-    usage_from_body,
-)
+from kvproxy.proxy.usage import usage_from_body
 from kvproxy.sessions.identity import (
     ROUTING_KEY_HEADER,
     InvalidSessionId,
@@ -76,8 +84,6 @@ log = logging.getLogger(__name__)
 INTERCEPTED_PATHS = frozenset({"/generate", "/v1/chat/completions", "/v1/completions"})
 # Bodies up to this size are read whole before forwarding; larger ones are streamed.
 _BUFFER_LIMIT = 256 * 1024
-# Non-streaming upstream responses up to this size are returned in one write.
-_RESPONSE_BUFFER_LIMIT = 1024 * 1024
 
 ObserveBody = Callable[[bytes], None]
 ObserveStream = Callable[[StreamAnswer], None]
@@ -208,6 +214,10 @@ class ProxyHandlers:
         self.turns: TurnFlow[Attempt, Turn, web.StreamResponse, TrackedRequest] = TurnFlow(
             sessions, admission, self
         )
+        # Request body bytes held in memory now (server.max_buffered_bytes).
+        self.buffered = 0
+        # Which paths go to the router (router.forward_paths, the control-plane opt-in).
+        self.gate = ForwardGate(live)
 
     # ------------------------------------------------------------------ dispatch
     async def dispatch(self, request: web.Request) -> web.StreamResponse:
@@ -221,6 +231,9 @@ class ProxyHandlers:
         try:
             if self.shutdown.started:
                 raise Refused(ErrorType.SHUTTING_DOWN, "kvproxy is shutting down")
+            problem = path_problem(request.raw_path)
+            if problem is not None:
+                raise Refused(ErrorType.INVALID_PATH, f"{problem}: refused")
             path_sid, path = self._session_path(request)
             counted = path
             response = await self._route(request, path, path_sid, started)
@@ -243,15 +256,21 @@ class ProxyHandlers:
     ) -> Awaitable[web.StreamResponse]:
         """The handler's coroutine for ``path`` (returned, not awaited: one coroutine
         fewer on every request)."""
+        rules = self.gate.rules()
         if request.method == "POST":
-            if path in INTERCEPTED_PATHS:
+            if path in INTERCEPTED_PATHS and rules.allows(path):
                 return self.intercepted(request, path, path_sid, started)
             if path == "/close_session":
                 if self.live.config.session_lifecycle.enabled:
                     return self.close_session_api(request, path_sid)
                 if self.live.config.admission.enabled:
                     return self.close_session_passthrough(request, path_sid, started)
-        return self.passthrough(request, path, started)
+        if rules.allows(path) or self.gate.control_plane(request, path):
+            return self.passthrough(request, path, started)
+        raise Refused(
+            ErrorType.NOT_FOUND,
+            f"{request.method} {path}: not forwarded (not in router.forward_paths)",
+        )
 
     # --------------------------------------------------------------- passthrough
     async def passthrough(
@@ -267,35 +286,66 @@ class ProxyHandlers:
             # Stream it; Content-Length is kept.
             extra = {"Content-Length": str(length)}
             return await self.forward(Attempt(request, path, request.content, started, extra))
+        held = self._hold(length or 0)
         try:
-            body = await request.read()
-        except web.HTTPRequestEntityTooLarge:
-            raise _too_large(max_body) from None
-        return await self.forward(Attempt(request, path, body, started))
+            try:
+                body = await request.read()
+            except web.HTTPRequestEntityTooLarge:
+                raise _too_large(max_body) from None
+            if length is None:
+                held = self._hold(len(body))
+            return await self.forward(Attempt(request, path, body, started))
+        finally:
+            self.buffered -= held
+
+    def _hold(self, size: int) -> int:
+        """Count ``size`` body bytes against ``server.max_buffered_bytes`` (the bodies
+        held in memory, all requests together); past it 503 overloaded. Returns ``size``:
+        the caller gives it back (``self.buffered -= size``) when the request is done."""
+        limit = self.live.config.server.max_buffered_bytes
+        if limit and self.buffered + size > limit:
+            raise Refused(
+                ErrorType.OVERLOADED,
+                f"request bodies held in memory are at server.max_buffered_bytes ({limit})",
+            )
+        self.buffered += size
+        return size
 
     # --------------------------------------------------------------- intercepted
     async def intercepted(
         self, request: web.Request, path: str, path_sid: str | None, started: float
     ) -> web.StreamResponse:
-        cfg = self.live.config
-        max_body = cfg.server.max_body_bytes
-        if request.content_length is not None and request.content_length > max_body:
+        length = request.content_length
+        max_body = self.live.config.server.max_body_bytes
+        if length is not None and length > max_body:
             raise _too_large(max_body)
+        held = self._hold(length or 0)
         try:
-            raw = await request.read()
-        except web.HTTPRequestEntityTooLarge:
-            raise _too_large(max_body) from None
+            try:
+                raw = await request.read()
+            except web.HTTPRequestEntityTooLarge:
+                raise _too_large(max_body) from None
+            if length is None:
+                held = self._hold(len(raw))
+            return await self._intercept(request, path, path_sid, started, raw)
+        finally:
+            self.buffered -= held
+
+    def _intercept(
+        self, request: web.Request, path: str, path_sid: str | None, started: float, raw: bytes
+    ) -> Awaitable[web.StreamResponse]:
+        cfg = self.live.config
         if not (cfg.session_lifecycle.enabled or cfg.admission.enabled):
-            return await self.forward(Attempt(request, path, raw, started))
+            return self.forward(Attempt(request, path, raw, started))
         # Read only what a decision needs: token-id arrays are not built.
         body = read_body(cfg, path, raw)
         plan = plan_request(cfg, path, path_sid, request.headers, body)
         if isinstance(plan, Refusal):
             raise Refused.of(plan)
         if plan.passthrough:  # not a JSON object: the bytes as received
-            return await self.forward(Attempt(request, path, raw, started))
+            return self.forward(Attempt(request, path, raw, started))
         attempt = Attempt(request, path, raw, started)
-        return await self.turns.run(attempt, plan, path, request.headers)
+        return self.turns.run(attempt, plan, path, request.headers)
 
     # ------------------------------------------------------ the turn (kvproxy.proxy.turn)
     def entered(self, attempt: Attempt, plan: Plan, tracked: TrackedRequest | None) -> None:
@@ -396,8 +446,10 @@ class ProxyHandlers:
             return None  # a deferred token array is not JSON: the engine answers 400
         route = dynamo.plan(turn, body, key)
         if route.kind in (streaming.OPEN, streaming.EXTEND):
-            headers = forward_request_headers(attempt.request, plan.headers or None)
-            observe_tail = _tail_observer(attempt.observe_usage)
+            headers = forward_request_headers(
+                attempt.request, plan.headers or None, self.live.config.server.admin_token
+            )
+            observe_tail = tail_observer(attempt.observe_usage)
             served = await serve_streaming(
                 dynamo, attempt.request, turn, body, dict(fields), headers, observe_tail
             )
@@ -413,18 +465,20 @@ class ProxyHandlers:
         assert plan.body is not None
         headers = attempt.sent_headers  # forward()'s, unless Dynamo's relay served it
         if headers is None:
-            headers = forward_request_headers(attempt.request, plan.headers or None)
+            headers = forward_request_headers(
+                attempt.request, plan.headers or None, self.live.config.server.admin_token
+            )
         self.dynamo.after_response(turn, plan.body, headers)
 
     # ------------------------------------------------------------------- forward
     async def forward(self, attempt: Attempt) -> web.StreamResponse:
         """Send one upstream attempt and stream its response back."""
         request = attempt.request
-        url = self.live.router_base + attempt.path
-        if request.query_string:
-            url += "?" + request.query_string
-        headers = attempt.sent_headers = forward_request_headers(request, attempt.extra_headers)
-        body = _payload(attempt.body)
+        url = _upstream_url(self.live.router_base, attempt.path, request.rel_url.raw_query_string)
+        headers = attempt.sent_headers = forward_request_headers(
+            request, attempt.extra_headers, self.live.config.server.admin_token
+        )
+        body = payload(attempt.body)
         sent_at = time.perf_counter()
         try:
             upstream_cm = self.http.request(
@@ -474,7 +528,7 @@ class ProxyHandlers:
         length = upstream.content_length
         event_stream = _SSE in upstream.headers.get("Content-Type", "")
         overhead = sent_at - attempt.started - attempt.waited
-        if length is not None and length <= _RESPONSE_BUFFER_LIMIT and not event_stream:
+        if length is not None and length <= RESPONSE_BUFFER_LIMIT and not event_stream:
             return self._relay_buffered(attempt, upstream, headers, overhead)
         return self._relay_streamed(attempt, upstream, headers, overhead, event_stream)
 
@@ -494,7 +548,7 @@ class ProxyHandlers:
             response.content_length = length
         await response.prepare(attempt.request)
         self.metrics.added_latency.observe(overhead + (time.perf_counter() - headers_at))
-        window, whole = _usage_readers(attempt, event_stream, upstream.status == 200)
+        window, whole = usage_readers(attempt, event_stream, upstream.status == 200)
         end = b""  # the stream's last bytes, to recognise its final [DONE] event
         try:
             async for chunk in upstream.content.iter_any():
@@ -521,7 +575,7 @@ class ProxyHandlers:
         with contextlib.suppress(ConnectionResetError):
             await response.write_eof()
         if upstream.status == 200:
-            _observe_streamed(attempt, window, whole)
+            observe_streamed(attempt, window, whole)
         return response
 
     async def _relay_buffered(
@@ -554,19 +608,40 @@ class ProxyHandlers:
         """``POST /close_session {"session_id": ...}``: SGLang's API, served by the proxy.
 
         Under ``/sessions/{id}/`` the path names the session and the body may be empty;
-        a body naming another session is refused.
+        a body naming another session is refused. A body must be JSON (415), and a
+        session bound to a credential is closed only with it or the admin token (403).
         """
-        sid = close_target(await request.read(), path_sid)
+        sid = close_target(await json_body(request), path_sid)
         if isinstance(sid, Refusal):
             raise Refused.of(sid)
+        self._check_may_close(request, sid)
         return await self._close(sid, reason="close_session")
+
+    def _check_may_close(self, request: web.Request, session_id: str) -> None:
+        """Refuse (403) a close by another credential than the session's own (the admin
+        bearer token may close any session)."""
+        server = self.live.config.server
+        origin = request.headers.get("Origin")
+        if origin is not None and not origin_allowed(
+            request.method, origin, f"{request.scheme}://{request.host}", server.admin_origins
+        ):
+            raise Refused(ErrorType.FORBIDDEN, f"cross-origin close from {origin!r} refused")
+        token = server.admin_token
+        if token is not None and bearer_matches(token, request.headers.get("Authorization")):
+            return
+        if not self.sessions.may_close(session_id, request.headers):
+            raise Refused(
+                ErrorType.FORBIDDEN,
+                f"session {session_id!r} was opened with another credential: send that "
+                "credential, or the admin token",
+            )
 
     async def close_session_passthrough(
         self, request: web.Request, path_sid: str | None, started: float
     ) -> web.StreamResponse:
         """Lifecycle off, admission on: the session's KV stops counting as resident,
         and the request goes to the router as it came (the router gives its own answer)."""
-        raw = await request.read()
+        raw = await json_body(request)
         doc = parse_object(raw)
         sid = doc.get("session_id") if doc is not None else None
         sid = sid if isinstance(sid, str) else path_sid
@@ -582,7 +657,10 @@ class ProxyHandlers:
                 "session lifecycle is disabled (session_lifecycle.enabled: false)",
             )
         try:
-            return await self._close(request.match_info["session_id"], reason="admin")
+            await json_body(request)
+            session_id = request.match_info["session_id"]
+            self._check_may_close(request, session_id)
+            return await self._close(session_id, reason="admin")
         except Refused as exc:
             return refusal_response(exc)
 
@@ -599,80 +677,17 @@ class ProxyHandlers:
         return web.Response(body=orjson.dumps(result.to_json()), content_type="application/json")
 
 
-class _Kept:
-    """A chunked body kept whole up to the buffered-response limit (None past it)."""
-
-    __slots__ = ("_chunks", "_size")
-
-    def __init__(self) -> None:
-        self._chunks: list[bytes] | None = []
-        self._size = 0
-
-    def feed(self, chunk: bytes) -> None:
-        if self._chunks is None:
-            return
-        self._size += len(chunk)
-        if self._size > _RESPONSE_BUFFER_LIMIT:
-            self._chunks = None
-        else:
-            self._chunks.append(chunk)
-
-    @property
-    def data(self) -> bytes | None:
-        return None if self._chunks is None else b"".join(self._chunks)
+def _upstream_url(router_base: str, path: str, query: str) -> URL:
+    """The path routed on, encoded, and the query as received: never re-parsed."""
+    if query:
+        return URL(f"{router_base}{encoded_path(path)}?{encoded_query(query)}", encoded=True)
+    return _url_of_path(router_base, path)
 
 
-def _usage_readers(
-    attempt: Attempt, event_stream: bool, ok: bool
-) -> tuple[TailWindow | StreamedBodyUsage | None, _Kept | StreamAnswer | None]:
-    """What a streamed response tells the ledger (an event stream's tail, or a JSON
-    body's counts searched as it passes, wherever they are in it), and what is kept of
-    it: a chunked JSON body whole, bounded, for ``observe_body``; an event stream's
-    answer, bounded, for ``observe_stream`` (``ok``: a 200, the only answer kept)."""
-    window: TailWindow | StreamedBodyUsage | None = None
-    if attempt.observe_usage is not None:
-        window = TailWindow() if event_stream else StreamedBodyUsage()
-    whole: _Kept | StreamAnswer | None = None
-    if event_stream:
-        if attempt.observe_stream is not None and ok:
-            whole = StreamAnswer(attempt.path, on_done=attempt.observe_stream)
-    elif attempt.observe_body is not None:
-        whole = _Kept()
-    return window, whole
-
-
-def _observe_streamed(
-    attempt: Attempt,
-    window: TailWindow | StreamedBodyUsage | None,
-    whole: _Kept | StreamAnswer | None,
-) -> None:
-    """A 200 relayed to its end: its usage and what was kept go to their observers."""
-    if window is not None and attempt.observe_usage is not None:
-        attempt.observe_usage(window.usage())
-    if isinstance(whole, StreamAnswer):
-        whole.finish()  # observed at its [DONE] already, unless the stream had none
-    elif whole is not None and whole.data is not None and attempt.observe_body is not None:
-        attempt.observe_body(whole.data)
-
-
-def _payload(
-    body: bytes | BodyParts | aiohttp.StreamReader | None,
-) -> bytes | PartsPayload | aiohttp.StreamReader | None:
-    """An attempt's body as the client session sends it: a spliced big body as its
-    parts, a big body as received without aiohttp's copy of it next to the request head
-    (:func:`~kvproxy.proxy.body.unjoined`), anything else as it is."""
-    if isinstance(body, tuple):
-        return PartsPayload(body)
-    if isinstance(body, bytes) and len(body) >= PARTS_MIN_BYTES:
-        return PartsPayload(unjoined(body))
-    return body
-
-
-def _tail_observer(observe: ObserveUsage | None) -> Callable[[bytes], None] | None:
-    """Dynamo's relay hands back the stream's last bytes."""
-    if observe is None:
-        return None
-    return lambda tail: observe(search_usage(tail))
+@functools.lru_cache(maxsize=1024)
+def _url_of_path(router_base: str, path: str) -> URL:
+    """The upstream URL of a routed path without a query (built once per path)."""
+    return URL(router_base + encoded_path(path), encoded=True)
 
 
 __all__ = ["INTERCEPTED_PATHS", "Attempt", "ProxyHandlers", "Shutdown"]

@@ -52,12 +52,20 @@ class ProxyMetrics:
             ["phase"],
             registry=registry,
         )
+        self.connections_refused = Counter(
+            "kvproxy_connections_refused",
+            "Client connections answered 503 overloaded past server.max_connections.",
+            registry=registry,
+        )
         for phase in ("header", "body"):
             self.slow_clients_dropped.labels(phase)  # exported at 0 from the start
         self._children: dict[tuple[str, int], Counter] = {}
         # Plain running totals for the dashboard's rates (no label lookups there).
         self.answered = 0
         self.upstream_failures = 0
+
+    def connection_refused(self) -> None:
+        self.connections_refused.inc()
 
     def slow_client_dropped(self, phase: str) -> None:
         self.slow_clients_dropped.labels(phase).inc()

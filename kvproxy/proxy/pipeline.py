@@ -40,6 +40,7 @@ from kvproxy.sessions.identity import (
     ROUTING_KEY_HEADER,
     InjectionPlan,
     InvalidSessionId,
+    TooManyRids,
     injection_plan,
     new_rid,
     resolve_identity,
@@ -188,7 +189,10 @@ def _lifecycle_plan(
         identity = resolve_identity(lc, path_session_id=path_session_id, headers=headers, body=top)
     except InvalidSessionId as bad_id:
         return Refusal(ErrorType.INVALID_SESSION_ID, str(bad_id))
-    inj = injection_plan(lc, identity, top, headers=headers)
+    try:
+        inj = injection_plan(lc, identity, top, headers=headers)
+    except TooManyRids as too_many:
+        return Refusal(ErrorType.INVALID_REQUEST, str(too_many))
     sid = identity.session_id
     plan = Plan(
         body=body,

@@ -31,9 +31,51 @@ class Refused(Exception):
         return cls(refusal.kind, refusal.message)
 
 
+# A control endpoint's body: JSON, at most this many bytes.
+MAX_CONTROL_BODY = 64 * 1024
+
+
+def json_content_type(content_type: str | None, has_body: bool) -> bool:
+    """Whether a control request's Content-Type is acceptable: a body must be
+    ``application/json`` (parameters allowed); an empty one may say anything. A body of
+    another type (``text/plain``, a form: what a cross-origin page can send without a
+    preflight) is refused."""
+    if not has_body:
+        return True
+    if not content_type:
+        return False
+    return content_type.split(";", 1)[0].strip().lower() == "application/json"
+
+
+async def json_body(request: web.Request) -> bytes:
+    """A control endpoint's body, refused unless JSON (415) and small (413)."""
+    content_type = request.headers.get("Content-Type")
+    has_body = request.body_exists
+    if not json_content_type(content_type, has_body):
+        raise Refused(
+            ErrorType.UNSUPPORTED_MEDIA_TYPE,
+            f"control endpoint: the body must be application/json (got {content_type!r})",
+        )
+    if not has_body:
+        return b""
+    too_large = Refused(ErrorType.BODY_TOO_LARGE, f"control body over {MAX_CONTROL_BODY} bytes")
+    if request.content_length is not None:
+        if request.content_length > MAX_CONTROL_BODY:
+            raise too_large
+        return await request.read()
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.content.iter_any():
+        size += len(chunk)
+        if size > MAX_CONTROL_BODY:
+            raise too_large
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
 def refusal_response(exc: Refused) -> web.Response:
     """The JSON error response for ``exc``."""
     return error_response(exc.refusal.kind, exc.refusal.message)
 
 
-__all__ = ["Refused", "refusal_response"]
+__all__ = ["Refused", "json_body", "json_content_type", "refusal_response"]

@@ -48,6 +48,16 @@ _TIMEOUT_KEYS = {
     PHASE_BODY: "server.body_read_timeout_s",
 }
 _DESCRIPTIONS = {PHASE_HEADER: "request head", PHASE_BODY: "request body"}
+_OVERLOADED_BODY = (
+    b'{"error":{"type":"overloaded","message":"too many open connections '
+    b'(server.max_connections)"}}'
+)
+_RESPONSE_503 = (
+    b"HTTP/1.1 503 Service Unavailable\r\nConnection: close\r\n"
+    b"Content-Type: application/json\r\nX-KVProxy-Error: overloaded\r\nRetry-After: 1\r\n"
+    + f"Content-Length: {len(_OVERLOADED_BODY)}\r\n\r\n".encode()
+    + _OVERLOADED_BODY
+)
 _RESPONSE_408 = (
     b"HTTP/1.1 408 Request Timeout\r\nConnection: close\r\nContent-Type: text/plain\r\n"
     b"Content-Length: 34\r\n\r\nrequest head not received in time\n"
@@ -91,9 +101,10 @@ class RateLimitedLog:
 
 
 class SlowClientGuard:
-    """What the handlers share: the limits, the drop callback, the rate-limited log."""
+    """What the handlers share: the limits, the drop callback, the rate-limited log,
+    and the count of open connections against ``max_connections()`` (0: no bound)."""
 
-    __slots__ = ("_log", "limits", "on_drop")
+    __slots__ = ("_log", "_over_log", "limits", "max_connections", "on_drop", "on_refuse", "open")
 
     def __init__(
         self,
@@ -102,10 +113,29 @@ class SlowClientGuard:
         on_drop: OnDrop | None = None,
         log_interval_s: float = 10.0,
         now: Callable[[], float] = time.monotonic,
+        max_connections: Callable[[], int] = lambda: 0,
+        on_refuse: Callable[[], None] | None = None,
     ) -> None:
         self.limits = limits
         self.on_drop = on_drop
+        self.on_refuse = on_refuse
+        self.max_connections = max_connections
+        self.open = 0
         self._log = RateLimitedLog(log_interval_s, now=now)
+        self._over_log = RateLimitedLog(log_interval_s, now=now)
+
+    def admit_connection(self) -> bool:
+        """Count a new connection; False (not counted) past ``max_connections()``."""
+        bound = self.max_connections()
+        if bound and self.open >= bound:
+            if self.on_refuse is not None:
+                self.on_refuse()
+            self._over_log.event(
+                "refused a connection: %d open, server.max_connections is %d", self.open, bound
+            )
+            return False
+        self.open += 1
+        return True
 
     def timeout(self, phase: str) -> float:
         header, body = self.limits()
@@ -138,6 +168,7 @@ class GuardedRequestHandler(RequestHandler):
         self._deadline: asyncio.TimerHandle | None = None
         self._phase: str | None = None
         self._body: StreamReader | None = None
+        self._counted = False  # this connection counts against server.max_connections
 
     # -- timers ----------------------------------------------------------------------
     def _arm(self, phase: str) -> None:
@@ -177,6 +208,13 @@ class GuardedRequestHandler(RequestHandler):
     # -- protocol --------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
+        if not self._guard.admit_connection():
+            # Past the budget: answered at once, before anything is read or parsed.
+            with contextlib.suppress(Exception):
+                transport.write(_RESPONSE_503)  # type: ignore[attr-defined]
+            transport.close()
+            return
+        self._counted = True
         self._arm(PHASE_HEADER)  # the first request's head is due from the start
 
     def data_received(self, data: bytes) -> None:
@@ -203,6 +241,9 @@ class GuardedRequestHandler(RequestHandler):
     def connection_lost(self, exc: BaseException | None) -> None:
         self._disarm()
         self._body = None
+        if self._counted:
+            self._counted = False
+            self._guard.open -= 1
         super().connection_lost(exc)
 
 

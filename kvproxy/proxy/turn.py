@@ -42,7 +42,7 @@ from kvproxy.proxy.pipeline import Plan, final_fields
 from kvproxy.proxy.refusals import Refused
 from kvproxy.proxy.usage import Usage
 from kvproxy.sessions.identity import InjectionPlan
-from kvproxy.sessions.lifecycle import SessionClosed
+from kvproxy.sessions.lifecycle import SessionClosed, SessionForbidden
 
 ObserveUsage = Callable[[Usage | None], None]
 
@@ -74,6 +74,7 @@ class TurnSessions(Protocol[_K]):
         close_after: bool,
         *,
         forwarded: bool = False,
+        headers: Mapping[str, str] | None = None,
     ) -> _K: ...
 
     def leave(self, req: _K) -> None: ...
@@ -179,7 +180,7 @@ class TurnFlow(Generic[R, T, S, K]):
         tracked: K | None = None
         lease: Lease | None = None
         try:
-            tracked = self._track(req, plan)
+            tracked = self._track(req, plan, headers)
             steering: int | None = None
             if plan.admit:
                 if tracked is not None and tracked.rejected:
@@ -207,6 +208,8 @@ class TurnFlow(Generic[R, T, S, K]):
             return await self.shell.send(req, plan, turn, fields, source)
         except SessionClosed as exc:
             raise Refused(ErrorType.SESSION_CLOSED, str(exc)) from None
+        except SessionForbidden as forbidden:  # its own name: mypyc types a name once
+            raise Refused(ErrorType.FORBIDDEN, str(forbidden)) from None
         finally:
             if lease is not None:
                 lease.leave()
@@ -215,15 +218,21 @@ class TurnFlow(Generic[R, T, S, K]):
             if turn is not None:
                 self.shell.end_turn(turn)
 
-    def _track(self, req: R, plan: Plan) -> K | None:
-        """Track the request in its session (None: no session, or not tracked)."""
+    def _track(self, req: R, plan: Plan, headers: Mapping[str, str]) -> K | None:
+        """Track the request in its session (None: no session, or not tracked).
+        ``headers`` carry the credential a bound session is checked against."""
         sid = plan.session_id
         if plan.track and sid is not None:
             # Nothing is awaited before the send unless admission waits: otherwise the
-            # request is entered as forwarded (not queued, then moved).
-            rids = plan.abort_rids or (plan.ticket,)
+            # request is entered as forwarded (not queued, then moved). The rids are
+            # the plan's, possibly none (a short client rid is never aborted by name).
             tracked = self.sessions.enter(
-                sid, plan.ticket, rids, plan.close_after, forwarded=not plan.admit
+                sid,
+                plan.ticket,
+                plan.abort_rids,
+                plan.close_after,
+                forwarded=not plan.admit,
+                headers=headers,
             )
             self.shell.entered(req, plan, tracked)
             return tracked

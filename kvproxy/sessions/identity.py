@@ -261,17 +261,35 @@ class InjectionPlan(Record):
 EMPTY_PLAN = InjectionPlan(skip_reason=SKIP_DISABLED)
 
 
-# Abort-rid expansion is bounded: a larger n is not expanded (only the rid is named).
-MAX_EXPANDED_N = 1024
+class TooManyRids(ValueError):
+    """The request names more rids than ``session_lifecycle.max_rids_per_request``."""
 
 
-def _abort_rids(rid: Any, n: int) -> tuple[str, ...]:
+def _abort_rids(rid: Any, n: int, generated: bool, cfg: SessionLifecycleConfig) -> tuple[str, ...]:
+    """The rids an abort of this request names: bounded, and prefix-safe.
+
+    SGLang's scheduler aborts every rid that *starts with* the one named, so a short
+    client rid ("0") would abort other clients' requests. kvproxy's own rids (32
+    random hex characters) are always named; a client's only when at least
+    ``abort_rid_min_length`` long (else the request is ended by dropping its upstream
+    connection, which the engine turns into an abort of that request alone). ``n``
+    samples of one rid expand to ``{rid}_{i}`` (SGLang's tokenizer matches rids
+    exactly) only up to ``max_rids_per_request``; a rid list longer than that is
+    :class:`TooManyRids` (400)."""
+    cap = cfg.max_rids_per_request
+    if isinstance(rid, list) and len(rid) > cap:
+        raise TooManyRids(
+            f"rid: {len(rid)} rids in one request; at most "
+            f"session_lifecycle.max_rids_per_request ({cap})"
+        )
     if isinstance(rid, str) and rid:
-        if n > 1:
+        if not generated and len(rid) < cfg.abort_rid_min_length:
+            return ()
+        if 1 < n < cap:
             return (rid, *(f"{rid}_{i}" for i in range(n)))
         return (rid,)
     if isinstance(rid, list) and rid and all(isinstance(r, str) and r for r in rid):
-        return tuple(rid)
+        return tuple(r for r in rid if len(r) >= cfg.abort_rid_min_length)
     return ()
 
 
@@ -292,7 +310,8 @@ def injection_plan(
     - ``X-SMG-Routing-Key: <session_id>`` when ``sticky_routing`` is on, unless the
       client sent its own routing key (``headers``, when given).
 
-    Nothing else in the body changes.
+    Nothing else in the body changes. A rid list longer than
+    ``max_rids_per_request`` raises :class:`TooManyRids`.
     """
     if not cfg.enabled:
         return EMPTY_PLAN
@@ -339,7 +358,7 @@ def injection_plan(
         overwrites,
         out_headers,
         rid if isinstance(rid, str) else None,  # rid
-        _abort_rids(rid, n if n <= MAX_EXPANDED_N else 1),  # abort_rids
+        _abort_rids(rid, n, generated, cfg),  # abort_rids
         generated,  # rid_generated
         skip,  # skip_reason
     )

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import logging
 import time
 from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
@@ -35,6 +36,7 @@ from typing import Any
 from prometheus_client.core import Metric
 
 from kvproxy.config import SessionLifecycleConfig, StateConfig
+from kvproxy.credentials import fingerprint
 from kvproxy.fleet.client import EngineHttp
 from kvproxy.fleet.engine_info import EngineSessionMode, mode_warnings, probe
 from kvproxy.fleet.fanout import post_to_all
@@ -43,11 +45,11 @@ from kvproxy.sessions.identity import SKIP_SESSION_PARAMS, InjectionPlan
 from kvproxy.sessions.lifecycle_core import (
     CloseResult,
     SessionClosed,
+    SessionForbidden,
     SessionsHealth,
     WarnThrottle,
     base_urls,
     check_delays,
-    open_snapshot,
     reap_interval_s,
     reconfigure_plan,
     sessions_health,
@@ -79,11 +81,10 @@ from kvproxy.sessions.lifecycle_metrics import (
     STARTED,
     table_gauges,
 )
+from kvproxy.sessions.replicas import shared_state
 from kvproxy.sessions.table import CloseStatus, SessionTable
 from kvproxy.sessions.tracked import TrackedRequest, Tracking
-from kvproxy.state.core import Begin as StateBegin
-from kvproxy.state.core import End as StateEnd
-from kvproxy.state.shared import SharedState, Store, replica_name
+from kvproxy.state.shared import SharedState, Store
 
 # Names the proxy, the admin views and the tests import from here.
 __all__ = [
@@ -111,6 +112,7 @@ __all__ = [
     "STARTED",
     "CloseResult",
     "SessionClosed",
+    "SessionForbidden",
     "SessionManager",
     "SessionsHealth",
     "TrackedRequest",
@@ -154,6 +156,8 @@ class SessionManager:
         )
         self._counters = WindowedCounters(COUNTER_HELP)
         self._requests: dict[int, TrackedRequest] = {}
+        # Bounds the /abort_request and /close_session posts in flight, all together.
+        self._fanout_limit = asyncio.Semaphore(cfg.fanout_concurrency)
         self._closes: dict[str, asyncio.Task[CloseResult]] = {}
         self._background: set[asyncio.Task[Any]] = set()
         self._reaper: asyncio.Task[None] | None = None
@@ -166,17 +170,7 @@ class SessionManager:
         self._warnings = WarnThrottle(_WARN_INTERVAL_S, _WARN_KEYS_MAX)
         self._shared: SharedState | None = None
         if store is not None:
-            self._shared = SharedState(
-                state or StateConfig(backend="redis"),
-                store,
-                replica=replica_name(),
-                closed_ttl_s=lambda: self._cfg.closed_ttl_s,
-                idle_timeout_s=lambda: self._cfg.idle_timeout_s,
-                closing=lambda: list(self._closes),
-                snapshot=self._snapshot,
-                on_due=self._close_due,
-                on_remote_close=self._remote_close,
-            )
+            self._shared = shared_state(self, store, state or StateConfig(backend="redis"))
 
     # -- configuration and background tasks -----------------------------------
 
@@ -218,6 +212,9 @@ class SessionManager:
             closed_ttl_s=cfg.closed_ttl_s,
             idle_timeout_s=cfg.idle_timeout_s,
         )
+        if cfg.fanout_concurrency != old.fanout_concurrency:
+            # Posts holding the old semaphore finish under it; new ones take this one.
+            self._fanout_limit = asyncio.Semaphore(cfg.fanout_concurrency)
         if not self._started:
             return
         plan = reconfigure_plan(old, cfg)
@@ -299,14 +296,23 @@ class SessionManager:
         close_after: bool,
         *,
         forwarded: bool = False,
+        headers: Mapping[str, str] | None = None,
     ) -> TrackedRequest:
         """:meth:`track` without the context manager, for the request path (no
         coroutine per step): the caller calls :meth:`leave` on every path after it.
         ``rids``: the rids an abort must name (at least ``rid``). ``forwarded``: the
         request goes upstream with nothing awaited before (no admission wait), so it
-        is entered as forwarded (as if :meth:`TrackedRequest.forwarded` followed)."""
-        begin = self._table.begin(session_id, self._clock(), rids if forwarded else None)
+        is entered as forwarded (as if :meth:`TrackedRequest.forwarded` followed).
+        ``headers``: the request's, whose data-plane credential a new session is bound
+        to (``bind_credential``); a session bound to another raises
+        :class:`SessionForbidden`."""
+        owner = None
+        if headers is not None and self._cfg.bind_credential:
+            owner = fingerprint(headers)
+        begin = self._table.begin(session_id, self._clock(), rids if forwarded else None, owner)
         if begin.token is None:
+            if begin.forbidden:
+                raise SessionForbidden(session_id)
             self._counters.inc(REJECTED_CLOSING)
             raise SessionClosed(session_id)
         if begin.created:
@@ -318,13 +324,8 @@ class SessionManager:
         req = TrackedRequest(self, session_id, begin.token, rid, rids, close_after)
         req._forwarded = forwarded
         self._requests[begin.token] = req
-        shared = self._shared
-        if shared is not None:
-            shared.submit(
-                StateBegin(
-                    session_id, shared.replica, shared.now(), shared.cfg.session_ttl_s, close_after
-                )
-            )
+        if self._shared is not None:
+            self._shared.begin(session_id, close_after)
         return req
 
     def leave(self, req: TrackedRequest) -> None:
@@ -333,11 +334,8 @@ class SessionManager:
         self._requests.pop(req.token, None)
         self._table.end(session_id, req.token, self._clock())
         req._left = True
-        shared = self._shared
-        if shared is not None:
-            shared.submit(
-                StateEnd(session_id, shared.replica, shared.now(), shared.cfg.session_ttl_s)
-            )
+        if self._shared is not None:
+            self._shared.end(session_id)
         finished = req._finished
         if finished is not None and not finished.done():
             finished.set_result(None)
@@ -372,7 +370,14 @@ class SessionManager:
         timeout_s = self._cfg.close_timeout_s
         results = await asyncio.gather(
             *(
-                post_to_all(self._http, urls, "/abort_request", {"rid": rid}, timeout_s=timeout_s)
+                post_to_all(
+                    self._http,
+                    urls,
+                    "/abort_request",
+                    {"rid": rid},
+                    timeout_s=timeout_s,
+                    limit=self._fanout_limit,
+                )
                 for rid in rids
             )
         )
@@ -386,6 +391,18 @@ class SessionManager:
         return ok
 
     # -- close -----------------------------------------------------------------
+
+    def may_close(self, session_id: str, headers: Mapping[str, str]) -> bool:
+        """Whether a request with ``headers`` may close ``session_id``: always, unless
+        the session is bound (``bind_credential``) to another data-plane credential.
+        (The admin token's holder may close any session: the caller checks it.)"""
+        if not self._cfg.bind_credential:
+            return True
+        owner = self._table.owner(session_id)
+        if owner is None:
+            return True
+        mine = fingerprint(headers)
+        return mine is not None and hmac.compare_digest(owner, mine)
 
     async def close(self, session_id: str, *, reason: str) -> CloseResult:
         """Close ``session_id`` (the close sequence); idempotent, never raises for engines.
@@ -462,6 +479,7 @@ class SessionManager:
                 "/close_session",
                 {"session_id": session_id},
                 timeout_s=cfg.close_timeout_s,
+                limit=self._fanout_limit,
             )
             result.engines_told = len(fan.ok)
             result.engines_failed = len(fan.failed)
@@ -556,21 +574,6 @@ class SessionManager:
                 self._counters.inc(CLOSED_IDLE)
                 started.append(sid)
         return started
-
-    # -- the shared state's callbacks ----------------------------------------------
-
-    def _close_due(self, session_id: str) -> None:
-        """The shared sweep found ``session_id`` idle, or owed by a dead replica."""
-        if self._begin_close(session_id, "idle") is not None:
-            self._counters.inc(CLOSED_IDLE)
-
-    def _remote_close(self, session_id: str) -> None:
-        """Another replica closes ``session_id``: abort the requests of it held here."""
-        if self._cfg.enabled and session_id not in self._closes:
-            self._begin_close(session_id, "remote", fan_out=False)
-
-    def _snapshot(self, now_wall: float) -> list[tuple[str, float, int]]:
-        return open_snapshot(self._table.entries(), self._clock(), now_wall)
 
     async def _reap_loop(self) -> None:
         while True:

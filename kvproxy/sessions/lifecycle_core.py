@@ -30,6 +30,18 @@ class SessionClosed(Exception):
         return {"error": {"type": self.error_type, "message": str(self)}}
 
 
+class SessionForbidden(Exception):
+    """The session is bound to another data-plane credential
+    (``session_lifecycle.bind_credential``): the request is refused (HTTP 403)."""
+
+    def __init__(self, session_id: str) -> None:
+        self.session_id = session_id
+        super().__init__(
+            f"session {session_id!r} was opened with another credential: "
+            "only that credential (or the admin token) may use or close it"
+        )
+
+
 @dataclass(slots=True)
 class CloseResult:
     session_id: str

@@ -49,6 +49,9 @@ class SessionEntry:
     # Tokens of requests sent upstream -> the rids an abort must name.
     forwarded: dict[int, tuple[str, ...]] = field(default_factory=dict)
     requests: int = 0
+    # The keyed hash of the data-plane credential of the session's first request
+    # (kvproxy.credentials.fingerprint), when bound; never logged.
+    owner: bytes | None = None
 
     @property
     def in_flight(self) -> int:
@@ -62,7 +65,7 @@ class SessionEntry:
 class Begin(Record):
     """Result of :meth:`SessionTable.begin`."""
 
-    __slots__ = ("created", "evicted", "reopened", "token")
+    __slots__ = ("created", "evicted", "forbidden", "reopened", "token")
 
     def __init__(
         self,
@@ -70,12 +73,15 @@ class Begin(Record):
         created: bool = False,
         reopened: bool = False,
         evicted: tuple[str, ...] = (),
+        forbidden: bool = False,
     ) -> None:
         # The request's token; None when the session is closing (reject the request).
         self.token: Final = token
         self.created: Final = created  # a new session started (including a re-open)
         self.reopened: Final = reopened  # ... with the id of a session closed earlier
         self.evicted: Final = evicted  # idle sessions forgotten to stay under the cap
+        # The session is bound to another credential (token None: reject the request).
+        self.forbidden: Final = forbidden
 
 
 class CloseStatus(StrEnum):
@@ -155,6 +161,11 @@ class SessionTable:
     def get(self, session_id: str) -> SessionEntry | None:
         return self._live.get(session_id)
 
+    def owner(self, session_id: str) -> bytes | None:
+        """The live session's credential fingerprint; None: unbound, closed or unknown."""
+        entry = self._live.get(session_id)
+        return entry.owner if entry is not None else None
+
     def state(self, session_id: str) -> SessionState | None:
         entry = self._live.get(session_id)
         if entry is not None:
@@ -191,9 +202,19 @@ class SessionTable:
 
     # -- requests --------------------------------------------------------------
 
-    def begin(self, session_id: str, now: float, forwarded: tuple[str, ...] | None = None) -> Begin:
+    def begin(
+        self,
+        session_id: str,
+        now: float,
+        forwarded: tuple[str, ...] | None = None,
+        owner: bytes | None = None,
+    ) -> Begin:
         """Register a request of ``session_id`` as queued in the proxy, or with
-        ``forwarded`` (its abort rids) as forwarded at once (:meth:`forwarded` then)."""
+        ``forwarded`` (its abort rids) as forwarded at once (:meth:`forwarded` then).
+
+        ``owner``: the request's credential fingerprint, when sessions are bound to
+        one. A new session takes it; a session bound to another refuses the request
+        (``forbidden``)."""
         if self._closed:
             self.prune(now)
         entry = self._live.get(session_id)
@@ -203,10 +224,13 @@ class SessionTable:
             reopened = self._closed.pop(session_id, None) is not None
             evicted = self._make_room()
             entry = SessionEntry(session_id, SessionState.OPEN, created_at=now, last_active=now)
+            entry.owner = owner
             self._live[session_id] = entry
             created = True
         elif entry.state is SessionState.CLOSING:
             return Begin(token=None)
+        elif entry.owner is not None and entry.owner != owner:
+            return Begin(None, forbidden=True)
         else:
             self._live.move_to_end(session_id)
         self._next_token += 1

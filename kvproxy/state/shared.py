@@ -41,7 +41,7 @@ from kvproxy.observability import (
     counter_families,
     gauge_families,
 )
-from kvproxy.state.core import Claim, Due, Finish, Heartbeat, Lease, Op, Restore
+from kvproxy.state.core import Begin, Claim, Due, End, Finish, Heartbeat, Lease, Op, Restore
 from kvproxy.state.redis_store import StoreUnavailable, redacted_url
 
 log = logging.getLogger(__name__)
@@ -194,6 +194,14 @@ class SharedState:
         self._queue.append(op)
         if len(self._queue) == 1:
             self._wake.set()
+
+    def begin(self, session_id: str, final: bool) -> None:
+        """A request of ``session_id`` entered this replica (``final``: its last turn)."""
+        self.submit(Begin(session_id, self.replica, self._clock(), self.cfg.session_ttl_s, final))
+
+    def end(self, session_id: str) -> None:
+        """A request of ``session_id`` left this replica."""
+        self.submit(End(session_id, self.replica, self._clock(), self.cfg.session_ttl_s))
 
     # -- closes ----------------------------------------------------------------
 

@@ -392,7 +392,8 @@ async def test_leases_return_to_zero_after_a_burst_with_errors_disconnects_and_t
 async def test_oversized_and_protected_bypass_at_once_while_others_wait(
     make_proxy: MakeProxy, http: aiohttp.ClientSession, engine_urls: list[str]
 ) -> None:
-    proxy = await make_proxy(admission={**POLL, "headroom": 0.01})  # ceiling 1,200
+    # Client bypass headers honoured (admission.trust_client_headers); ceiling 1,200.
+    proxy = await make_proxy(admission={**POLL, "headroom": 0.01, "trust_client_headers": True})
     ctl = proxy.app[keys.ADMISSION]
     await push_usage(http, engine_urls, proxy, 0.99)
     waiter_rid, big_rid, vip_rid = _rid(), _rid(), _rid()
@@ -429,7 +430,7 @@ async def test_oversized_and_protected_bypass_at_once_while_others_wait(
 async def test_eval_traffic_is_out_of_scope_untouched_and_uncounted(
     make_proxy: MakeProxy, http: aiohttp.ClientSession, engine_urls: list[str]
 ) -> None:
-    proxy = await make_proxy(admission={**POLL, "scope": "train"})
+    proxy = await make_proxy(admission={**POLL, "scope": "train", "trust_client_headers": True})
     await push_usage(http, engine_urls, proxy, 0.99)
     waiter = await enqueue(proxy, lambda: send(http, proxy, _body(_rid())), 1)
     before = stats(proxy)
@@ -549,7 +550,7 @@ BUDGET_KEYS = {
 async def test_headers_stats_window_and_prometheus_series(
     make_proxy: MakeProxy, http: aiohttp.ClientSession, engine_urls: list[str]
 ) -> None:
-    proxy = await make_proxy(admission=POLL)
+    proxy = await make_proxy(admission={**POLL, "trust_client_headers": True})
 
     # Admitted at once (plain and streaming): the headers say so, with no wait.
     for stream in (False, True):

@@ -90,7 +90,9 @@ async def hint(
     http: aiohttp.ClientSession, p: Proxy, sid: str, body: Any = None
 ) -> tuple[int, dict[str, Any]]:
     data = b"" if body is None else orjson.dumps(body)
-    async with http.post(f"{p.url}/kvproxy/sessions/{sid}/prefetch", data=data) as resp:
+    headers = {"Content-Type": "application/json"}
+    url = f"{p.url}/kvproxy/sessions/{sid}/prefetch"
+    async with http.post(url, data=data, headers=headers) as resp:
         return resp.status, orjson.loads(await resp.read())
 
 

@@ -22,6 +22,7 @@ from aiohttp.test_utils import TestServer
 from kvproxy.app import create_app, slow_client_guard
 from kvproxy.config import from_mapping
 from kvproxy.proxy.slow_clients import GuardedAppRunner, RateLimitedLog, SlowClientGuard
+from tests.helpers import wait_until
 
 HEADER_S = 0.6
 BODY_S = 0.8
@@ -107,9 +108,9 @@ async def _slow_client(
         writer.close()
 
 
-HEAD = b"GET /kvproxy/health HTTP/1.1\r\nHost: x\r\nX-Padding: " + b"a" * 200 + b"\r\n\r\n"
+HEAD = b"GET /kvproxy/health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Padding: " + b"a" * 200 + b"\r\n\r\n"
 BODY_HEAD = (
-    b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    b"POST /generate HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
     b"Content-Length: 400\r\n\r\n"
 )
 
@@ -180,7 +181,7 @@ async def test_idle_keep_alive_and_prompt_requests_are_not_dropped(proxy: Proxy)
     reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
     try:
         for _ in range(2):
-            writer.write(b"GET /kvproxy/health HTTP/1.1\r\nHost: x\r\n\r\n")
+            writer.write(b"GET /kvproxy/health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
             await writer.drain()
             status = await asyncio.wait_for(reader.readline(), timeout=SLACK_S)
             assert status.startswith(b"HTTP/1.1 200"), status
@@ -197,7 +198,8 @@ async def test_idle_keep_alive_and_prompt_requests_are_not_dropped(proxy: Proxy)
         # A body sent promptly after its head is fine too.
         body = b'{"input_ids":[1]}'
         writer.write(
-            b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(body) + body
+            b"POST /generate HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: %d\r\n\r\n" % len(body)
+            + body
         )
         await writer.drain()
         status = await asyncio.wait_for(reader.readline(), timeout=SLACK_S)
@@ -236,6 +238,52 @@ async def test_a_request_slower_than_the_header_bound_is_answered() -> None:
     finally:
         await runner.cleanup()
     assert drops == []
+
+
+async def test_connections_past_the_budget_get_a_json_503() -> None:
+    upstream = await _upstream()
+    cfg = from_mapping(
+        {
+            "server": {"max_connections": 2},
+            "router": {"url": str(upstream.make_url("")).rstrip("/")},
+        }
+    )
+    app = create_app(cfg)
+    runner = GuardedAppRunner(app, guard=slow_client_guard(app), handler_cancellation=True)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    held = [await asyncio.open_connection("127.0.0.1", port) for _ in range(2)]
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        answer = await asyncio.wait_for(reader.read(), timeout=SLACK_S)  # then closed
+        writer.close()
+        head, _, body = answer.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 503") and b"X-KVProxy-Error: overloaded" in head
+        assert b'"type":"overloaded"' in body
+        # One held connection closes: a new one is served again.
+        held.pop()[1].close()
+        async with aiohttp.ClientSession() as http:
+
+            async def served() -> bool:
+                try:
+                    async with http.get(f"http://127.0.0.1:{port}/kvproxy/health") as resp:
+                        return resp.status == 200
+                except aiohttp.ClientError:
+                    return False
+
+            await wait_until(served, timeout_s=5, what="a connection to be served")
+            async with http.get(f"http://127.0.0.1:{port}/metrics") as resp:
+                text = await resp.text()
+            # One refusal above, and any while the closed connection was being noticed.
+            m = re.search(r"^kvproxy_connections_refused_total (\S+)$", text, re.M)
+            assert m and float(m.group(1)) >= 1.0
+    finally:
+        for _, w in held:
+            w.close()
+        await runner.cleanup()
+        await upstream.close()
 
 
 def test_rate_limited_log(caplog: pytest.LogCaptureFixture) -> None:

@@ -150,7 +150,7 @@ async def test_disabled_and_out_of_scope_pass_uncounted(make_env: Factory) -> No
     env = await make_env(enabled=False)
     async with env.ctl.admit(req("t")) as d:
         assert (d.action, d.reason, d.lease_id) == ("pass", "disabled", None)
-    env = await make_env()
+    env = await make_env(trust_client_headers=True)
     async with env.ctl.admit(req("t", headers={"X-KVProxy-Mode": "eval"})) as d:
         assert (d.action, d.reason) == ("pass", "out_of_scope")
     s = env.ctl.stats()
@@ -160,13 +160,23 @@ async def test_disabled_and_out_of_scope_pass_uncounted(make_env: Factory) -> No
 
 
 async def test_protected_bypasses_without_touching_ledger(make_env: Factory) -> None:
-    env = await make_env(protected_priority=5)
+    env = await make_env(protected_priority=5, trust_client_headers=True)
     for r in (req("p1", headers={"X-KVProxy-Protected": "true"}), req("p2", priority=7)):
         async with env.ctl.admit(r) as d:
             assert (d.action, d.reason, d.lease_id) == ("bypass", "protected", None)
             assert env.ctl.ledger.reserved == 0
     s = env.ctl.stats()
     assert s["agentic_kv/admission/bypass_protected"] == 2 and s["agentic_kv/admission/bypass"] == 2
+
+
+async def test_client_bypass_headers_ignored_unless_trusted(make_env: Factory) -> None:
+    env = await make_env(protected_priority=5)
+    for headers in ({"X-KVProxy-Protected": "true"}, {"X-KVProxy-Mode": "eval"}):
+        async with env.ctl.admit(req("h", headers=headers)) as d:
+            assert (d.action, d.reason) != ("bypass", "protected")
+            assert d.reason != "out_of_scope"
+    async with env.ctl.admit(req("p", priority=7)) as d:  # the priority still protects
+        assert (d.action, d.reason) == ("bypass", "protected")
 
 
 async def test_degraded_without_any_engine_signal(make_env: Factory) -> None:
@@ -701,7 +711,7 @@ BUDGET_KEYS = {
 
 
 async def test_stats_keys_values_and_reset(make_env: Factory) -> None:
-    env = await make_env(engines={A: (1000, 0.4)})
+    env = await make_env(engines={A: (1000, 0.4)}, trust_client_headers=True)
     ctl = env.ctl
     first = Holder(ctl, req("first", 1000))
     waiter = Holder(ctl, req("waiter", 100))

@@ -192,19 +192,36 @@ def H(**kv: str) -> CIMultiDict[str]:
     return CIMultiDict({k.replace("_", "-"): v for k, v in kv.items()})
 
 
+# Client headers honoured (admission.trust_client_headers).
+T = AdmissionConfig(trust_client_headers=True)
+
+
 @pytest.mark.parametrize(
     ("cfg", "path", "headers", "expected"),
     [
-        (AdmissionConfig(), "/generate", H(), True),
-        (AdmissionConfig(), "/generate", H(x_kvproxy_mode="eval"), False),
-        (AdmissionConfig(), "/generate", H(X_KVPROXY_MODE=" EVAL "), False),
-        (AdmissionConfig(), "/generate", H(x_kvproxy_mode="train"), True),
-        (AdmissionConfig(scope="all"), "/generate", H(x_kvproxy_mode="eval"), True),
+        (T, "/generate", H(), True),
+        (T, "/generate", H(x_kvproxy_mode="eval"), False),
+        (T, "/generate", H(X_KVPROXY_MODE=" EVAL "), False),
+        (T, "/generate", H(x_kvproxy_mode="train"), True),
+        (
+            AdmissionConfig(scope="all", trust_client_headers=True),
+            "/generate",
+            H(x_kvproxy_mode="eval"),
+            True,
+        ),
         (AdmissionConfig(eval_path_prefix="/eval"), "/eval/generate", H(), False),
         (AdmissionConfig(eval_path_prefix="/eval"), "/generate", H(), True),
-        (AdmissionConfig(eval_header="X-Run"), "/generate", H(x_run="eval"), False),
+        (
+            AdmissionConfig(eval_header="X-Run", trust_client_headers=True),
+            "/generate",
+            H(x_run="eval"),
+            False,
+        ),
+        # Untrusted (the default): the header is ignored.
+        (AdmissionConfig(), "/generate", H(x_kvproxy_mode="eval"), True),
+        (AdmissionConfig(eval_header="X-Run"), "/generate", H(x_run="eval"), True),
         # A plain dict with a lower-case key also works.
-        (AdmissionConfig(), "/generate", {"x-kvproxy-mode": "eval"}, False),
+        (T, "/generate", {"x-kvproxy-mode": "eval"}, False),
     ],
 )
 def test_in_scope(cfg: AdmissionConfig, path: str, headers: Any, expected: bool) -> None:
@@ -215,9 +232,11 @@ def test_in_scope(cfg: AdmissionConfig, path: str, headers: Any, expected: bool)
     ("cfg", "headers", "body", "expected"),
     [
         (AdmissionConfig(), H(), {}, False),
-        (AdmissionConfig(), H(x_kvproxy_protected="true"), {}, True),
-        (AdmissionConfig(), H(x_kvproxy_protected="1"), {}, True),
-        (AdmissionConfig(), H(x_kvproxy_protected="no"), {}, False),
+        (T, H(x_kvproxy_protected="true"), {}, True),
+        (T, H(x_kvproxy_protected="1"), {}, True),
+        (T, H(x_kvproxy_protected="no"), {}, False),
+        # Untrusted (the default): the header is ignored.
+        (AdmissionConfig(), H(x_kvproxy_protected="true"), {}, False),
         # Without protected_priority, priority never protects.
         (AdmissionConfig(), H(), {"priority": 100}, False),
         (AdmissionConfig(protected_priority=10), H(), {"priority": 10}, True),

@@ -98,7 +98,22 @@ def test_the_test_command_installs_chromium_and_checks_the_wheel() -> None:
     text = (REPO / "scripts" / "test.sh").read_text()
     assert "bash scripts/ensure_chromium.sh" in text
     assert "bash scripts/check_wheel.sh" in text
-    assert "pip install --quiet -e '.[test]'" in text
+    assert "pip install --quiet -c constraints.txt -e '.[test]'" in text
+    assert "scripts/audit_deps.py" in text  # the dependency audit runs in CI
+
+
+def test_the_constraints_pin_the_dependency_floors_or_above() -> None:
+    pins = {}
+    for line in (REPO / "constraints.txt").read_text().splitlines():
+        if "==" in line and not line.startswith("#"):
+            name, version = line.split("==")
+            pins[name.lower().replace("_", "-")] = tuple(int(p) for p in version.split(".")[:3])
+    meta = tomllib.loads((REPO / "pyproject.toml").read_text())
+    for dep in meta["project"]["dependencies"]:
+        name, _, floor = dep.split(";")[0].partition(">=")
+        assert name.lower() in pins, name
+        assert pins[name.lower()] >= tuple(int(p) for p in floor.split(".")), dep
+    assert pins["aiohttp"] >= (3, 14, 3) and pins["orjson"] >= (3, 11, 6)
     for script in ("test.sh", "check_wheel.sh", "ensure_chromium.sh", "demo.sh"):
         assert os.access(REPO / "scripts" / script, os.X_OK), script
 

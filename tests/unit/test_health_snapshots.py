@@ -27,6 +27,7 @@ def test_fleet_health_counts_the_healthy_engines_it_lists() -> None:
         "engines": {"healthy": ["http://a", "http://b"], "unhealthy": ["http://c"]},
         "last_refresh_age_s": 0.5,
         "last_error": None,
+        "engines_refused": 0,
     }
 
 

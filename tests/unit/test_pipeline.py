@@ -76,7 +76,7 @@ ROWS: list[tuple[str, dict[str, Any], str, str | None, dict[str, str], bytes, An
             "track": True,
             "turn": True,
             "admit": False,
-            "abort_rids": ("r1",),
+            "abort_rids": (),  # a short client rid: never named in an abort
         },
     ),
     (

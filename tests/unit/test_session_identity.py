@@ -21,6 +21,7 @@ from kvproxy.sessions.identity import (
     SKIP_SESSION_PARAMS,
     InvalidSessionId,
     SessionIdentity,
+    TooManyRids,
     injection_plan,
     new_rid,
     resolve_identity,
@@ -304,14 +305,22 @@ def test_rid_generated_even_when_session_params_skip() -> None:
     assert set(plan.fields) == {"rid"}
 
 
+LONG = "c" * 32  # as long as kvproxy's own rids: named in an abort
+
+
 @pytest.mark.parametrize(
     ("body", "abort_rids"),
     [
-        ({"rid": "r", "sampling_params": {"n": 3}}, ("r", "r_0", "r_1", "r_2")),
-        ({"rid": "r", "n": 2}, ("r", "r_0", "r_1")),
-        ({"rid": "r", "n": 1}, ("r",)),
-        ({"rid": "r", "n": True}, ("r",)),
-        ({"rid": ["a", "b"]}, ("a", "b")),
+        ({"rid": LONG, "sampling_params": {"n": 3}}, (LONG, f"{LONG}_0", f"{LONG}_1", f"{LONG}_2")),
+        ({"rid": LONG, "n": 2}, (LONG, f"{LONG}_0", f"{LONG}_1")),
+        ({"rid": LONG, "n": 1}, (LONG,)),
+        ({"rid": LONG, "n": True}, (LONG,)),
+        ({"rid": LONG, "n": 64}, (LONG,)),  # n + 1 over max_rids_per_request: not expanded
+        ({"rid": [LONG, LONG + "b"]}, (LONG, LONG + "b")),
+        # SGLang aborts by prefix: a short client rid ("0" aborts every "0...") never is.
+        ({"rid": "r", "n": 3}, ()),
+        ({"rid": "0"}, ()),
+        ({"rid": ["a", LONG]}, (LONG,)),
         ({"rid": 7}, ()),
     ],
 )
@@ -319,6 +328,14 @@ def test_abort_rids(body: dict[str, Any], abort_rids: tuple[str, ...]) -> None:
     plan = injection_plan(ON, SID, body)
     assert plan.abort_rids == abort_rids
     assert "rid" not in plan.fields
+
+
+def test_a_rid_list_over_the_cap_is_refused() -> None:
+    injection_plan(ON, SID, {"rid": [f"{i:032d}" for i in range(64)]})  # at the cap
+    with pytest.raises(TooManyRids, match="max_rids_per_request"):
+        injection_plan(ON, SID, {"rid": [f"{i:032d}" for i in range(65)]})
+    short = dataclasses.replace(ON, abort_rid_min_length=1)
+    assert injection_plan(short, SID, {"rid": "r", "n": 2}).abort_rids == ("r", "r_0", "r_1")
 
 
 def test_sticky_routing_header() -> None:

@@ -33,6 +33,7 @@ from kvproxy.sessions.lifecycle import (
     REJECTED_QUEUED,
     REOPENED,
     SessionClosed,
+    SessionForbidden,
     SessionManager,
 )
 
@@ -607,3 +608,73 @@ async def test_reconfigure_enables_idle_reaper(
         assert mgr.stats() == {}
     finally:
         await mgr.stop()
+
+
+# -- bounded fan-out and sessions bound to a credential ------------------------
+
+
+class CountingEngine:
+    """Holds every /abort_request until released, counting how many are in at once."""
+
+    def __init__(self) -> None:
+        self.in_flight = 0
+        self.most = 0
+        self.received = 0
+        self.release = asyncio.Event()
+
+    async def handle(self, request: web.Request) -> web.Response:
+        await request.read()
+        self.in_flight += 1
+        self.received += 1
+        self.most = max(self.most, self.in_flight)
+        try:
+            await self.release.wait()
+        finally:
+            self.in_flight -= 1
+        return web.Response(status=200)
+
+
+async def test_abort_fan_out_is_bounded_by_fanout_concurrency(aiohttp_server: Any) -> None:
+    engine = CountingEngine()
+    app = web.Application()
+    app.router.add_post("/abort_request", engine.handle)
+    server = await aiohttp_server(app)
+    url = str(server.make_url("")).rstrip("/")
+    cfg = dataclasses.replace(CFG, fanout_concurrency=2, close_timeout_s=5.0)
+    async with aiohttp.ClientSession() as http:
+        mgr = manager(http, [url], cfg)
+        await mgr.start()
+        try:
+            mgr.abort_in_background([f"{i:032d}" for i in range(10)])
+            await until(lambda: engine.in_flight == 2)
+            assert engine.received == 2  # the other eight wait for a slot
+            engine.release.set()
+            await until(lambda: engine.received == 10 and engine.in_flight == 0)
+            assert engine.most == 2
+        finally:
+            engine.release.set()
+            await mgr.stop()
+
+
+async def test_a_bound_session_is_used_and_closed_only_with_its_credential(
+    http: aiohttp.ClientSession,
+) -> None:
+    mgr = manager(http, [])
+    alice, bob = {"Authorization": "Bearer alice"}, {"Authorization": "Bearer bob"}
+    req = mgr.enter("s-bound", "r", ("r",), False, headers=alice)
+    with pytest.raises(SessionForbidden):
+        mgr.enter("s-bound", "r2", ("r2",), False, headers=bob)
+    with pytest.raises(SessionForbidden):
+        mgr.enter("s-bound", "r3", ("r3",), False, headers={})
+    assert mgr.may_close("s-bound", alice)
+    assert not mgr.may_close("s-bound", bob) and not mgr.may_close("s-bound", {})
+    mgr.leave(req)
+    # Opened without a credential: unbound, anyone may close it.
+    mgr.leave(mgr.enter("s-open", "r", ("r",), False, headers={}))
+    assert mgr.may_close("s-open", bob)
+    mgr.leave(mgr.enter("s-open", "r", ("r",), False, headers=bob))  # joins, stays unbound
+    # Binding off: nothing is checked.
+    off = manager(http, [], dataclasses.replace(CFG, bind_credential=False))
+    off.leave(off.enter("s", "r", ("r",), False, headers=alice))
+    off.leave(off.enter("s", "r", ("r",), False, headers=bob))
+    assert off.may_close("s", bob)

@@ -103,6 +103,7 @@ class FakeSessions:
         close_after: bool,
         *,
         forwarded: bool = False,
+        headers: Mapping[str, str] | None = None,
     ) -> FakeTracked:
         self.pb.log.append(("enter", session_id, rid, rids, close_after, forwarded))
         if self.pb.script.closing_at_entry:
@@ -188,6 +189,7 @@ class FakeShell:
 
 def session_plan(*, admit: bool, **kw: Any) -> Plan:
     """A lifecycle plan of session s1 (tracked, a Dynamo turn), as plan_request makes it."""
+    kw.setdefault("abort_rids", ("r1",))
     return Plan(
         body={"text": "hi", "rid": "r1"},
         fields={"session_id": "s1"},
@@ -305,6 +307,13 @@ def test_abort_rids_without_a_session_say_what_a_disconnect_aborts() -> None:
     pb = Playbook()
     pb.run(Plan(body={"text": "hi"}, ticket="r1", abort_rids=("r1", "r1-n1")))
     assert pb.log == [("entered", False), ("send", None, {}, None, {})]
+
+
+def test_a_plan_without_abort_rids_tracks_none() -> None:
+    # A short client rid is never named in an abort: not even as the ticket.
+    pb = Playbook()
+    pb.run(session_plan(admit=False, abort_rids=()))
+    assert ("enter", "s1", "r1", (), False, True) in pb.log
 
 
 def test_abort_rids_are_what_the_session_tracks() -> None:

@@ -35,7 +35,9 @@ def test_final_and_protected_headers_accept_the_same_values(value: str, expected
         headers={"X-Session-ID": "s1", "X-Session-Final": value},
         body={},
     )
-    protected = is_protected(AdmissionConfig(), {"X-KVProxy-Protected": value}, {})
+    protected = is_protected(
+        AdmissionConfig(trust_client_headers=True), {"X-KVProxy-Protected": value}, {}
+    )
     assert final.close_after is expected
     assert protected is expected
 

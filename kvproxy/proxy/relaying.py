@@ -1,0 +1,118 @@
+"""The pieces of a response relay that read what passes (kept out of the handlers).
+
+What a relayed response tells admission (its usage) and what is kept of it for the
+speculative prefill, and how an attempt's body is handed to the client session.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+import aiohttp
+
+from kvproxy.dynamo.prefill import StreamAnswer
+from kvproxy.proxy.body import BodyParts, unjoined
+from kvproxy.proxy.pipeline import PARTS_MIN_BYTES
+from kvproxy.proxy.turn import ObserveUsage
+from kvproxy.proxy.upstream import PartsPayload
+from kvproxy.proxy.usage import StreamedBodyUsage, TailWindow, search_usage
+
+
+class Attempt(Protocol):
+    """What the relay reads of an upstream attempt (:class:`kvproxy.proxy.handlers.Attempt`)."""
+
+    path: str
+    observe_usage: ObserveUsage | None
+    observe_body: Callable[[bytes], None] | None
+    observe_stream: Callable[[StreamAnswer], None] | None
+
+
+# Non-streaming upstream responses up to this size are returned in one write.
+RESPONSE_BUFFER_LIMIT = 1024 * 1024
+
+
+class Kept:
+    """A chunked body kept whole up to the buffered-response limit (None past it)."""
+
+    __slots__ = ("_chunks", "_size")
+
+    def __init__(self) -> None:
+        self._chunks: list[bytes] | None = []
+        self._size = 0
+
+    def feed(self, chunk: bytes) -> None:
+        if self._chunks is None:
+            return
+        self._size += len(chunk)
+        if self._size > RESPONSE_BUFFER_LIMIT:
+            self._chunks = None
+        else:
+            self._chunks.append(chunk)
+
+    @property
+    def data(self) -> bytes | None:
+        return None if self._chunks is None else b"".join(self._chunks)
+
+
+def usage_readers(
+    attempt: Attempt, event_stream: bool, ok: bool
+) -> tuple[TailWindow | StreamedBodyUsage | None, Kept | StreamAnswer | None]:
+    """What a streamed response tells the ledger (an event stream's tail, or a JSON
+    body's counts searched as it passes, wherever they are in it), and what is kept of
+    it: a chunked JSON body whole, bounded, for ``observe_body``; an event stream's
+    answer, bounded, for ``observe_stream`` (``ok``: a 200, the only answer kept)."""
+    window: TailWindow | StreamedBodyUsage | None = None
+    if attempt.observe_usage is not None:
+        window = TailWindow() if event_stream else StreamedBodyUsage()
+    whole: Kept | StreamAnswer | None = None
+    if event_stream:
+        if attempt.observe_stream is not None and ok:
+            whole = StreamAnswer(attempt.path, on_done=attempt.observe_stream)
+    elif attempt.observe_body is not None:
+        whole = Kept()
+    return window, whole
+
+
+def observe_streamed(
+    attempt: Attempt,
+    window: TailWindow | StreamedBodyUsage | None,
+    whole: Kept | StreamAnswer | None,
+) -> None:
+    """A 200 relayed to its end: its usage and what was kept go to their observers."""
+    if window is not None and attempt.observe_usage is not None:
+        attempt.observe_usage(window.usage())
+    if isinstance(whole, StreamAnswer):
+        whole.finish()  # observed at its [DONE] already, unless the stream had none
+    elif whole is not None and whole.data is not None and attempt.observe_body is not None:
+        attempt.observe_body(whole.data)
+
+
+def payload(
+    body: bytes | BodyParts | aiohttp.StreamReader | None,
+) -> bytes | PartsPayload | aiohttp.StreamReader | None:
+    """An attempt's body as the client session sends it: a spliced big body as its
+    parts, a big body as received without aiohttp's copy of it next to the request head
+    (:func:`~kvproxy.proxy.body.unjoined`), anything else as it is."""
+    if isinstance(body, tuple):
+        return PartsPayload(body)
+    if isinstance(body, bytes) and len(body) >= PARTS_MIN_BYTES:
+        return PartsPayload(unjoined(body))
+    return body
+
+
+def tail_observer(observe: ObserveUsage | None) -> Callable[[bytes], None] | None:
+    """Dynamo's relay hands back the stream's last bytes."""
+    if observe is None:
+        return None
+    return lambda tail: observe(search_usage(tail))
+
+
+__all__ = [
+    "RESPONSE_BUFFER_LIMIT",
+    "Kept",
+    "observe_streamed",
+    "payload",
+    "tail_observer",
+    "usage_readers",
+]
