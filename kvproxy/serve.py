@@ -193,15 +193,15 @@ def _serve(cfg: Config, overrides: dict[str, Any], *, reuse_port: bool) -> int:
         apply_gc_threshold(cfg.server.gc_threshold)
         log.info(
             "kvproxy %s listening on http://%s:%d -> router %s (session_lifecycle=%s, "
-            "admission=%s, state=%s, build=%s)",
+            "admission=%s, build=%s%s)",
             __version__,
             cfg.server.host,
             cfg.server.port,
             cfg.router.url,
             cfg.session_lifecycle.enabled,
             cfg.admission.enabled,
-            cfg.state.backend,
             compiled.build_name(compiled.compiled_modules()),
+            "" if cfg.state.backend == "memory" else f", state={cfg.state.backend}",
         )
 
     exposed = exposure_warning(cfg.server.host, cfg.server.admin_token)
