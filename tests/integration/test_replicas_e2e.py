@@ -366,3 +366,48 @@ async def test_workers_share_one_port_and_close_once(
         proc.stop()
     # SIGTERM to the parent stopped every worker (the parent reaped them).
     assert not [pid for pid in workers if _alive(pid)]
+
+
+async def test_a_close_on_one_replica_aborts_the_request_another_holds(
+    logs: Path,
+    router: stack.ManagedProcess,
+    engines: list[stack.ManagedProcess],
+    redis: stack.ManagedProcess,
+    http: aiohttp.ClientSession,
+) -> None:
+    s = _start(logs, _config(logs, redis.url, router.url), router.url)
+    try:
+        holder, closer = s.replicas
+        marker = new_marker()
+        sid = f"{marker}-long"
+        body = {"text": f"long {marker}", "sampling_params": {"max_new_tokens": 2000}}
+
+        async def long_turn() -> dict[str, Any]:
+            headers = {"X-Session-ID": sid}
+            async with http.post(f"{holder.url}/generate", json=body, headers=headers) as resp:
+                assert resp.status == 200
+                return dict(orjson.loads(await resp.read()))
+
+        request = asyncio.create_task(long_turn())
+
+        async def held() -> bool:
+            m = await _metrics(http, holder.url)
+            return m.get("agentic_kv_session_forwarded_requests", 0) == 1
+
+        await wait_until(held, timeout_s=10, what="the long turn forwarded by the holder")
+        async with http.post(f"{closer.url}/close_session", json={"session_id": sid}) as resp:
+            assert resp.status == 200
+            result = await resp.json()
+        # The closer claimed the close and told the engines; the holder aborted its turn.
+        assert result["engines_told"] == 2
+        doc = await asyncio.wait_for(request, 15)
+        assert doc["meta_info"]["finish_reason"]["type"] == "abort"
+        assert doc["meta_info"]["completion_tokens"] < 2000
+        m = await _metrics(http, holder.url)
+        assert m["agentic_kv_state_remote_closes_total"] == 1
+        assert m["agentic_kv_session_aborted_requests_total"] == 1
+        assert m["agentic_kv_session_close_total"] == 0  # the fan-out was the closer's
+        counts = await _closes(http, [e.url for e in engines], marker)
+        assert sorted(counts.values()) == [1, 1]
+    finally:
+        _stop(s)
