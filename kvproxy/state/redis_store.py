@@ -38,7 +38,7 @@ def password(cfg: StateConfig) -> str | None:
 
 def _import_redis() -> Any:
     try:
-        import redis.asyncio as aioredis
+        import redis.asyncio as aioredis  # type: ignore[import-not-found,unused-ignore]
     except ImportError as exc:  # pragma: no cover - the extra is installed in tests
         raise StoreUnavailable(
             "state.backend: redis needs the redis client: pip install 'kvproxy[redis]'"
