@@ -368,3 +368,103 @@ def start_kvproxy(
         "GET /kvproxy/health",
     )
     return proc
+
+
+# ------------------------------------------------------------------ redis and nginx
+def _require_binary(name: str, package: str) -> str:
+    path = shutil.which(name) or next(
+        (p for p in (f"/usr/sbin/{name}", f"/usr/bin/{name}") if os.access(p, os.X_OK)), None
+    )
+    if path is None:
+        raise StackError(
+            f"{name} not found: install Debian's {package} package (apt-get install -y "
+            f"{package}; scripts/test.sh does this when it runs as root)"
+        )
+    return path
+
+
+def _tcp_ready(port: int) -> bool:
+    with contextlib.suppress(OSError), socket.create_connection((HOST, port), timeout=0.5):
+        return True
+    return False
+
+
+def start_redis(
+    *, log_dir: Path, password: str, port: int | None = None, ready_timeout_s: float = 15
+) -> ManagedProcess:
+    """Start ``redis-server`` on 127.0.0.1 with ``password`` (in a config file of its
+    own, mode 0600, not on the command line), no persistence, and wait until it
+    accepts connections. ``url`` is ``redis://127.0.0.1:PORT/0`` (no password)."""
+    binary = _require_binary("redis-server", "redis-server")
+    port = port or free_port()
+    log_dir = Path(log_dir)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    conf = log_dir / f"redis-{port}.conf"
+    conf.touch(mode=0o600)
+    conf.write_text(
+        f'bind {HOST}\nport {port}\nrequirepass {password}\nsave ""\nappendonly no\n'
+        f"dir {log_dir}\nprotected-mode yes\n"
+    )
+    proc = _spawn(f"redis-{port}", [binary, str(conf)], f"redis://{HOST}:{port}/0", log_dir)
+    _wait_ready(proc, lambda: _tcp_ready(port), ready_timeout_s, f"a connection on port {port}")
+    return proc
+
+
+def start_nginx(
+    *, log_dir: Path, upstreams: Sequence[str], port: int | None = None, ready_timeout_s: float = 15
+) -> ManagedProcess:
+    """Start ``nginx`` (its own config and prefix in ``log_dir``, ``daemon off``) on
+    127.0.0.1 as a round-robin load balancer over ``upstreams`` (http URLs), no
+    affinity, retrying a refused connection on the next upstream; ``url`` is its
+    address."""
+    binary = _require_binary("nginx", "nginx")
+    port = port or free_port()
+    prefix = Path(log_dir) / f"nginx-{port}"
+    prefix.mkdir(parents=True, exist_ok=True)
+    servers = "\n".join(
+        f"    server {u.split('://', 1)[1].rstrip('/')} max_fails=0;" for u in upstreams
+    )
+    (prefix / "nginx.conf").write_text(
+        f"""daemon off;
+worker_processes 1;
+pid {prefix}/nginx.pid;
+error_log {prefix}/error.log warn;
+events {{ worker_connections 1024; }}
+http {{
+  access_log off;
+  client_body_temp_path {prefix}/body;
+  proxy_temp_path {prefix}/proxy;
+  fastcgi_temp_path {prefix}/fastcgi;
+  uwsgi_temp_path {prefix}/uwsgi;
+  scgi_temp_path {prefix}/scgi;
+  upstream kvproxy {{
+{servers}
+    keepalive 64;
+  }}
+  server {{
+    listen {HOST}:{port};
+    location / {{
+      proxy_pass http://kvproxy;
+      proxy_http_version 1.1;
+      proxy_set_header Connection "";
+      proxy_buffering off;
+      proxy_read_timeout 120s;
+      proxy_next_upstream error timeout;
+      proxy_next_upstream_tries 2;
+    }}
+  }}
+}}
+"""
+    )
+    argv = [
+        binary,
+        "-p",
+        str(prefix),
+        "-c",
+        str(prefix / "nginx.conf"),
+        "-e",
+        str(prefix / "error.log"),
+    ]
+    proc = _spawn(f"nginx-{port}", argv, f"http://{HOST}:{port}", Path(log_dir))
+    _wait_ready(proc, lambda: _tcp_ready(port), ready_timeout_s, f"a connection on port {port}")
+    return proc

@@ -44,6 +44,7 @@ from kvproxy.proxy.metrics import ProxyMetrics
 from kvproxy.proxy.slow_clients import SlowClientGuard
 from kvproxy.proxy.upstream import create_client_session
 from kvproxy.sessions.lifecycle import SessionManager
+from kvproxy.state.redis_store import RedisStore
 
 log = logging.getLogger(__name__)
 
@@ -86,16 +87,26 @@ async def _sessions_ctx(app: web.Application) -> AsyncIterator[None]:
         app[ADMISSION].end_session(session_id)
         app[DYNAMO].session_closed(session_id)
 
-    fleet = app[FLEET]
+    fleet, config = app[FLEET], app[CONFIG].config
     sessions = app[SESSIONS] = SessionManager(
-        app[CONFIG].config.session_lifecycle,
+        config.session_lifecycle,
         all_engines=fleet.all_engines,
         http=app[HTTP],
         on_closed=closed,
+        store=_shared_store(config),
+        state=config.state,
     )
     await sessions.start()
     yield
     await sessions.stop()
+
+
+def _shared_store(config: Config) -> RedisStore | None:
+    """The store the session lifecycle shares with other replicas (state.backend:
+    redis), or None: the state stays in this process."""
+    if config.state.backend != "redis" or not config.session_lifecycle.enabled:
+        return None
+    return RedisStore(config.state)
 
 
 async def _dynamo_ctx(app: web.Application) -> AsyncIterator[None]:

@@ -4,17 +4,21 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import errno
 import gc
 import logging
+import os
 import signal
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from kvproxy import __version__, compiled, heap
 from kvproxy.config import (
     CLI_OVERRIDES,
     AdmissionConfig,
+    Config,
     ConfigError,
     RouterConfig,
     ServerConfig,
@@ -48,6 +52,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--port", type=int, metavar="PORT", help=f"listen port (server.port; default {_S.port})"
+    )
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        metavar="N",
+        help="worker processes sharing the port (SO_REUSEPORT; default 1). Above 1 the "
+        "session lifecycle needs state.backend: redis; admission state stays per worker",
     )
     parser.add_argument(
         "--router-url", metavar="URL", help=f"router base URL (router.url; default {_R.url})"
@@ -112,6 +124,29 @@ def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
+    overrides = overrides_from_args(args)
+    try:
+        cfg = apply_overrides(load_config(args.config), overrides)
+    except ConfigError as exc:
+        print(f"kvproxy: invalid configuration: {exc}", file=sys.stderr)
+        return 2
+    workers = int(getattr(args, "workers", 1) or 1)
+    problem, warning = workers_check(cfg, workers)
+    if problem:
+        print(f"kvproxy: --workers {workers}: {problem}", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=cfg.server.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    if warning:
+        log.warning("--workers %d: %s", workers, warning)
+    if workers > 1:
+        return fork_workers(workers, lambda: _serve(cfg, overrides, reuse_port=True))
+    return _serve(cfg, overrides, reuse_port=False)
+
+
+def _serve(cfg: Config, overrides: dict[str, Any], *, reuse_port: bool) -> int:
     from aiohttp import web
 
     from kvproxy.admin.reload import reload_config
@@ -119,16 +154,6 @@ def run(args: argparse.Namespace) -> int:
     from kvproxy.plane import exposure_warning
     from kvproxy.proxy.slow_clients import run_guarded_app
 
-    overrides = overrides_from_args(args)
-    try:
-        cfg = apply_overrides(load_config(args.config), overrides)
-    except ConfigError as exc:
-        print(f"kvproxy: invalid configuration: {exc}", file=sys.stderr)
-        return 2
-    logging.basicConfig(
-        level=cfg.server.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
     apply_malloc_retain(cfg.server.malloc_retain_bytes)
     loop: asyncio.AbstractEventLoop | None = None
     try:
@@ -168,7 +193,7 @@ def run(args: argparse.Namespace) -> int:
         apply_gc_threshold(cfg.server.gc_threshold)
         log.info(
             "kvproxy %s listening on http://%s:%d -> router %s (session_lifecycle=%s, "
-            "admission=%s, build=%s)",
+            "admission=%s, build=%s%s)",
             __version__,
             cfg.server.host,
             cfg.server.port,
@@ -176,6 +201,7 @@ def run(args: argparse.Namespace) -> int:
             cfg.session_lifecycle.enabled,
             cfg.admission.enabled,
             compiled.build_name(compiled.compiled_modules()),
+            "" if cfg.state.backend == "memory" else f", state={cfg.state.backend}",
         )
 
     exposed = exposure_warning(cfg.server.host, cfg.server.admin_token)
@@ -192,11 +218,63 @@ def run(args: argparse.Namespace) -> int:
             backlog=cfg.server.backlog,
             loop=loop,
             ready=_started,
+            reuse_port=reuse_port,
         )
     except OSError as exc:
         print(f"kvproxy: {bind_error(cfg.server.host, cfg.server.port, exc)}", file=sys.stderr)
         return 2
     return 0
+
+
+def workers_check(cfg: Config, workers: int) -> tuple[str | None, str | None]:
+    """Whether ``workers`` processes may serve ``cfg``: (an error, or None; a warning,
+    or None). Pure."""
+    if workers < 1 or workers > 64:
+        return f"must be in [1, 64] (got {workers})", None
+    if workers == 1:
+        return None, None
+    if cfg.session_lifecycle.enabled and cfg.state.backend != "redis":
+        return (
+            "the session lifecycle needs state shared between the workers: set "
+            "state.backend: redis (docs/operations.md, Running several replicas)",
+            None,
+        )
+    if cfg.admission.enabled:
+        return None, (
+            "admission state is per worker: each one bounds the engines from the share of "
+            "the traffic it sees"
+        )
+    return None, None
+
+
+def fork_workers(workers: int, serve: Callable[[], int]) -> int:
+    """Fork ``workers`` processes that each run ``serve`` (sharing the port through
+    SO_REUSEPORT); forward SIGTERM, SIGINT and SIGHUP to them by PID; wait for all.
+    Returns the worst exit code. A worker that dies is not restarted."""
+    children: list[int] = []
+    for _ in range(workers):
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the child serves, then leaves without cleanup
+            code = 1
+            try:
+                code = serve()
+            finally:
+                os._exit(code)
+        children.append(pid)
+
+    def forward(signum: int, _frame: object) -> None:
+        for child in children:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child, signum)
+
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(signum, forward)
+    worst = 0
+    for child in children:
+        _, status = os.waitpid(child, 0)
+        code = os.waitstatus_to_exitcode(status)
+        worst = max(worst, abs(code))
+    return worst
 
 
 def apply_gc_threshold(threshold: int) -> None:

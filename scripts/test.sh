@@ -8,10 +8,13 @@
 #   2. makes sure a Chromium is there for the dashboard's browser tests
 #      (scripts/ensure_chromium.sh: KVPROXY_CHROMIUM, one on PATH, or Debian's package
 #      when it can install it); otherwise it says in one line what to install, goes on;
-#   3. lints (ruff check with the complexity cap, ruff format --check), type-checks
+#   3. makes sure redis-server and nginx are there for the multi-replica tests
+#      (scripts/ensure_servers.sh: Debian's packages when it can install them;
+#      otherwise one line saying what to install, and those tests fail);
+#   4. lints (ruff check with the complexity cap, ruff format --check), type-checks
 #      the package (mypy, configured in pyproject.toml) and runs pytest (arguments go
 #      to pytest);
-#   4. builds the wheel and checks it installs and runs in a fresh virtualenv
+#   5. builds the wheel and checks it installs and runs in a fresh virtualenv
 #      (scripts/check_wheel.sh), then builds the compiled one (KVPROXY_COMPILE=1) and
 #      runs the unit and request-path tests on it (scripts/check_compiled.sh); both
 #      skipped when pytest gets arguments.
@@ -32,6 +35,9 @@ fi
 # Chromium for the dashboard's browser tests (Playwright never downloads one).
 KVPROXY_CHROMIUM="$(bash scripts/ensure_chromium.sh)"
 if [ -n "$KVPROXY_CHROMIUM" ]; then export KVPROXY_CHROMIUM; else unset KVPROXY_CHROMIUM; fi
+
+# redis-server and nginx for the multi-replica tests (they fail, not skip, without them).
+bash scripts/ensure_servers.sh
 
 .venv/bin/ruff check kvproxy kvlab tests scripts
 .venv/bin/ruff format --check kvproxy kvlab tests scripts

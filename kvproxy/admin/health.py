@@ -22,6 +22,9 @@ def health_doc(app: web.Application) -> dict[str, Any]:
     if legacy:
         warnings.append(legacy)
     warnings.extend(sessions.warnings)
+    state = app[SESSIONS].state_health()
+    if state.get("store_up") is False:
+        warnings.append("shared state store unavailable: this replica decides alone")
     if fleet_health.router_reachable is False:
         status = "router_unreachable"
     elif cfg.admission.enabled and admission.degraded:
@@ -43,6 +46,7 @@ def health_doc(app: web.Application) -> dict[str, Any]:
         "fleet": fleet_health.to_json(),
         "sessions": sessions.to_json(),
         "admission": admission.to_json(),
+        "state": state,
         "config_source": cfg.source,
         "reloads": live.reloads,
     }

@@ -29,6 +29,15 @@ RESTART_ONLY = (
     "server.token_scale",
     "server.gc_threshold",
     "server.malloc_retain_bytes",
+    "state.backend",
+    "state.redis_url",
+    "state.redis_password_env",
+    "state.key_prefix",
+    "state.op_timeout_s",
+    "state.replica_ttl_s",
+    "state.session_ttl_s",
+    "state.sweep_interval_s",
+    "state.retry_interval_s",
 )
 
 

@@ -34,6 +34,7 @@ from kvproxy.config.overrides import CLI_OVERRIDES, apply_overrides, flag_name
 from kvproxy.config.router import ROUTER_POLICIES_MIRRORED, RouterConfig
 from kvproxy.config.server import MAX_MALLOC_RETAIN, MIN_MALLOC_RETAIN, ServerConfig
 from kvproxy.config.session_lifecycle import SESSION_ID_SOURCES, SessionLifecycleConfig
+from kvproxy.config.state import STATE_BACKENDS, StateConfig
 
 __all__ = [
     "ADMISSION_MODES",
@@ -43,6 +44,7 @@ __all__ = [
     "ROUTER_POLICIES_MIRRORED",
     "SECTIONS",
     "SESSION_ID_SOURCES",
+    "STATE_BACKENDS",
     "AdmissionConfig",
     "Config",
     "ConfigError",
@@ -50,6 +52,7 @@ __all__ = [
     "RouterConfig",
     "ServerConfig",
     "SessionLifecycleConfig",
+    "StateConfig",
     "apply_overrides",
     "flag_name",
     "from_mapping",

@@ -17,6 +17,7 @@ from kvproxy.config.errors import check
 from kvproxy.config.router import RouterConfig, validate_router
 from kvproxy.config.server import ServerConfig, validate_server
 from kvproxy.config.session_lifecycle import SessionLifecycleConfig, validate_session_lifecycle
+from kvproxy.config.state import StateConfig, validate_state
 from kvproxy.urls import base_url
 
 
@@ -26,6 +27,7 @@ class Config:
     router: RouterConfig = field(default_factory=RouterConfig)
     session_lifecycle: SessionLifecycleConfig = field(default_factory=SessionLifecycleConfig)
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    state: StateConfig = field(default_factory=StateConfig)
     source: str | None = None  # path of the YAML file this came from
 
     def replace(self, section: str, **changes: Any) -> Config:
@@ -40,6 +42,7 @@ SECTIONS: dict[str, type] = {
     "router": RouterConfig,
     "session_lifecycle": SessionLifecycleConfig,
     "admission": AdmissionConfig,
+    "state": StateConfig,
 }
 
 
@@ -56,6 +59,7 @@ def validate(cfg: Config) -> None:
         validate_session_lifecycle(cfg.session_lifecycle)
     if cfg.admission.enabled:
         validate_admission(cfg.admission)
+    validate_state(cfg.state)
 
 
 @dataclass

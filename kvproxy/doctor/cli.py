@@ -23,6 +23,7 @@ from kvproxy.doctor.checks import (
     speedup_lines,
     summary,
 )
+from kvproxy.doctor.store_checks import store_lines
 
 EXAMPLE = "kvproxy doctor --router-url http://127.0.0.1:30000 --config configs/kvproxy.yaml --probe"
 
@@ -115,6 +116,8 @@ async def diagnose(
         if probe and router.error is None:
             probed = await gather.probe(http, url, engine_urls, timeout_s)
             lines += probe_lines(probed)
+    if cfg is not None and cfg.state.backend == "redis":
+        lines += store_lines(await gather.read_store(cfg.state, timeout_s))
     # This host's own: where the doctor runs is where kvproxy runs, as a rule.
     lines += speedup_lines(importlib.util.find_spec("numpy") is not None, intent)
     retain = (cfg.server if cfg is not None else ServerConfig()).malloc_retain_bytes

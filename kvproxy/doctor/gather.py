@@ -7,14 +7,19 @@ decides anything.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
+import statistics
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import aiohttp
 import orjson
 
+from kvproxy.config import StateConfig
 from kvproxy.doctor.checks import EngineFacts, ProbeFacts, RouterFacts
+from kvproxy.doctor.store_checks import StoreFacts
 from kvproxy.fleet.discovery import (
     DiscoveryError,
     EngineList,
@@ -203,4 +208,36 @@ async def probe(
         status=status,
         error=error,
         recorded=dict(zip(engines, records, strict=True)),
+    )
+
+
+async def read_store(cfg: StateConfig, timeout_s: float) -> StoreFacts:
+    """Ping the shared state store (``state.backend: redis``) and time it."""
+    if cfg.backend != "redis":
+        return StoreFacts(backend=cfg.backend)
+    from kvproxy.state.redis_store import RedisStore, StoreUnavailable, password, redacted_url
+
+    facts = StoreFacts(
+        backend=cfg.backend,
+        url=redacted_url(cfg.redis_url),
+        password_env=cfg.redis_password_env,
+        password_set=password(cfg) is not None,
+    )
+    try:
+        store = RedisStore(cfg)
+    except StoreUnavailable as exc:
+        return dataclasses.replace(facts, error=str(exc))
+    try:
+        times: list[float] = []
+        for _ in range(5):
+            start = time.perf_counter()
+            await asyncio.wait_for(store.ping(), timeout_s)
+            times.append((time.perf_counter() - start) * 1000)
+        info = await asyncio.wait_for(store.info("server"), timeout_s)
+    except (StoreUnavailable, TimeoutError) as exc:
+        return dataclasses.replace(facts, error=str(exc) or "timed out")
+    finally:
+        await store.close()
+    return dataclasses.replace(
+        facts, latency_ms=statistics.median(times), version=str(info.get("redis_version"))
     )

@@ -278,10 +278,15 @@ class GuardedAppRunner(web.AppRunner):
 
 
 async def _serve_forever(
-    runner: GuardedAppRunner, host: str, port: int, backlog: int, ready: Callable[[], None] | None
+    runner: GuardedAppRunner,
+    host: str,
+    port: int,
+    backlog: int,
+    ready: Callable[[], None] | None,
+    reuse_port: bool = False,
 ) -> None:
     await runner.setup()
-    site = web.TCPSite(runner, host, port, backlog=backlog)
+    site = web.TCPSite(runner, host, port, backlog=backlog, reuse_port=reuse_port or None)
     await site.start()
     if ready is not None:
         ready()
@@ -302,8 +307,10 @@ def run_guarded_app(
     keepalive_timeout: float = 75.0,
     loop: asyncio.AbstractEventLoop | None = None,
     ready: Callable[[], None] | None = None,
+    reuse_port: bool = False,
 ) -> None:
-    """``web.run_app`` with :class:`GuardedAppRunner`: serve until SIGINT / SIGTERM."""
+    """``web.run_app`` with :class:`GuardedAppRunner`: serve until SIGINT / SIGTERM.
+    ``reuse_port``: SO_REUSEPORT, so that several worker processes share the port."""
     runner = GuardedAppRunner(
         app,
         guard=guard,
@@ -315,7 +322,7 @@ def run_guarded_app(
     )
     loop = loop or asyncio.new_event_loop()
     asyncio.set_event_loop(loop)
-    main = loop.create_task(_serve_forever(runner, host, port, backlog, ready))
+    main = loop.create_task(_serve_forever(runner, host, port, backlog, ready, reuse_port))
     try:
         loop.run_until_complete(main)
     except (web.GracefulExit, KeyboardInterrupt):

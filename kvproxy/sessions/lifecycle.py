@@ -17,10 +17,9 @@ One task per session runs the sequence; concurrent and repeated closes await tha
 task (shielded, so a caller that goes away does not cancel it). Engine failures are
 counted and logged (rate-limited), never raised.
 
-The shell: its pure parts are :mod:`kvproxy.sessions.lifecycle_core` (close results,
-the health view, task plans, the warning throttle) and
-:mod:`kvproxy.sessions.lifecycle_metrics` (metric names, gauges); the request handle is
-:mod:`kvproxy.sessions.tracked`. Their public names are importable from here too.
+Pure parts: :mod:`~kvproxy.sessions.lifecycle_core`, :mod:`~kvproxy.sessions.lifecycle_metrics`
+(importable from here too); the request handle: :mod:`~kvproxy.sessions.tracked`. With
+``state.backend: redis`` the table is shared with other replicas (:mod:`kvproxy.state`).
 """
 
 from __future__ import annotations
@@ -36,10 +35,10 @@ from typing import Any
 
 from prometheus_client.core import Metric
 
-from kvproxy.config import SessionLifecycleConfig
+from kvproxy.config import SessionLifecycleConfig, StateConfig
 from kvproxy.credentials import fingerprint
 from kvproxy.fleet.client import EngineHttp
-from kvproxy.fleet.engine_info import EngineSessionMode, mode_warnings, probe
+from kvproxy.fleet.engine_info import mode_warnings
 from kvproxy.fleet.fanout import post_to_all
 from kvproxy.observability import WindowedCounters, counter_families, gauge_families
 from kvproxy.sessions.identity import SKIP_SESSION_PARAMS, InjectionPlan
@@ -50,7 +49,6 @@ from kvproxy.sessions.lifecycle_core import (
     SessionsHealth,
     WarnThrottle,
     base_urls,
-    check_delays,
     reap_interval_s,
     reconfigure_plan,
     sessions_health,
@@ -86,8 +84,11 @@ from kvproxy.sessions.lifecycle_metrics import (
     table_gauges,
 )
 from kvproxy.sessions.listing import session_tree, sessions_page
+from kvproxy.sessions.mode_check import EngineModeCheck
+from kvproxy.sessions.replicas import shared_state
 from kvproxy.sessions.table import CloseStatus, SessionState, SessionTable
 from kvproxy.sessions.tracked import TrackedRequest, Tracking
+from kvproxy.state.shared import SharedState, Store
 
 # Names the proxy, the admin views and the tests import from here.
 __all__ = [
@@ -123,9 +124,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-# Start-up check of the engines' session mode.
-_PROBE_TIMEOUT_S = 5.0
-_CHECK_DELAYS_S = check_delays(rounds=12, first_s=0.5, max_s=30.0)
 # At most one WARNING per (engine, operation) in this many seconds.
 _WARN_INTERVAL_S = 30.0
 _WARN_KEYS_MAX = 1024
@@ -142,6 +140,8 @@ class SessionManager:
         http: EngineHttp,
         clock: Callable[[], float] = time.monotonic,
         on_closed: Callable[[str], None] | None = None,
+        store: Store | None = None,
+        state: StateConfig | None = None,
     ) -> None:
         self._cfg = cfg
         # Told the id of every session whose close sequence has finished (admission
@@ -165,11 +165,11 @@ class SessionManager:
         self._reaper: asyncio.Task[None] | None = None
         self._checker: asyncio.Task[None] | None = None
         self._started = False
-        self._check_state = "not_started"
-        self._modes: dict[str, EngineSessionMode] = {}
-        self._probe_errors: dict[str, str] = {}
-        self._logged_warnings: set[str] = set()
+        self._mode_check = EngineModeCheck(http, self._engines)
         self._warnings = WarnThrottle(_WARN_INTERVAL_S, _WARN_KEYS_MAX)
+        self._shared: SharedState | None = None
+        if store is not None:
+            self._shared = shared_state(self, store, state or StateConfig(backend="redis"))
 
     # -- configuration and background tasks -----------------------------------
 
@@ -184,6 +184,8 @@ class SessionManager:
     async def start(self) -> None:
         """Start the idle reaper (if idle_timeout_s) and schedule the engine check."""
         self._started = True
+        if self._shared is not None and self._cfg.enabled:
+            await self._shared.start()
         self._start_tasks(reaper=True, checker=True)
 
     async def stop(self) -> None:
@@ -198,6 +200,8 @@ class SessionManager:
                 task.cancel()
             if late:
                 await asyncio.gather(*late, return_exceptions=True)
+        if self._shared is not None and self._shared.started:
+            await self._shared.stop()
 
     async def reconfigure(self, cfg: SessionLifecycleConfig) -> None:
         """Apply a new configuration (table bounds, timeouts, background tasks)."""
@@ -224,9 +228,9 @@ class SessionManager:
         if reaper and wants_reaper(cfg) and self._reaper is None:
             self._reaper = asyncio.create_task(self._reap_loop(), name="kvproxy-session-reaper")
         if checker and wants_checker(cfg) and self._checker is None:
-            self._check_state = "pending"
+            self._mode_check.state = "pending"
             self._checker = asyncio.create_task(
-                self._check_loop(), name="kvproxy-session-engine-check"
+                self._mode_check.run(), name="kvproxy-session-engine-check"
             )
 
     async def _stop_task(self, attr: str) -> None:
@@ -328,6 +332,8 @@ class SessionManager:
         req = TrackedRequest(self, session_id, begin.token, rid, rids, close_after)
         req._forwarded = forwarded
         self._requests[begin.token] = req
+        if self._shared is not None:
+            self._shared.begin(session_id, close_after)
         return req
 
     def leave(self, req: TrackedRequest) -> None:
@@ -336,6 +342,8 @@ class SessionManager:
         self._requests.pop(req.token, None)
         self._table.end(session_id, req.token, self._clock())
         req._left = True
+        if self._shared is not None:
+            self._shared.end(session_id)
         finished = req._finished
         if finished is not None and not finished.done():
             finished.set_result(None)
@@ -418,7 +426,9 @@ class SessionManager:
             return CloseResult(session_id, reason=reason, already_closed=True)
         return await asyncio.shield(task)
 
-    def _begin_close(self, session_id: str, reason: str) -> asyncio.Task[CloseResult] | None:
+    def _begin_close(
+        self, session_id: str, reason: str, *, fan_out: bool = True
+    ) -> asyncio.Task[CloseResult] | None:
         """Start the close (synchronously rejecting queued requests); None if closed."""
         task = self._closes.get(session_id)
         if task is not None:
@@ -439,7 +449,7 @@ class SessionManager:
         if self._cfg.close_children:
             self._close_children(session_id)
         task = asyncio.create_task(
-            self._close_sequence(session_id, reason, rejected, start.forwarded),
+            self._close_sequence(session_id, reason, rejected, start.forwarded, fan_out),
             name=f"kvproxy-close-{session_id}",
         )
         self._closes[session_id] = task
@@ -468,25 +478,22 @@ class SessionManager:
         reason: str,
         rejected: int,
         forwarded: tuple[tuple[int, tuple[str, ...]], ...],
+        fan_out: bool = True,
     ) -> CloseResult:
         cfg = self._cfg
         result = CloseResult(session_id, rejected_queued=rejected, reason=reason)
         failed = True
+        shared = self._shared
+        if fan_out and shared is not None:
+            # Exactly one replica fans the close out: the one whose claim wins (None:
+            # the store is unavailable, and the close goes out unclaimed).
+            fan_out = await shared.claim_close(session_id) is not False
         try:
-            tokens = [token for token, _ in forwarded]
-            rids_of = dict(forwarded)
-            if tokens and cfg.on_close == "wait":
-                done = await self._wait_finished(tokens, cfg.wait_timeout_s)
-                result.awaited = len(done)
-                leftovers = [t for t in tokens if t not in done]
-                if leftovers:
-                    await self._abort_for_close(leftovers, rids_of)
-                    result.aborted = len(leftovers)
-                    await self._wait_finished(leftovers, cfg.close_timeout_s)
-            elif tokens:
-                await self._abort_for_close(tokens, rids_of)
-                result.aborted = len(tokens)
-                await self._wait_finished(tokens, cfg.wait_timeout_s)
+            await self._settle_requests(result, forwarded)
+            if not fan_out:
+                result.note = "closed by another replica"
+                failed = False
+                return result
             urls = self._engines()
             fan = await post_to_all(
                 self._http,
@@ -512,7 +519,10 @@ class SessionManager:
             self._table.finish_close(session_id, self._clock())
             if self._closes.get(session_id) is asyncio.current_task():
                 del self._closes[session_id]
-            self._counters.inc(CLOSE)
+            if fan_out:
+                self._counters.inc(CLOSE)
+                if shared is not None:
+                    shared.finish_close(session_id)
             if failed:
                 self._counters.inc(CLOSE_FAILURE)
         log.debug(
@@ -526,6 +536,27 @@ class SessionManager:
             result.rejected_queued,
         )
         return result
+
+    async def _settle_requests(
+        self, result: CloseResult, forwarded: tuple[tuple[int, tuple[str, ...]], ...]
+    ) -> None:
+        """The close's forwarded requests: aborted then awaited (``on_close: abort``),
+        or awaited and the leftovers aborted (``wait``)."""
+        cfg = self._cfg
+        tokens = [token for token, _ in forwarded]
+        rids_of = dict(forwarded)
+        if tokens and cfg.on_close == "wait":
+            done = await self._wait_finished(tokens, cfg.wait_timeout_s)
+            result.awaited = len(done)
+            leftovers = [t for t in tokens if t not in done]
+            if leftovers:
+                await self._abort_for_close(leftovers, rids_of)
+                result.aborted = len(leftovers)
+                await self._wait_finished(leftovers, cfg.close_timeout_s)
+        elif tokens:
+            await self._abort_for_close(tokens, rids_of)
+            result.aborted = len(tokens)
+            await self._wait_finished(tokens, cfg.wait_timeout_s)
 
     async def _abort_for_close(
         self, tokens: list[int], rids_of: dict[int, tuple[str, ...]]
@@ -558,6 +589,8 @@ class SessionManager:
         now = self._clock()
         self._table.prune(now)
         started: list[str] = []
+        if self._shared is not None and self._shared.up:
+            return started  # the shared sweep decides (it knows the other replicas' turns)
         for sid in self._table.expired(now):
             if self._begin_close(sid, "idle") is not None:
                 self._counters.inc(CLOSED_IDLE)
@@ -578,48 +611,8 @@ class SessionManager:
     # -- engine session-mode check ---------------------------------------------
 
     async def check_engines(self) -> bool:
-        """Probe engines whose session mode is not known yet.
-
-        Returns True when engines are known and every one of them has been read.
-        """
-        urls = self._engines()
-        todo = [u for u in urls if u not in self._modes]
-        if todo:
-            results = await asyncio.gather(
-                *(probe(self._http, u, _PROBE_TIMEOUT_S) for u in todo), return_exceptions=True
-            )
-            for url, res in zip(todo, results, strict=True):
-                if isinstance(res, EngineSessionMode):
-                    self._modes[url] = res
-                    self._probe_errors.pop(url, None)
-                elif isinstance(res, BaseException):
-                    self._probe_errors[url] = str(res) or type(res).__name__
-            for warning in mode_warnings([self._modes[u] for u in todo if u in self._modes]):
-                if warning not in self._logged_warnings and len(self._logged_warnings) < 256:
-                    self._logged_warnings.add(warning)
-                    log.warning("session lifecycle: %s", warning)
-        return bool(urls) and all(u in self._modes for u in urls)
-
-    async def _check_loop(self) -> None:
-        try:
-            for delay in _CHECK_DELAYS_S:
-                try:
-                    if await self.check_engines():
-                        self._check_state = "done"
-                        return
-                except Exception:
-                    log.exception("engine session-mode check failed")
-                await asyncio.sleep(delay)
-            self._check_state = "incomplete"
-            if self._probe_errors:
-                log.warning(
-                    "session lifecycle: could not read the session mode of %d engine(s): %s",
-                    len(self._probe_errors),
-                    "; ".join(sorted(self._probe_errors.values())[:5]),
-                )
-        finally:
-            if self._check_state == "pending":
-                self._check_state = "stopped"
+        """Probe engines whose session mode is not known yet (:mod:`.mode_check`)."""
+        return await self._mode_check.check()
 
     def listing(self, *, after: str | None, limit: int) -> dict[str, Any]:
         """One page of the live sessions with their parents and children
@@ -637,14 +630,17 @@ class SessionManager:
             return SessionsHealth(enabled=False)
         return sessions_health(
             cfg,
-            mode_docs={u: m.to_json() for u, m in self._modes.items()},
-            mode_warnings=mode_warnings(list(self._modes.values())),
-            probe_errors=self._probe_errors,
+            mode_docs={u: m.to_json() for u, m in self._mode_check.modes.items()},
+            mode_warnings=mode_warnings(list(self._mode_check.modes.values())),
+            probe_errors=self._mode_check.probe_errors,
             engines=self._engines() if cfg.check_engines else (),
-            check_state=self._check_state,
+            check_state=self._mode_check.state,
             open_count=self._table.open_count,
             closing_count=self._table.closing_count,
         )
+
+    def state_health(self) -> dict[str, Any]:  # GET /kvproxy/health's "state"
+        return {"backend": "memory"} if self._shared is None else self._shared.health()
 
     # -- metrics ---------------------------------------------------------------
 
@@ -676,6 +672,8 @@ class SessionManager:
         )
         yield from counter_families(self._counters, COUNTER_HELP)
         yield from gauge_families(self._gauges(), GAUGE_HELP)
+        if self._shared is not None:
+            yield from self._shared.collect()
 
     # -- logging ---------------------------------------------------------------
 

@@ -6,11 +6,12 @@ No I/O and no clock: the shell passes ``now`` and what it read from the engines.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from kvproxy.config import SessionLifecycleConfig
+from kvproxy.sessions.table import SessionEntry, SessionState
 from kvproxy.urls import base_url
 
 
@@ -161,6 +162,18 @@ def sessions_health(
         open=open_count,
         closing=closing_count,
     )
+
+
+def open_snapshot(
+    entries: Iterable[SessionEntry], now: float, now_wall: float
+) -> list[tuple[str, float, int]]:
+    """The open sessions as the shared store takes them back after an outage: (id, last
+    activity on the wall clock, requests in flight). ``now``: the table's clock."""
+    return [
+        (e.session_id, now_wall - (now - e.last_active), e.in_flight)
+        for e in entries
+        if e.state is SessionState.OPEN
+    ]
 
 
 # -- background tasks -----------------------------------------------------------

@@ -26,6 +26,7 @@ and the ``/kvproxy/sessions`` listing. A link outlives neither end's close.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Final
@@ -232,6 +233,11 @@ class SessionTable:
                 break
             out.append(self._live[sid])
         return out
+
+    def live(self) -> Iterator[SessionEntry]:
+        """The live sessions, least recently active first (do not change the table
+        while iterating)."""
+        return iter(self._live.values())
 
     # -- parent links ------------------------------------------------------------
 

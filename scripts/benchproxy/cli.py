@@ -32,6 +32,7 @@ from benchproxy.targets import (
     serve_reference,
     serve_upstream,
     start_proxy,
+    start_redis_for,
     start_upstream,
 )
 
@@ -206,8 +207,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     bench = Bench(args=args, params=params, workdir=workdir)
     started = time.time()
     bench.say(f"bench_proxy: workdir {workdir}")
+    redis = None
     with _sigterm_as_interrupt():
         try:
+            redis = start_redis_for(args.targets, workdir)
             bench.upstream = start_upstream(workdir)
             bench.say(f"upstream {bench.upstream.url} (pid {bench.upstream.pid})")
             for name in (t for t in args.targets if t != "direct"):
@@ -247,6 +250,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 proc.stop()
             if bench.upstream is not None:
                 bench.upstream.stop()
+            if redis is not None:
+                redis.stop()
 
     report = format_report(bench.results, params)
     doc = {

@@ -25,6 +25,10 @@ TARGETS = (
     "both",
     "admission-ring",
     "both-ring",
+    "lifecycle-redis",
+    "both-redis",
+    "both-redis-w2",
+    "off-w2",
 )
 # Reference forwarders, not kvproxy: the raw hop (scripts/benchproxy/rawhop.py) and the
 # aiohttp ones (scripts/benchproxy/targets.py: floor_app, naive_app).
@@ -36,7 +40,15 @@ PROXY_FEATURES: dict[str, tuple[bool, bool]] = {  # name -> (lifecycle, admissio
     "both": (True, True),
     "admission-ring": (False, True),
     "both-ring": (True, True),
+    "lifecycle-redis": (True, False),
+    "both-redis": (True, True),
+    "both-redis-w2": (True, True),
+    "off-w2": (False, False),
 }
+# Feature sets whose session state is on a redis-server the benchmark starts
+# (state.backend: redis), and those served by several worker processes (--workers).
+REDIS_TARGETS = frozenset({"lifecycle-redis", "both-redis", "both-redis-w2"})
+WORKERS: dict[str, int] = {"both-redis-w2": 2, "off-w2": 2}
 # Feature sets run with router.policy consistent_hashing: program admission mirrors the
 # ring and decides per engine (the deployment the README recommends). The others keep
 # the default policy, where placement is unknown and admission accounts fleet-wide.

@@ -15,7 +15,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,10 +23,13 @@ from typing import Any
 from benchproxy.common import (
     HOST,
     PROXY_FEATURES,
+    REDIS_TARGETS,
     REFERENCES,
     REPO,
     RING_TARGETS,
     SCRIPT,
+    WORKERS,
+    feature_set,
     features_of,
 )
 
@@ -436,7 +439,43 @@ def proxy_config_doc(
         },
         "session_lifecycle": {"enabled": lifecycle},
         "admission": {"enabled": admission, "poll_interval_s": poll_interval_s},
+        "state": _state_section(features),
     }
+
+
+# The redis-server the benchmark started for the REDIS_TARGETS (start_redis_for).
+_REDIS: dict[str, Any] = {}
+REDIS_PASSWORD_ENV = "KVPROXY_BENCH_REDIS_PASSWORD"
+
+
+def _state_section(features: str) -> dict[str, Any]:
+    if features not in REDIS_TARGETS:
+        return {"backend": "memory"}
+    if "url" not in _REDIS:
+        raise RuntimeError(f"{features}: no redis-server started (start_redis_for)")
+    return {
+        "backend": "redis",
+        "redis_url": _REDIS["url"],
+        "redis_password_env": REDIS_PASSWORD_ENV,
+        "key_prefix": f"bench-{features}:",
+    }
+
+
+def start_redis_for(targets: Sequence[str], workdir: Path) -> Any:
+    """A password-protected redis-server on 127.0.0.1 when a target needs one (kvlab's
+    launcher; stop it by PID with ``.stop()``); None otherwise."""
+    if not any(feature_set(t) in REDIS_TARGETS for t in targets):
+        return None
+    import secrets
+
+    from kvlab.stack import start_redis  # type: ignore[import-not-found,unused-ignore]
+
+    password = secrets.token_hex(16)
+    os.environ[REDIS_PASSWORD_ENV] = password  # the proxies inherit it
+    proc = start_redis(log_dir=workdir / "redis", password=password)
+    _REDIS["url"] = proc.url
+    _REDIS["proc"] = proc
+    return proc
 
 
 async def start_in_process(target: str, upstream: str, poll_s: float) -> tuple[Any, str]:
@@ -536,7 +575,11 @@ def start_proxy(
                 raise
         else:
             managed = start_kvproxy(
-                config_path=cfg, router_url=upstream, port=port, log_dir=log_dir
+                config_path=cfg,
+                router_url=upstream,
+                port=port,
+                log_dir=log_dir,
+                extra_args=("--workers", str(WORKERS.get(features, 1))),
             )
             proc = Proc(
                 label,
@@ -551,7 +594,7 @@ def start_proxy(
         # not the checkout's source that cwd would put first on sys.path.
         cmd = [python or sys.executable, "-P", "-m", "kvproxy", "serve", "--config", str(cfg)]
         cmd += ["--port", str(port)]
-        cmd += ["--router-url", upstream]
+        cmd += ["--router-url", upstream, "--workers", str(WORKERS.get(features, 1))]
         with open(log, "wb") as out:
             popen = subprocess.Popen(
                 cmd,

@@ -16,6 +16,7 @@ manager: stopped by PID on exit) in module-scoped fixtures, and its kvproxy with
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +39,7 @@ __all__ = [
     "ENGINE_TOKENS",
     "MakeProxy",
     "Proxy",
+    "RedisServer",
     "StartProxy",
     "recorded",
     "reset_faults",
@@ -73,6 +75,22 @@ def engines(stack_logs: Path) -> Iterator[list[stack.ManagedProcess]]:
 def router(engines: list[stack.ManagedProcess], stack_logs: Path) -> Iterator[stack.ManagedProcess]:
     with stack.start_router([e.url for e in engines], log_dir=stack_logs) as proc:
         yield proc
+
+
+@dataclass
+class RedisServer:
+    url: str
+    password: str
+    proc: stack.ManagedProcess
+
+
+@pytest.fixture(scope="session")
+def redis_server(stack_logs: Path) -> Iterator[RedisServer]:
+    """A real ``redis-server`` on 127.0.0.1 with a password (stopped by PID). Fails, not
+    skips, where redis-server is not installed (scripts/test.sh installs it)."""
+    password = secrets.token_hex(16)
+    with stack.start_redis(log_dir=stack_logs / "redis", password=password) as proc:
+        yield RedisServer(url=proc.url, password=password, proc=proc)
 
 
 @pytest.fixture

@@ -22,6 +22,15 @@ CHANGED: dict[str, Any] = {
     "server.token_scale": 4,
     "server.gc_threshold": 700,
     "server.malloc_retain_bytes": 0,
+    "state.backend": "redis",
+    "state.redis_url": "redis://127.0.0.1:6390/1",
+    "state.redis_password_env": "OTHER_REDIS_PASSWORD",
+    "state.key_prefix": "other:",
+    "state.op_timeout_s": 0.2,
+    "state.replica_ttl_s": 9.0,
+    "state.session_ttl_s": 60.0,
+    "state.sweep_interval_s": 2.0,
+    "state.retry_interval_s": 3.0,
 }
 
 

@@ -1,0 +1,313 @@
+"""The shared session state's protocol: its operations as data, and the memory store
+that defines what each one does. Pure: no I/O; every operation carries its ``now``
+(wall seconds, the same clock on every replica).
+
+The state several replicas share (``state.backend: redis``) is, per session:
+
+- its last activity (``last``) and, per replica, how many of its requests that replica
+  has in flight (a replica's counts stop counting once its heartbeat has expired);
+- whether a final turn has been seen (``owed``: the replica that owes the close);
+- its close: a *claim* (the replica that is closing it, expiring with that replica's
+  heartbeat unless renewed) and then a *tombstone* (``closed``) for ``closed_ttl_s``.
+
+plus each replica's heartbeat and a lease for the shared idle sweep. Every key
+expires: sessions ``session_ttl_s`` after their last write, claims and heartbeats
+``replica_ttl_s`` after their last renewal, tombstones after ``closed_ttl_s``.
+
+:class:`MemoryStore` runs the operations in Python; the Redis backend
+(:mod:`kvproxy.state.redis_store`) runs the same ones as Lua scripts, and
+tests/integration/test_state_conformance.py runs a table of them against both.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+# The tombstone a close claim becomes once the close is done.
+CLOSED = "closed"
+# Most sessions one sweep returns.
+SWEEP_LIMIT = 256
+
+
+@dataclass(frozen=True, slots=True)
+class Begin:
+    """A request of ``session_id`` entered ``replica``. Answers ``open``, ``reopened``
+    (the session had been closed: it starts again) or ``closing`` (a close is
+    claimed)."""
+
+    session_id: str
+    replica: str
+    now: float
+    ttl_s: float
+    final: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class End:
+    """A request of ``session_id`` left ``replica``. Answers whether the session was
+    known (a closed session is not brought back)."""
+
+    session_id: str
+    replica: str
+    now: float
+    ttl_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Restore:
+    """``replica`` has ``in_flight`` requests of an open session last active at ``last``
+    (after the store came back). Answers whether it was written (not if closed or
+    claimed)."""
+
+    session_id: str
+    replica: str
+    last: float
+    in_flight: int
+    now: float
+    ttl_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Claim:
+    """``replica`` wants to close ``session_id``. Answers True when it now owns the
+    close (exactly one caller does until the claim expires or becomes a tombstone)."""
+
+    session_id: str
+    replica: str
+    now: float
+    ttl_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Finish:
+    """The close ``replica`` claimed is done: the session's record goes, a tombstone
+    stays for ``closed_ttl_s``. Answers None."""
+
+    session_id: str
+    replica: str
+    now: float
+    closed_ttl_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Heartbeat:
+    """``replica`` is alive for ``ttl_s`` more; its claims on ``closing`` are renewed.
+    Answers how many claims were renewed."""
+
+    replica: str
+    now: float
+    ttl_s: float
+    closing: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Lease:
+    """``replica`` takes (or keeps) the lease ``name`` for ``ttl_s``. Answers True when
+    it holds it."""
+
+    name: str
+    replica: str
+    now: float
+    ttl_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Due:
+    """The sessions whose close is due and unclaimed: open, nothing in flight on a live
+    replica, and idle for ``idle_timeout_s`` (None: never idle), or owing a close
+    whose replica is gone. Answers at most ``limit`` ids, oldest first; records that
+    expired are dropped from the index on the way."""
+
+    now: float
+    idle_timeout_s: float | None
+    limit: int = SWEEP_LIMIT
+
+
+@dataclass(frozen=True, slots=True)
+class Peek:
+    """What the store holds about ``session_id`` (tests, doctor): a dict with
+    ``last``, ``in_flight`` (replica -> count), ``owed``, ``close`` (claim or tombstone);
+    empty when nothing."""
+
+    session_id: str
+    now: float
+
+
+Op = Begin | End | Restore | Claim | Finish | Heartbeat | Lease | Due | Peek
+
+
+@dataclass(slots=True)
+class _Session:
+    last: float
+    expires: float
+    in_flight: dict[str, int] = field(default_factory=dict)
+    owed: str = ""
+
+
+class MemoryStore:
+    """The operations applied to Python dicts (the reference the Redis scripts match).
+
+    Expiry is checked lazily against each operation's ``now``.
+    """
+
+    __slots__ = ("_close", "_leases", "_owed", "_replicas", "_sessions")
+
+    def __init__(self) -> None:
+        self._sessions: dict[str, _Session] = {}
+        self._close: dict[str, tuple[str, float]] = {}  # sid -> (claim or CLOSED, expires)
+        self._replicas: dict[str, float] = {}  # replica -> heartbeat expires
+        self._leases: dict[str, tuple[str, float]] = {}
+        self._owed: set[str] = set()
+
+    def apply(self, op: Op) -> Any:
+        handler = _HANDLERS[type(op)]
+        return handler(self, op)
+
+    # -- helpers ---------------------------------------------------------------
+
+    def _session(self, sid: str, now: float) -> _Session | None:
+        sess = self._sessions.get(sid)
+        if sess is not None and sess.expires <= now:
+            del self._sessions[sid]
+            self._owed.discard(sid)
+            return None
+        return sess
+
+    def _close_of(self, sid: str, now: float) -> str | None:
+        got = self._close.get(sid)
+        if got is None:
+            return None
+        if got[1] <= now:
+            del self._close[sid]
+            return None
+        return got[0]
+
+    def _alive(self, replica: str, now: float) -> bool:
+        return self._replicas.get(replica, 0.0) > now
+
+    def _live_in_flight(self, sess: _Session, now: float) -> int:
+        return sum(n for r, n in sess.in_flight.items() if n > 0 and self._alive(r, now))
+
+    # -- operations ------------------------------------------------------------
+
+    def begin(self, op: Begin) -> str:
+        now, sid = op.now, op.session_id
+        close = self._close_of(sid, now)
+        if close is not None and close != CLOSED:
+            return "closing"
+        answer = "open"
+        if close == CLOSED:
+            del self._close[sid]
+            answer = "reopened"
+        sess = self._session(sid, now)
+        if sess is None:
+            sess = self._sessions[sid] = _Session(last=now, expires=now + op.ttl_s)
+        sess.in_flight[op.replica] = sess.in_flight.get(op.replica, 0) + 1
+        sess.last = max(sess.last, now)
+        sess.expires = now + op.ttl_s
+        if op.final:
+            sess.owed = op.replica
+            self._owed.add(sid)
+        return answer
+
+    def end(self, op: End) -> bool:
+        sess = self._session(op.session_id, op.now)
+        if sess is None:
+            return False
+        left = sess.in_flight.get(op.replica, 0) - 1
+        if left > 0:
+            sess.in_flight[op.replica] = left
+        else:
+            sess.in_flight.pop(op.replica, None)
+        sess.last = max(sess.last, op.now)
+        sess.expires = op.now + op.ttl_s
+        return True
+
+    def restore(self, op: Restore) -> bool:
+        if self._close_of(op.session_id, op.now) is not None:
+            return False
+        sess = self._session(op.session_id, op.now)
+        if sess is None:
+            sess = self._sessions[op.session_id] = _Session(last=op.last, expires=op.now + op.ttl_s)
+        if op.in_flight > 0:
+            sess.in_flight[op.replica] = op.in_flight
+        else:
+            sess.in_flight.pop(op.replica, None)
+        sess.last = max(sess.last, op.last)
+        sess.expires = op.now + op.ttl_s
+        return True
+
+    def claim(self, op: Claim) -> bool:
+        if self._close_of(op.session_id, op.now) is not None:
+            return False
+        self._close[op.session_id] = (op.replica, op.now + op.ttl_s)
+        return True
+
+    def finish(self, op: Finish) -> None:
+        self._sessions.pop(op.session_id, None)
+        self._owed.discard(op.session_id)
+        self._close[op.session_id] = (CLOSED, op.now + op.closed_ttl_s)
+
+    def heartbeat(self, op: Heartbeat) -> int:
+        self._replicas[op.replica] = op.now + op.ttl_s
+        renewed = 0
+        for sid in op.closing:
+            if self._close_of(sid, op.now) == op.replica:
+                self._close[sid] = (op.replica, op.now + op.ttl_s)
+                renewed += 1
+        return renewed
+
+    def lease(self, op: Lease) -> bool:
+        held = self._leases.get(op.name)
+        if held is not None and held[1] > op.now and held[0] != op.replica:
+            return False
+        self._leases[op.name] = (op.replica, op.now + op.ttl_s)
+        return True
+
+    def due(self, op: Due) -> list[str]:
+        now = op.now
+        out: list[tuple[float, str]] = []
+        for sid in list(self._sessions):
+            sess = self._session(sid, now)
+            if sess is None or self._close_of(sid, now) is not None:
+                continue
+            if self._live_in_flight(sess, now):
+                continue
+            idle = op.idle_timeout_s is not None and now - sess.last >= op.idle_timeout_s
+            orphan = bool(sess.owed) and not self._alive(sess.owed, now)
+            if idle or orphan:
+                out.append((sess.last, sid))
+        out.sort()
+        return [sid for _, sid in out[: op.limit]]
+
+    def peek(self, op: Peek) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        sess = self._session(op.session_id, op.now)
+        if sess is not None:
+            out["last"] = sess.last
+            out["in_flight"] = {r: n for r, n in sess.in_flight.items() if n > 0}
+            out["owed"] = sess.owed
+        close = self._close_of(op.session_id, op.now)
+        if close is not None:
+            out["close"] = close
+        return out
+
+    def key_count(self, now: float) -> int:
+        """Live keys, as the Redis backend would hold them (tests of expiry)."""
+        sessions = sum(1 for sid in list(self._sessions) if self._session(sid, now))
+        closes = sum(1 for sid in list(self._close) if self._close_of(sid, now))
+        return sessions + closes
+
+
+_HANDLERS: dict[type, Any] = {
+    Begin: MemoryStore.begin,
+    End: MemoryStore.end,
+    Restore: MemoryStore.restore,
+    Claim: MemoryStore.claim,
+    Finish: MemoryStore.finish,
+    Heartbeat: MemoryStore.heartbeat,
+    Lease: MemoryStore.lease,
+    Due: MemoryStore.due,
+    Peek: MemoryStore.peek,
+}
