@@ -172,6 +172,13 @@ class Engine:
     # Its write policy is write_back (/server_info): the host holds only what the device
     # evicted, so the two tiers add up (see EngineLedger.kv_room).
     host_write_back: bool = False
+    # Decoded tokens per turn (the hold model's input, kvproxy.admission.forecast): the
+    # mean over the engine's answers once there are some, before that over what its
+    # requests asked for (max_new_tokens or an osl hint, as sized).
+    decode_asked: float = 0.0
+    decode_asks: int = 0
+    decode_answered: float = 0.0
+    decode_answers: int = 0
     # Its last reading's token usage and waiting requests (the prefetch's gate).
     token_usage: float | None = None
     queue_reqs: int | None = None
@@ -191,6 +198,26 @@ class Engine:
     load: Load = field(default_factory=Load)
     engagement: Engagement = field(default_factory=Engagement)
     last_stale_release: float = -math.inf
+
+    def note_decode(self, tokens: int, *, answered: bool) -> None:
+        """One turn's decode: asked for (a request's completion budget) or answered.
+        A running mean over the last ~256 of each."""
+        if answered:
+            n = min(self.decode_answers, 255)
+            self.decode_answered = (self.decode_answered * n + max(0, tokens)) / (n + 1)
+            self.decode_answers += 1
+        else:
+            n = min(self.decode_asks, 255)
+            self.decode_asked = (self.decode_asked * n + max(0, tokens)) / (n + 1)
+            self.decode_asks += 1
+
+    def decode(self) -> float | None:
+        """The expected decode per turn: answered, else asked, else None (unknown)."""
+        if self.decode_answers:
+            return self.decode_answered
+        if self.decode_asks:
+            return self.decode_asked
+        return None
 
 
 class EngineLedger:
@@ -482,6 +509,8 @@ class EngineLedger:
         if prompt_tokens is None:
             return
         total = prompt_tokens + (completion_tokens or 0)
+        if completion_tokens is not None:
+            eng.note_decode(completion_tokens, answered=True)
         if cached_tokens is not None:
             cached = min(cached_tokens, prompt_tokens)
             left = min(s.ctx, prompt_tokens) if continuing else 0
@@ -539,12 +568,15 @@ class EngineLedger:
         s.state = SessionState.CLOSED
         return s
 
-    def expire(self, now: float) -> list[str]:
-        """Sessions idle (not running, not NEW) past ``idle_ttl_s`` leave; returns them."""
+    def expire(self, now: float, waiting: frozenset[str] = frozenset()) -> list[str]:
+        """Sessions idle (not running, not NEW) past ``idle_ttl_s`` leave; returns them.
+        A session with a turn ``waiting`` is not idle: its turn is held, not absent (a
+        paused session dropped while its turn waits would come back as a new one, its
+        next turn held as a first turn)."""
         ttl = self.p.idle_ttl_s
         out: list[str] = []
         for sid, s in list(self.sessions.items()):
-            if s.state is SessionState.NEW or s.running:
+            if s.state is SessionState.NEW or s.running or sid in waiting:
                 continue
             if now - s.since > ttl:
                 self.drop(sid)

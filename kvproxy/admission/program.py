@@ -31,6 +31,7 @@ from typing import Final
 
 from kvproxy.admission.decisions import Event, Held, Outcome
 from kvproxy.admission.engine_ledger import Engine, EngineLedger, Session, SessionState
+from kvproxy.admission.forecast import Outlook, holding_pays
 from kvproxy.admission.params import ProgramParams
 from kvproxy.admission.prefetch import Prefetches
 from kvproxy.admission.priority import next_priority
@@ -82,12 +83,23 @@ class ProgramCore:
     # -- requests ------------------------------------------------------------------
 
     def request(
-        self, ticket: str, sid: str | None, owner: str | None, tokens: int, now: float
+        self,
+        ticket: str,
+        sid: str | None,
+        owner: str | None,
+        tokens: int,
+        now: float,
+        *,
+        decode: int | None = None,
     ) -> Verdict:
-        """Decide for one turn. ``owner``: the ring owner of its routing key."""
+        """Decide for one turn. ``owner``: the ring owner of its routing key;
+        ``decode``: the completion part of ``tokens`` (what the request asks to decode),
+        when known: the hold model's input before any answer."""
         if sid is None:
             return Verdict(Outcome.BYPASS_NO_SESSION)
         led = self.ledger
+        if decode is not None and owner is not None:
+            led.engine(owner, now).note_decode(decode, answered=False)
         s = led.get(sid)
         if owner is None:
             if s is not None:
@@ -130,7 +142,10 @@ class ProgramCore:
         if tokens > led.capacity(url):
             return self._go(ticket, s, now, tokens, Outcome.BYPASS_OVERSIZED)
         paused_waiting, new_waiting = self.queues.waiting(url)
-        engaged = led.engaged(url) or (not continuing and self._reengage(url, s, tokens, now))
+        engaged = led.engaged(url) or (
+            not continuing
+            and (self._reengage(url, s, tokens, now) or self._forecast(url, now, s, tokens))
+        )
         if not engaged:
             fit = True
         elif continuing:
@@ -163,6 +178,58 @@ class ProgramCore:
             return False
         eng.theta = self.p.target_start
         self.events[Event.REENGAGED] += 1
+        return True
+
+    def outlook(
+        self, url: str, now: float, s: Session | None = None, tokens: int = 0
+    ) -> Outlook | None:
+        """The hold model's inputs on ``url`` (kvproxy.admission.forecast), counting
+        ``s``'s first turn of ``tokens`` when it is not active yet; None while the
+        engine's decodes are unknown."""
+        led = self.ledger
+        eng = led.engine(url, now)
+        decode = eng.decode()
+        if decode is None:
+            return None
+        demand = float(led.undecayed(url))
+        sessions = len(eng.sessions)
+        growth = led.peaks.growth
+        expected = led.reserved(url, now)
+        if s is not None and s.state is not SessionState.ACTIVE:
+            demand += max(s.footprint(self.p.session_buffer_tokens), tokens)
+            sessions += 1
+            probe = Session(sid=s.sid, engine=url, since=now, ctx=s.ctx, est=max(s.est, tokens))
+            expected += led.reservation(probe, url)
+        load = eng.load
+        measured = None
+        if load.returns >= self.p.engage_min_turns:
+            measured = load.exposure(self.p.decode_token_weight, self.p.engage_min_turns)
+        return Outlook(
+            demand=demand,
+            room=led.tier_room(url),
+            sessions=sessions,
+            decode=decode,
+            inflight=load.inflight,
+            measured_exposure=measured,
+            expected=expected,
+            growth=growth or 0.0,
+        )
+
+    def _forecast(self, url: str, now: float, s: Session | None = None, tokens: int = 0) -> bool:
+        """Whether the hold model engages the permissive engine ``url`` now, before any
+        thrash is measured (kvproxy.admission.forecast); later windows confirm it or,
+        refuting it, release the engine with a back-off (Engagement.judge)."""
+        if not (self.p.engage_on_thrash and self.p.engage_on_forecast):
+            return False
+        eng = self.ledger.engine(url, now)
+        e = eng.engagement
+        if e.engaged or e.backoff > 0 or e.failures > 0 or not self.ledger.known(url):
+            return False
+        o = self.outlook(url, now, s, tokens)
+        if o is None or not holding_pays(o, self.p.forecast_rule) or not e.predict():
+            return False
+        eng.theta = self.p.target_start
+        self.events[Event.PREDICTED] += 1
         return True
 
     def hint_growth(self, sid: str | None, osl: int | None) -> None:
@@ -404,11 +471,23 @@ class ProgramCore:
         s = led.get(e.sid)
         if s is None or s.state is not SessionState.PAUSED or not engaged:
             return Outcome.RESUMED_WAITED  # closed or resumed meanwhile, or permissive
-        if led.fits(url, max(s.footprint(self.p.session_buffer_tokens), e.tokens), now):
+        need = max(s.footprint(self.p.session_buffer_tokens), e.tokens)
+        if led.fits(url, need, now):
             return Outcome.RESUMED_WAITED
-        if self._aged(url, e, now):
-            return Outcome.PAUSED_AGED
-        return None
+        if not self._aged(url, e, now):
+            return None
+        if now < e.enqueued_at + self.p.paused_hold_max_s and self._resume_evicts(url, need):
+            return None  # past its soft bound, but resuming it would still overflow
+        return Outcome.PAUSED_AGED
+
+    def _resume_evicts(self, url: str, need: int) -> bool:
+        """Whether resuming a paused session of ``need`` tokens would push its engine's
+        sessions past the pause mark (their undecayed footprint and it over
+        ``pause_high`` x pool + host): the tick would then pause another session for
+        it, a swap that evicts as much as it saves (docs/admission.md, "Holds that last
+        as long as they pay")."""
+        led = self.ledger
+        return led.undecayed(url) + need > self.p.pause_high * led.tier_room(url)
 
     def _new_outcome(self, url: str, e: Entry, engaged: bool, now: float) -> Outcome | None:
         """How the head of a new-session queue leaves now, or None while it must wait."""
@@ -458,7 +537,9 @@ class ProgramCore:
         for e in self.queues.heads():
             at = e.deadline
             if at <= now:
-                at = max(now, min(now + self.p.tick_s, 2 * e.deadline - e.enqueued_at))
+                at = min(now + self.p.tick_s, 2 * e.deadline - e.enqueued_at)
+                if at <= now:  # (a paused turn held past its bounds: the next tick)
+                    at = now + self.p.tick_s
             if best is None or at < best:
                 best = at
         return best
@@ -466,7 +547,8 @@ class ProgramCore:
     def tick(self, now: float) -> list[Release]:
         """Expiry, then per engine: resume/admit (drain), pause, feedback."""
         self._last_tick = now
-        for sid in self.ledger.expire(now):
+        waiting = frozenset(e.sid for e, _ in self.queues.entries.values())
+        for sid in self.ledger.expire(now, waiting):
             self.prefetch.cancel(sid)
             self.events[Event.IDLE_EXPIRED] += 1
         out = self.drain(now)
@@ -588,7 +670,10 @@ class ProgramCore:
             exposure=eng.load.exposure(p.decode_token_weight, p.engage_min_turns),
             oversubscribed=self._oversubscribed(url, eng, now),
             floor_fits=self._floor_fits(url, eng),
+            returned=self._returned(eng),
         )
+        if changed is None and not eng.engagement.engaged:
+            self._forecast(url, now)
         if changed is True:
             self.events[Event.ENGAGED] += 1
             eng.theta = p.target_start
@@ -596,6 +681,13 @@ class ProgramCore:
             self.events[Event.DISENGAGED] += 1
             for s in self.ledger.on_engine(url):
                 s.pause_pending = False  # permissive: nobody pauses
+
+    def _returned(self, eng: Engine) -> float | None:
+        """The window's exposure when enough continuing turns came back to judge it."""
+        p = self.p
+        if eng.load.returns < p.engage_min_turns:
+            return None
+        return eng.load.exposure(p.decode_token_weight, p.engage_min_turns)
 
     def _floor_fits(self, url: str, eng: Engine) -> bool:
         """Whether the engine's KV room holds ``floor_room`` x ``min_inflight`` of the
