@@ -212,8 +212,9 @@ class Engine:
             self.decode_asks += 1
 
     def decode(self) -> float | None:
-        """The expected decode per turn: answered, else asked, else None (unknown)."""
-        if self.decode_answers:
+        """The expected decode per turn: answered (once 16 answers are in), else asked,
+        else None (unknown)."""
+        if self.decode_answers >= 16 or (self.decode_answers and not self.decode_asks):
             return self.decode_answered
         if self.decode_asks:
             return self.decode_asked

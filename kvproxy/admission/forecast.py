@@ -40,6 +40,7 @@ class ForecastRule:
     min_inflight: int = 3
     floor_room: float = 3.0
     min_returns: int = 6
+    min_sessions: int = 24
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,36 +59,46 @@ class Outlook:
     growth: float = 0.0  # the fleet's per-turn context growth (the prefill a turn adds)
 
 
-def overflow(o: Outlook, rule: ForecastRule) -> float | None:
-    """The demand that overflows the room (known contexts, else expected peaks), as the
-    total context the turns come back to; None where neither overflows. Expected
-    peaks count midway (over a session's life its turns come back to contexts from
-    where it is to its peak)."""
+def overflow(o: Outlook, rule: ForecastRule) -> tuple[float, bool] | None:
+    """The demand that overflows the room, as the total context the turns come back
+    to, and whether it is known (the contexts already there) rather than expected;
+    None where neither overflows. Expected peaks count midway (over a session's life
+    its turns come back to contexts from where it is to its peak)."""
     if o.demand > rule.demand_ratio * o.room:
-        return o.demand
+        return o.demand, True
     if o.expected is not None and o.expected > rule.expected_ratio * o.room:
-        return (o.demand + o.expected) / 2
+        return (o.demand + o.expected) / 2, False
     return None
 
 
-def exposure(o: Outlook, rule: ForecastRule, total: float) -> float:
-    """The share of the engine's work recomputing every context would be: measured when
-    a window had enough returns, else predicted: the mean context (``total`` over the
-    sessions) against the prefill a turn adds and its decode."""
-    if o.measured_exposure is not None:
+def exposure(o: Outlook, rule: ForecastRule, total: float, known: bool = True) -> float | None:
+    """The share of the engine's work recomputing every context would be. Where the
+    overflow is known: predicted from the mean context (``total`` over the sessions)
+    against the prefill a turn adds and its decode, and no more than measured once a
+    window had enough returns. Where it is only expected (a growth not yet seen to
+    last): measured alone, None before (the prediction would take a fleet whose
+    sessions end before they grow for one that outgrows its pool)."""
+    if not known:
+        if o.measured_exposure is None:
+            return None
         return o.measured_exposure
     ctx = total / o.sessions if o.sessions > 0 else 0.0
     work = ctx + max(0.0, o.growth) + rule.decode_token_weight * max(0.0, o.decode)
-    return ctx / work if work > 0 else 0.0
+    predicted = ctx / work if work > 0 else 0.0
+    if o.measured_exposure is None:
+        return predicted
+    return min(predicted, o.measured_exposure)
 
 
 def holding_pays(o: Outlook, rule: ForecastRule) -> bool:
     """Whether the model says to hold work on the engine now."""
-    if o.room <= 0 or o.sessions <= 0 or o.inflight < rule.min_inflight:
+    if o.room <= 0 or o.sessions < max(1, rule.min_sessions) or o.inflight < rule.min_inflight:
         return False
-    total = overflow(o, rule)
-    if total is None:
+    over = overflow(o, rule)
+    if over is None:
         return False
+    total, known = over
     if o.room < rule.floor_room * rule.min_inflight * (total / o.sessions):
         return False
-    return exposure(o, rule, total) >= rule.exposure
+    x = exposure(o, rule, total, known)
+    return x is not None and x >= rule.exposure

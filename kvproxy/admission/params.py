@@ -122,6 +122,7 @@ class ProgramParams:
             min_inflight=self.min_inflight,
             floor_room=self.floor_room,
             min_returns=self.engage_min_turns,
+            min_sessions=self.cold_start_sessions,
         )
 
     @classmethod

@@ -194,12 +194,15 @@ class ProgramCore:
         demand = float(led.undecayed(url))
         sessions = len(eng.sessions)
         growth = led.peaks.growth
-        expected = led.reserved(url, now)
+        # Expected peaks only once the fleet's growth was seen: before, a peak is the
+        # engine's context length, and every large fleet would look oversubscribed.
+        expected = None if growth is None else led.reserved(url, now)
         if s is not None and s.state is not SessionState.ACTIVE:
             demand += max(s.footprint(self.p.session_buffer_tokens), tokens)
             sessions += 1
-            probe = Session(sid=s.sid, engine=url, since=now, ctx=s.ctx, est=max(s.est, tokens))
-            expected += led.reservation(probe, url)
+            if expected is not None:
+                probe = Session(sid=s.sid, engine=url, since=now, ctx=s.ctx, est=max(s.est, tokens))
+                expected += led.reservation(probe, url)
         load = eng.load
         measured = None
         if load.returns >= self.p.engage_min_turns:
