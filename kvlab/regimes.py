@@ -15,6 +15,9 @@ from kvlab.demo import Scenario
 from kvlab.workload.spec import workload_spec
 
 WORKLOADS = ("swe", "rl", "subagents")
+# Workloads a cell may name beside the default grid's (the replication's engine and
+# traffic: docs/workloads.md); only their long (preset) context fits their prompts.
+EXTRA_WORKLOADS = ("claude-code", "burst")
 ENGINES = 2
 CONTEXTS = {"short": 5_120, "long": None}  # real tokens; None: the preset's
 SIZES = (4, 8, 16, 32, 48, 64)
@@ -69,8 +72,10 @@ def parse_fleet(text: str) -> Fleet:
     if len(parts) != 4:
         raise ValueError(want)
     w, c, n, r = parts
-    if w not in WORKLOADS or c not in CONTEXTS:
-        raise ValueError(f"{want}; workloads {WORKLOADS}, contexts {tuple(CONTEXTS)}")
+    if w not in WORKLOADS + EXTRA_WORKLOADS or c not in CONTEXTS:
+        raise ValueError(
+            f"{want}; workloads {WORKLOADS + EXTRA_WORKLOADS}, contexts {tuple(CONTEXTS)}"
+        )
     try:
         size, ratio = int(n), float(r)
     except ValueError:

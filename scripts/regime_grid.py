@@ -57,12 +57,16 @@ from kvlab.demo import git_revision
 from kvlab.lab.cli import hicache_ratio as engines_hicache_ratio
 from kvlab.lab.faults import FAULTS
 from kvlab.lab.runner import LabConfig, LabError, run_lab
+from kvlab.peers import PEER_POLICIES
 from kvlab.regimes import CONTEXTS, ENGINES, RATIOS, SIZES, WORKLOADS, Fleet, parse_fleet
 from kvlab.sim.config import HICACHE_WRITE_POLICIES
 
 HICACHE_KEYS = ("hicache_ratio", "hicache_link_gb_s", "hicache_write_policy")
 # The policies a grid runs per cell and seed (--policies picks some).
 GRID_POLICIES = ("off", "ceiling", "both")
+# Peers a grid may run beside them (--policies off,both,thunder,ceiling): run once per
+# cell and seed like off, judged against both (``peers`` in the judgement).
+PEERS = PEER_POLICIES
 # Faults run on the KV-bound cells only unless --faults-everywhere.
 FAULT_NAMES = tuple(FAULTS)
 KEEP = (
@@ -81,7 +85,7 @@ KEEP = (
 @dataclass(frozen=True)
 class Job:
     fleet: Fleet
-    policy: str  # off | both | ceiling
+    policy: str  # off | both | ceiling | cap | thunder | thunder-origin
     fault: str = "none"
     seed: int = 0
     admission: Mapping[str, Any] = field(default_factory=dict)
@@ -215,8 +219,9 @@ def jobs_for(
     policies: Sequence[str] = GRID_POLICIES,
     tool_hints: bool = False,
 ) -> list[Job]:
-    """The runs of ``policies`` (of off, ceiling, both; faults run with both) per cell
-    and seed; ``tool_hints``: both's workload tells kvproxy its tool calls' lengths."""
+    """The runs of ``policies`` (of off, ceiling, both and the peers; faults run with
+    both) per cell and seed; ``tool_hints``: both's workload tells kvproxy its tool
+    calls' lengths."""
     out: list[Job] = []
     h: dict[str, Any] = {
         "hicache_ratio": hicache_ratio,
@@ -225,7 +230,7 @@ def jobs_for(
     }
     for f in cells:
         for seed in seeds:
-            for name in ("off", "ceiling"):
+            for name in ("off", "ceiling", *PEERS):
                 if name in policies:
                     out.append(Job(f, name, seed=seed, **h))
             if "both" not in policies:
@@ -319,9 +324,16 @@ def paired(rows: Iterable[Mapping[str, Any]]) -> dict[str, dict[int, dict[str, f
             continue
         seen: dict[str, float] = {"both": b, "ceiling": c}
         for name, run in runs.items():
-            cap = _ratio(run.get(metric), off) if name.startswith("cap/") else None
+            peer = name.startswith("cap/") or name in PEERS
+            cap = _ratio(run.get(metric), off) if peer else None
             if cap is not None:
                 seen[name] = cap
+            if name in PEERS:
+                tp = _ratio(
+                    run.get("ttft_p99_continuing_s"), runs["off"].get("ttft_p99_continuing_s")
+                )
+                if tp is not None:
+                    seen[f"{name}_ttft"] = tp
         tb, to = (runs[p].get("ttft_p99_continuing_s") for p in ("both", "off"))
         t = _ratio(tb, to)
         if t is not None and tb is not None and tb > 1.0:  # a tail under a second is no tail
@@ -385,7 +397,55 @@ def judge_seeds(rows: Iterable[Mapping[str, Any]], keys: Iterable[str]) -> dict[
         "not_kv_bound_tail_over_1_2x": {"runs": tail_runs, "cells_by_median": tails},
         "first_turn_wait_p99_worst_s": max(waits, default=None),
         **({"kv_bound_best_cap": _caps_summary(capped)} if capped else {}),
+        **peer_comparison(runs, keys),
     }
+
+
+def peer_comparison(
+    runs: Mapping[str, Mapping[int, Mapping[str, float]]], keys: Iterable[str]
+) -> dict[str, Any]:
+    """Per peer that ran (thunder, thunder-origin): both against it cell by cell, the
+    ratios paired by seed (both / off over peer / off, i.e. both / peer): the cells where
+    each wins by more than 3% (medians over the seeds), the median ratio over the cells,
+    its tails (the worst and best cells, the 10th and 90th percentiles) and the median
+    continuing-turn TTFT p99 of each over off's; KV-bound cells (ceiling / off >= 1.3)
+    apart."""
+    out: dict[str, Any] = {}
+    cells = sorted(set(keys) & set(runs), key=_sort_key)
+    for peer in PEERS:
+        ratios: dict[str, float] = {}
+        kv: list[float] = []
+        for key in cells:
+            per = [v for v in runs[key].values() if peer in v and v[peer] > 0]
+            if not per:
+                continue
+            r = statistics.median(v["both"] / v[peer] for v in per)
+            ratios[key] = r
+            if statistics.median(v["ceiling"] for v in per) >= 1.3:
+                kv.append(r)
+        if not ratios:
+            continue
+        ordered = sorted(ratios.items(), key=lambda kv_: kv_[1])
+        values = [v for _, v in ordered]
+        deciles = statistics.quantiles(values, n=10) if len(values) >= 2 else values * 9
+        tt_peer = [
+            v[f"{peer}_ttft"] for k in cells for v in runs[k].values() if f"{peer}_ttft" in v
+        ]
+        tt_both = [v["ttft"] for k in cells for v in runs[k].values() if "ttft" in v]
+        out[f"both_vs_{peer}"] = {
+            "cells": len(ratios),
+            "both_wins": [f"{k} {v:.2f}x" for k, v in ordered[::-1] if v > 1.03],
+            f"{peer}_wins": [f"{k} {v:.2f}x" for k, v in ordered if v < 1 / 1.03],
+            "median_both_over_peer": statistics.median(values),
+            "p10": deciles[0],
+            "p90": deciles[-1],
+            "worst": f"{ordered[0][0]} {ordered[0][1]:.2f}x",
+            "best": f"{ordered[-1][0]} {ordered[-1][1]:.2f}x",
+            "kv_bound_cells": len(kv),
+            "kv_bound_median_both_over_peer": _median(kv),
+            "median_ttft_p99_over_off": {"both": _median(tt_both), peer: _median(tt_peer)},
+        }
+    return out
 
 
 def best_cap(per: Mapping[int, Mapping[str, float]]) -> dict[str, Any] | None:
@@ -629,8 +689,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument(
         "--policies",
         default=",".join(GRID_POLICIES),
-        help="which of off, ceiling, both to run (default all; judge a partial grid "
-        "beside the runs it lacks)",
+        help="which of off, ceiling, both and the peers thunder, thunder-origin to run "
+        "(default off, ceiling, both; judge a partial grid beside the runs it lacks)",
     )
     ap.add_argument(
         "--tool-hints",
@@ -724,8 +784,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             hicache_write_policy=policy,
         )
     else:
-        if not policies or set(policies) - set(GRID_POLICIES):
-            ap.error(f"--policies takes some of {', '.join(GRID_POLICIES)}, got {args.policies!r}")
+        if not policies or set(policies) - set(GRID_POLICIES) - set(PEERS):
+            names = ", ".join((*GRID_POLICIES, *PEERS))
+            ap.error(f"--policies takes some of {names}, got {args.policies!r}")
         jobs = jobs_for(
             grid,
             faults,

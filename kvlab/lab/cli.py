@@ -12,7 +12,8 @@ import yaml
 
 from kvlab.lab.faults import FAULTS
 from kvlab.lab.router import ROUTER_POLICIES
-from kvlab.lab.runner import POLICIES, LabConfig, LabError, format_table, run_matrix
+from kvlab.lab.runner import ALL_POLICIES, POLICIES, LabConfig, LabError, format_table, run_matrix
+from kvlab.peers import is_peer, parse_cap
 from kvlab.sim.config import HICACHE_WRITE_POLICIES
 from kvlab.workload.driver import parse_sets
 from kvlab.workload.model import WorkloadError
@@ -40,16 +41,32 @@ def _policies(text: str) -> list[str]:
     names = [x.strip() for x in text.split(",") if x.strip()]
     if names == ["all"]:
         return list(POLICIES)
-    bad = [n for n in names if n not in POLICIES]
+    bad = [n for n in names if n not in POLICIES and not _peer_ok(n)]
     if bad or not names:
         raise argparse.ArgumentTypeError(
-            f"policies must be 'all' or a comma-separated subset of {', '.join(POLICIES)}"
+            f"policies must be 'all' or a comma-separated subset of {', '.join(ALL_POLICIES)} "
+            f"(cap:N: N live sessions per engine, N >= 1)"
         )
     return names
 
 
+def _peer_ok(name: str) -> bool:
+    if not is_peer(name):
+        return False
+    if name.startswith("cap:"):
+        try:
+            parse_cap(name)
+        except ValueError:
+            return False
+    return True
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--workload", default="swe", help="swe | rl | subagents | trace:PATH")
+    parser.add_argument(
+        "--workload",
+        default="swe",
+        help="swe | rl | subagents | claude-code | burst | trace:PATH",
+    )
     parser.add_argument("--engines", type=int, default=2, help="simulated engines (default 2)")
     parser.add_argument(
         "--sessions-per-engine",
@@ -64,7 +81,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--policy",
         type=_policies,
         default=list(POLICIES),
-        help=f"'all' or a comma-separated list of {', '.join(POLICIES)} (default all)",
+        help=f"'all' (= {', '.join(POLICIES)}) or a comma-separated list of "
+        f"{', '.join(ALL_POLICIES)} (default all)",
     )
     parser.add_argument(
         "--token-scale",
@@ -93,6 +111,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=[],
         metavar="KEY=VALUE",
         help="override an admission.* key (YAML/JSON value, e.g. paused_max_wait_s=30); repeatable",
+    )
+    parser.add_argument(
+        "--peer",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a ThunderAgent setting for thunder / thunder-origin (YAML value, e.g. "
+        "acting_half_life_s=0, resume_placement=origin-first, force_after_s=600); repeatable",
     )
     parser.add_argument(
         "--pool-tokens",
@@ -160,6 +186,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         workload_overrides = parse_sets(args.set)
         admission_values = parse_sets(args.admission, "--admission")
+        peer_values = parse_sets(args.peer, "--peer")
         token_scale, note = resolve_token_scale(
             args.workload, args.token_scale, DEFAULT_TOKEN_SCALE
         )
@@ -180,6 +207,7 @@ def run(args: argparse.Namespace) -> int:
         engine_overrides=overrides,
         workload_overrides=workload_overrides,
         admission_overrides=admission,
+        peer_overrides={k: yaml.safe_load(v) for k, v in peer_values.items()},
         signal_fault=args.signal_fault,
         tool_hints=args.tool_hints,
         hicache_ratio=hicache_ratio(args),

@@ -10,7 +10,9 @@ result, exactly.
 
 Policies: ``off`` (both proxy features off), ``lifecycle``, ``admission``, ``both``,
 and ``ceiling`` (features off, pools so large that nothing is ever evicted: the bound
-no policy can beat).
+no policy can beat); and the peers in kvproxy's place (:mod:`kvlab.peers`):
+``thunder``, ``thunder-origin`` (ThunderAgent, most-room and origin-only resume) and
+``cap:N`` (N live sessions per engine).
 """
 
 from __future__ import annotations
@@ -26,13 +28,18 @@ from typing import Any
 
 from kvlab.lab.engines import LabEngine
 from kvlab.lab.faults import FAULTS
+from kvlab.lab.peer_proxy import PeerProxy
 from kvlab.lab.proxy import LabProxy
 from kvlab.lab.router import ROUTER_POLICIES, Placement
 from kvlab.lab.vloop import run_virtual
+from kvlab.peers import PEER_POLICIES, is_peer, parse_cap
+from kvlab.peers.thunder import ThunderConfig
 from kvlab.sim.config import HICACHE_WRITE_POLICIES
 from kvproxy.config import AdmissionConfig, Config, ServerConfig, SessionLifecycleConfig
 
 POLICIES = ("off", "lifecycle", "admission", "both", "ceiling")
+# Every policy name a run accepts: POLICIES, the peers, and cap:N (any N >= 1).
+ALL_POLICIES = (*POLICIES, *PEER_POLICIES, "cap:N")
 # The ceiling's pool per engine: far beyond any run's total KV (a pure counter).
 CEILING_POOL_TOKENS = 1 << 40
 
@@ -103,6 +110,13 @@ class LabConfig:
     hicache_link_gb_s: float | None = None
     # SGLang's --hicache-write-policy with HiCache on; None: its default, write_through.
     hicache_write_policy: str | None = None
+    # ThunderConfig fields for thunder / thunder-origin (e.g. {"acting_half_life_s": 0}),
+    # after the lab's defaults (capacity the engine's pool, buffer 100 real tokens).
+    peer_overrides: Mapping[str, Any] = field(default_factory=dict)
+    # Stop the workload at this simulated second (a measurement window, as a benchmark
+    # of fixed length): sessions still running are cancelled and count as failed.
+    # None: run every session to its end.
+    deadline_s: float | None = None
     # Bound on simulated seconds; a run past it raises LabError.
     max_simulated_s: float = 7 * 24 * 3600.0
 
@@ -115,9 +129,18 @@ class LabResult:
     workload: Any = None  # the workload's WorkloadResult
 
 
+def _validate_policy(policy: str) -> None:
+    if policy not in POLICIES and not is_peer(policy):
+        raise LabError(f"policy must be one of {', '.join(ALL_POLICIES)}, got {policy!r}")
+    if policy.startswith("cap:"):
+        try:
+            parse_cap(policy)
+        except ValueError as exc:
+            raise LabError(str(exc)) from None
+
+
 def _validate(cfg: LabConfig) -> None:
-    if cfg.policy not in POLICIES:
-        raise LabError(f"policy must be one of {POLICIES}, got {cfg.policy!r}")
+    _validate_policy(cfg.policy)
     if cfg.router_policy not in ROUTER_POLICIES:
         raise LabError(f"router policy must be one of {ROUTER_POLICIES}, got {cfg.router_policy!r}")
     if cfg.engines < 1:
@@ -159,6 +182,7 @@ def proxy_config(
     admission_overrides: Mapping[str, Any] | None = None,
 ) -> Config:
     """The proxy's configuration for a policy (both features off for off/ceiling)."""
+    policy = "off" if is_peer(policy) else policy
     lifecycle = policy in ("lifecycle", "both")
     admission = policy in ("admission", "both")
     adm = AdmissionConfig(
@@ -238,13 +262,15 @@ async def _run(cfg: LabConfig) -> LabResult:
     loop = asyncio.get_running_loop()
     urls = engine_urls(cfg)
     engines = [LabEngine(url, sched_cfg) for url in urls]
-    proxy = LabProxy(
+    proxy: LabProxy | PeerProxy = LabProxy(
         proxy_config(cfg.policy, cfg.tuning, cfg.token_scale, cfg.admission_overrides),
         engines,
         Placement(cfg.router_policy, urls),
         fault=FAULTS[cfg.signal_fault],
         seed=cfg.seed,
     )
+    if is_peer(cfg.policy):
+        proxy = _peer(cfg, engines, urls, sched_cfg.max_total_tokens)
     transport = LabTransport(proxy)
     async with proxy.running():
         try:
@@ -256,6 +282,7 @@ async def _run(cfg: LabConfig) -> LabResult:
                     concurrency=concurrency,
                     seed=cfg.seed,
                     tool_hints=transport if cfg.tool_hints else None,
+                    deadline_s=cfg.deadline_s,
                 ),
                 cfg.max_simulated_s,
             )
@@ -275,6 +302,8 @@ async def _run(cfg: LabConfig) -> LabResult:
                 if stats.get(k)
             }
             admission_counters["program_active"] = float(adm.program_active)
+        if isinstance(proxy, PeerProxy):
+            admission_counters = {k: float(v) for k, v in proxy.counters().items()}
     simulated = loop.time()
     summary = dict(summarize(result))
     first_waits = [
@@ -313,6 +342,24 @@ async def _run(cfg: LabConfig) -> LabResult:
         first_turn_wait_p99_s=None if p99 is None else round(p99, 4),
     )
     return LabResult(cfg, summary, per_engine, result)
+
+
+def _peer(cfg: LabConfig, engines: list[LabEngine], urls: Sequence[str], pool: int) -> PeerProxy:
+    """The peer policy's shell: ThunderAgent with the engine's pool as its capacity and
+    its 100-token buffer per program (in the run's scaled tokens), or a cap."""
+    placement = Placement(cfg.router_policy, urls)
+    if cfg.policy.startswith("cap:"):
+        return PeerProxy(cfg.policy, engines, placement)
+    base: dict[str, Any] = {
+        "capacity_tokens": pool,
+        "buffer_tokens": max(1, round(100 / cfg.token_scale)),
+        "resume_placement": "origin-only" if cfg.policy == "thunder-origin" else "most-room",
+    }
+    try:
+        thunder = ThunderConfig(**{**base, **dict(cfg.peer_overrides)})
+    except (TypeError, ValueError) as exc:
+        raise LabError(f"thunder configuration: {exc}") from None
+    return PeerProxy(cfg.policy, engines, placement, thunder=thunder)
 
 
 def engine_counters(engine: LabEngine) -> dict[str, Any]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 
+from kvlab.lab.peer_proxy import PeerProxy
 from kvlab.lab.proxy import LabProxy, ProxyError
 from kvlab.workload.model import TurnOutcome
 from kvlab.workload.wire import (
@@ -30,7 +31,7 @@ from kvlab.workload.wire import (
 class LabTransport:
     """``kvlab.workload.runner.Transport`` over a :class:`LabProxy`."""
 
-    def __init__(self, proxy: LabProxy, *, send_final: bool = False) -> None:
+    def __init__(self, proxy: LabProxy | PeerProxy, *, send_final: bool = False) -> None:
         self.proxy = proxy
         self.send_final = send_final
         self._rid = 0

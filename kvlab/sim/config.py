@@ -149,6 +149,13 @@ class SchedulerConfig:
     streaming_session_timeout_s: float | None = None
     # SGLang's hierarchical cache (--enable-hierarchical-cache); None: off.
     hicache: HiCacheConfig | None = None
+    # Decode requests ride in prefill steps (SGLang's --enable-mixed-chunk; vLLM's
+    # chunked prefill always does): every ``mixed_decode_every``-th prefill step also
+    # advances each running request by one token, at the decode step's marginal cost
+    # (b B + c S, not a). At token scale k one simulated token is k real ones, so
+    # presets set it to k: one simulated token per k chunks, as k real steps give k.
+    enable_mixed_chunk: bool = False
+    mixed_decode_every: int = 1
 
 
 # The scheduler fields SimConfig accepts as keywords (and reads as attributes).

@@ -49,6 +49,9 @@ class Preset:
     kv_bytes_per_token: int = 147_456
     num_layers: int = 36
     host_link_gb_s: float = PCIE5_X16_EFFECTIVE_GB_S
+    # The engine decodes running requests inside chunked-prefill steps (vLLM; SGLang
+    # with --enable-mixed-chunk); False: SGLang's default, a prefill step stalls decode.
+    mixed_chunk: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -75,6 +78,10 @@ def _calibrated(
     context: int,
     kv_bytes: int,
     layers: int,
+    chunk: int = 8192,
+    max_prefill: int = 16384,
+    host_link_gb_s: float = PCIE5_X16_EFFECTIVE_GB_S,
+    mixed_chunk: bool = False,
 ) -> Preset:
     # Units as in the reference table: µs, ns, ms, and ms per 1k tokens of S.
     cost = CostModel(
@@ -88,7 +95,19 @@ def _calibrated(
         token_scale=1,
         preset=name,
     )
-    return Preset(name, description, cost, pool, 8192, 16384, context, kv_bytes, layers)
+    return Preset(
+        name,
+        description,
+        cost,
+        pool,
+        chunk,
+        max_prefill,
+        context,
+        kv_bytes,
+        layers,
+        host_link_gb_s,
+        mixed_chunk,
+    )
 
 
 PRESETS: dict[str, Preset] = {
@@ -145,6 +164,28 @@ PRESETS: dict[str, Preset] = {
             context=131_072,
             kv_bytes=131_072,
             layers=32,
+        ),
+        # The engine of the public ThunderAgent replication
+        # (zetxqx/thunderagent-original-verification): vLLM 0.28, FP8 weights and KV,
+        # TP 2 on two H100s per pod. Every constant's source is in docs/simulator.md
+        # ("qwen3-coder-30b-a3b-fp8-h100-tp2").
+        _calibrated(
+            "qwen3-coder-30b-a3b-fp8-h100-tp2",
+            "Qwen3-Coder-30B-A3B-Instruct-FP8 (MoE, 3.3B active), FP8 KV, TP 2 on two "
+            "H100 80GB (vLLM gpu-memory-utilization 0.88)",
+            tau_lin_us=9.07,
+            tau_att_ns=0.715,
+            a_ms=6.5,
+            b_ms=0.02,
+            c_ms_per_1k=0.00917,
+            pool=2_237_040,
+            context=262_144,
+            kv_bytes=49_152,
+            layers=48,
+            chunk=8192,
+            max_prefill=8192,
+            host_link_gb_s=2 * PCIE5_X16_EFFECTIVE_GB_S,
+            mixed_chunk=True,
         ),
         Preset(
             "legacy",
@@ -222,6 +263,8 @@ def scheduler_config(preset: str, token_scale: int = 1, **overrides: Any) -> Sch
         retract_decode_steps=scale_steps(RETRACT_DECODE_STEPS, k),
         clip_max_new_tokens=scale_tokens(CLIP_MAX_NEW_TOKENS, k),
     )
+    if p.mixed_chunk:
+        base = dataclasses.replace(base, enable_mixed_chunk=True, mixed_decode_every=k)
     return dataclasses.replace(base, **overrides)
 
 

@@ -160,6 +160,8 @@ class Batch:
     # (write-back copies) charged to the step; both 0 without HiCache.
     load_tokens: int = 0
     stall_s: float = 0.0
+    # Mixed chunk: running requests decoded in this prefill step (0: none).
+    mixed: int = 0
 
 
 @dataclass(slots=True)
@@ -251,6 +253,7 @@ class Scheduler:
         # Requests finished inside schedule() (out-of-memory aborts); the shell drains it.
         self.finished_outside: list[SimRequest] = []
         self._next_reap = 0.0
+        self._prefill_steps_unmixed = 0  # mixed chunk: prefill steps since one decoded
 
     # =============================================================== queries
 
@@ -572,6 +575,8 @@ class Scheduler:
             raise RuntimeError("schedule() called while a batch is in flight")
         self.now = now
         batch = self._form_prefill(now)
+        if batch is not None and self.cfg.enable_mixed_chunk and self.running:
+            self._mix_decode(batch)
         if batch is None and self.running:
             batch = self._form_decode(now)
         if batch is not None and self.hi is not None and self.hi.stall_s:
@@ -896,6 +901,29 @@ class Scheduler:
         ctx = self._sum_prompt + self._sum_base + n * self._decode_ct
         return Batch("decode", self.cfg.cost.decode_s(n, ctx), n, tokens=n, context_tokens=ctx)
 
+    def _mix_decode(self, batch: Batch) -> None:
+        """Mixed chunk: every ``mixed_decode_every``-th prefill step also decodes one
+        token of every running request, when the pool has a slot for each without
+        retracting (else the step stays a plain prefill), at the marginal cost of a
+        decode step (its cost less the empty step's, the weights being read once)."""
+        self._prefill_steps_unmixed += 1
+        if self._prefill_steps_unmixed < self.cfg.mixed_decode_every:
+            return
+        kv = self.kv
+        n = len(self.running)
+        if n > kv.available:
+            kv.evict(n - kv.available)
+        if n > kv.available:
+            return
+        self._prefill_steps_unmixed = 0
+        kv.available -= n
+        self._decode_reserved = n
+        ctx = self._sum_prompt + self._sum_base + n * self._decode_ct
+        cost = self.cfg.cost
+        batch.mixed = n
+        batch.context_tokens = ctx
+        batch.duration += cost.decode_s(n, ctx) - cost.decode_s(0, 0)
+
     def _retract(self, now: float) -> None:
         # Checked against SGLang's ScheduleBatch.retract_decode (the reference does not
         # describe it): sort by (output length, -prompt length), retract from the end
@@ -950,6 +978,11 @@ class Scheduler:
             st.realtime_decode_tokens += batch.tokens
             self._finish_decode(batch, now, ev)
         else:
+            if batch.mixed:
+                # The running requests' tokens first: those finishing their prefill in
+                # this step join the running set only after it.
+                st.realtime_decode_tokens += batch.mixed
+                self._finish_decode(batch, now, ev)
             st.realtime_prefill_compute_tokens += batch.tokens
             st.realtime_prefill_cache_tokens += batch.hit_tokens
             self._finish_prefill(batch, now, ev)

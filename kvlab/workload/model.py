@@ -218,6 +218,15 @@ class WorkloadSpec:
     sub_tool_latency_slow_share: float = 0.30
     sub_tool_latency_cap_s: float = 300.0
     sub_summary: Dist = field(default=lognormal(800, 0.5), metadata=_TOKENS)
+    # Mean new input (tool output) by turn index, "T:MEAN,T:MEAN,..." in real tokens: from
+    # turn T on, the tool output appended before the turn is lognormal with this mean and
+    # tool_output's sigma and bounds (claude-code: the trace's mean prompt by turn index).
+    # Empty: tool_output for every turn.
+    tool_output_schedule: str = ""
+    # Context compaction (claude-code): when a turn's prompt plus output would pass this
+    # many tokens, the conversation restarts from a fresh prompt drawn as the first one
+    # (a prefix the engine has never seen), as an agent that compacts its history. 0: off.
+    compact_at: int = field(default=0, metadata=_TOKENS)
     # The first wave of sessions starts staggered: slot i waits i x start_stagger_s.
     start_stagger_s: float = 0.0
     close_sessions: bool = True
@@ -244,6 +253,7 @@ class WorkloadSpec:
             ("sub_tool_latency_cap_s", self.sub_tool_latency_cap_s >= 0),
             ("start_stagger_s", self.start_stagger_s >= 0),
             ("vocab_size", self.vocab_size > self.min_token_id >= 0),
+            ("compact_at", self.compact_at >= 0),
         ):
             if not ok:
                 raise WorkloadError(f"{name} is out of range (got {getattr(self, name)!r})")
@@ -265,6 +275,7 @@ class WorkloadSpec:
             raise WorkloadError("turns_lo must be >= 1")
         if self.sub_turns.lo < 1 and self.sub_turns.kind != "fixed":
             raise WorkloadError("sub_turns_lo must be >= 1")
+        parse_schedule(self.tool_output_schedule)
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
@@ -274,6 +285,27 @@ class WorkloadSpec:
             value = getattr(self, f.name)
             out[f.name] = value.to_dict() if isinstance(value, Dist) else value
         return out
+
+
+def parse_schedule(text: str) -> tuple[tuple[int, float], ...]:
+    """``"1:7649,5:68"`` -> ((1, 7649.0), (5, 68.0)): turn indices (>= 1, increasing) and
+    mean tokens (>= 0); raises :class:`WorkloadError` naming what is wrong."""
+    if not text.strip():
+        return ()
+    out: list[tuple[int, float]] = []
+    for part in text.split(","):
+        turn, sep, mean = part.strip().partition(":")
+        try:
+            t, m = int(turn), float(mean)
+        except ValueError:
+            t, m = -1, -1.0
+        if not sep or t < 1 or not m >= 0 or math.isinf(m) or (out and t <= out[-1][0]):
+            raise WorkloadError(
+                f"tool_output_schedule: want TURN:MEAN,... with turns >= 1 increasing and "
+                f"means >= 0 (got {text!r})"
+            )
+        out.append((t, m))
+    return tuple(out)
 
 
 # --------------------------------------------------------------------------- plans
@@ -293,6 +325,9 @@ class TurnPlan:
     max_new_tokens: int
     tool_latency_s: float
     subagents: tuple[SessionPlan, ...] = ()
+    # True: the conversation restarts here (compaction): the request is
+    # ``new_input_ids`` alone, not the history plus them.
+    reset: bool = False
 
 
 @dataclass(frozen=True, slots=True)

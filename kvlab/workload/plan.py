@@ -15,13 +15,15 @@ survives the token scale) and are at least 1.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import math
 import random
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from kvlab.workload.draw import draw_count, draw_latency, draw_tokens, token_ids
-from kvlab.workload.model import Dist, SessionPlan, TurnPlan, WorkloadSpec
+from kvlab.workload.model import Dist, SessionPlan, TurnPlan, WorkloadSpec, parse_schedule
 from kvlab.workload.trace import trace_plans
 
 
@@ -79,6 +81,36 @@ def _fanout_turns(spec: WorkloadSpec, rng: random.Random) -> set[int]:
     return out
 
 
+def _tool_output(spec: WorkloadSpec, role: _Role, turn: int) -> Dist:
+    """The tool output appended before 0-based ``turn``: ``role.tool_output``, or for a
+    main session with ``tool_output_schedule`` the lognormal of that turn's scheduled mean
+    (scaled) with the same sigma and bounds (median = mean x exp(-sigma^2 / 2))."""
+    if not spec.tool_output_schedule or role.tool_output is not spec.tool_output:
+        return role.tool_output
+    mean: float | None = None
+    for start, m in parse_schedule(spec.tool_output_schedule):
+        if turn >= start:
+            mean = m
+    if mean is None:
+        return role.tool_output
+    base = role.tool_output
+    median = mean / spec.token_scale * math.exp(-(base.sigma**2) / 2)
+    return dataclasses.replace(base, median=median)
+
+
+def _compacted(
+    spec: WorkloadSpec, seed: int, rng: random.Random, context: int, new: int, out: int
+) -> list[int] | None:
+    """A fresh first prompt when the next request (context + new input + output) would
+    pass ``compact_at``: the session compacts its history. None: no compaction."""
+    if spec.compact_at <= 0 or context + new + out <= spec.compact_at:
+        return None
+    return [
+        *_system_ids(spec, seed, "system"),
+        *token_ids(rng, draw_tokens(spec.task_prompt, rng), spec),
+    ]
+
+
 def build_session(
     spec: WorkloadSpec,
     seed: int,
@@ -100,6 +132,11 @@ def build_session(
     exit_context = False
     for t in range(n_turns):
         out = draw_tokens(role.output, rng)
+        reset = False
+        if t and role_name == "main":
+            fresh = _compacted(spec, seed, rng, context, len(new_input), out)
+            if fresh is not None:
+                new_input, context, reset = fresh, 0, True
         if t == 0:
             # The first turn always runs; its output is cut to fit if it must be.
             out = max(1, min(out, spec.context_length - len(new_input)))
@@ -121,8 +158,9 @@ def build_session(
             next_input = summary
             latency = 0.0
         else:
-            next_input = [] if last else token_ids(rng, draw_tokens(role.tool_output, rng), spec)
-        turns.append(TurnPlan(new_input, out, 0.0 if last else latency, subs))
+            tool = _tool_output(spec, role, t + 1)
+            next_input = [] if last else token_ids(rng, draw_tokens(tool, rng), spec)
+        turns.append(TurnPlan(new_input, out, 0.0 if last else latency, subs, reset))
         context += len(new_input) + out
         new_input = next_input
     return SessionPlan(

@@ -137,7 +137,11 @@ class _Run:
         last = len(plan.turns) - 1
         rec.exit = "context" if plan.exit_context else "done"
         for i, turn in enumerate(plan.turns):
-            prompt = [*prompt, *output, *turn.new_input_ids] if i else list(turn.new_input_ids)
+            if i and not turn.reset:
+                prompt = [*prompt, *output, *turn.new_input_ids]
+            else:
+                prompt = list(turn.new_input_ids)
+                previous_context = 0  # a compacted (fresh) prompt reuses nothing
             if i and len(prompt) + turn.max_new_tokens > self.spec.context_length:
                 rec.exit = "context"
                 break

@@ -78,7 +78,51 @@ _LEGACY = WorkloadSpec(
     tool_latency_cap_s=math.inf,
 )
 
-PRESETS: dict[str, WorkloadSpec] = {s.name: s for s in (_SWE, _RL, _SUBAGENTS, _LEGACY)}
+# Claude Code sessions as the public Weka traces' summary statistics give them
+# (zetxqx/thunderagent-original-verification, 07-inference-perf-weka/REPORT.md): every
+# parameter's source and derivation is in docs/workloads.md ("claude-code").
+CLAUDE_CODE_COST_MODEL = "qwen3-coder-30b-a3b-fp8-h100-tp2"
+_CLAUDE_CODE = WorkloadSpec(
+    name="claude-code",
+    context_length=262_144,
+    sessions_per_engine=24,
+    cost_model=CLAUDE_CODE_COST_MODEL,
+    system_prompt_tokens=0,
+    task_prompt=lognormal(20_000, 0.5, 2_000, 120_000),
+    turns=lognormal(64, 0.9, 2, 1000),
+    output=lognormal(350, 0.964, 1, 32_768),
+    tool_output=lognormal(650, 1.0, 1, 200_000),
+    tool_output_schedule="1:7649,5:68,10:1071",
+    compact_at=156_000,
+    tool_latency_fast=lognormal(0.4, 0.6),
+    tool_latency_slow=lognormal(10.0, 1.6),
+    tool_latency_slow_share=0.10,
+    tool_latency_cap_s=10.0,
+)
+
+# The replication's step 06 (06-single-node-ab): sessions of 3 turns on a ~60.7k-token
+# unique preamble, 80 output tokens, 0.3 s think time, the first wave started over 10 s
+# (80 sessions: 0.125 s apart), no cross-session sharing. Other bursts are --set away.
+_BURST = WorkloadSpec(
+    name="burst",
+    context_length=262_144,
+    sessions_per_engine=80,
+    cost_model=CLAUDE_CODE_COST_MODEL,
+    system_prompt_tokens=0,
+    task_prompt=fixed(60_700),
+    turns=fixed(3),
+    output=fixed(80),
+    tool_output=fixed(500),
+    tool_latency_fast=fixed(0.3),
+    tool_latency_slow=fixed(0.0),
+    tool_latency_slow_share=0.0,
+    tool_latency_cap_s=math.inf,
+    start_stagger_s=0.125,
+)
+
+PRESETS: dict[str, WorkloadSpec] = {
+    s.name: s for s in (_SWE, _RL, _SUBAGENTS, _LEGACY, _CLAUDE_CODE, _BURST)
+}
 TRACE_PREFIX = "trace:"
 
 _FIELDS = {f.name: f for f in dataclasses.fields(WorkloadSpec)}

@@ -290,3 +290,40 @@ def test_a_grid_runs_only_the_policies_asked_and_tool_hints_only_with_both(
         "ceiling": False,
         "both": True,
     }
+
+
+def test_thunder_runs_beside_both_and_is_judged_against_it(grid: ModuleType) -> None:
+    fleet = grid.Fleet("swe", "long", 16, 2.5)
+    jobs = grid.jobs_for([fleet], ["none"], [0], {}, None, policies=["off", "both", "thunder"])
+    assert sorted(j.policy for j in jobs) == ["both", "off", "thunder"]
+    assert {j.policy: j.config().policy for j in jobs}["thunder"] == "thunder"
+    rows = [
+        *_runs("swe/long/48/2.5", 0, off=4.0, both=6.0, ceiling=10.0),
+        *_runs("swe/long/48/2.5", 1, off=5.0, both=7.0, ceiling=11.0),
+        *_runs("swe/long/8/0.8", 0, off=5.0, both=5.0, ceiling=5.0),
+    ]
+    for fleet_key, seed, value, tail in (
+        ("swe/long/48/2.5", 0, 8.0, 4.0),
+        ("swe/long/48/2.5", 1, 5.0, 2.0),
+        ("swe/long/8/0.8", 0, 5.0, 1.0),
+    ):
+        rows.append(
+            {
+                "fleet": fleet_key,
+                "policy": "thunder",
+                "fault": "none",
+                "seed": seed,
+                "sessions_per_min": value,
+                "ttft_p99_continuing_s": tail,
+            }
+        )
+    j = grid.judge_seeds(rows, ["swe/long/48/2.5", "swe/long/8/0.8"])
+    cmp = j["both_vs_thunder"]
+    # swe 48: both / thunder 6 / 8 = 0.75 (seed 0), 7 / 5 = 1.4 (seed 1): median 1.075
+    assert cmp["cells"] == 2
+    assert cmp["both_wins"] == ["swe/long/48/2.5 1.07x"]
+    assert cmp["thunder_wins"] == []
+    assert cmp["median_both_over_peer"] == pytest.approx((1.075 + 1.0) / 2)
+    assert cmp["kv_bound_cells"] == 1
+    assert cmp["kv_bound_median_both_over_peer"] == pytest.approx(1.075)
+    assert "both_vs_thunder-origin" not in j

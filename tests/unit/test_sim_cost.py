@@ -117,12 +117,15 @@ def test_preset_engine_defaults() -> None:
         "qwen3-32b-h200": (265_000, 40_960),
         "llama3.1-8b-h100": (415_000, 131_072),
         "legacy": (200_000, 40_960),
+        "qwen3-coder-30b-a3b-fp8-h100-tp2": (2_237_040, 262_144),
     }
     assert set(PRESET_NAMES) == set(expected)
+    # vLLM's max-num-batched-tokens 8192 bounds every step of the replication's engine.
+    steps = {"qwen3-coder-30b-a3b-fp8-h100-tp2": (8192, 8192)}
     for name, (pool, ctx) in expected.items():
         p = PRESETS[name]
         assert (p.max_total_tokens, p.context_length) == (pool, ctx)
-        assert (p.chunked_prefill_size, p.max_prefill_tokens) == (8192, 16384)
+        assert (p.chunked_prefill_size, p.max_prefill_tokens) == steps.get(name, (8192, 16384))
         cfg = scheduler_config(name)
         assert cfg.max_total_tokens == pool
         assert cfg.cost == p.cost
