@@ -187,9 +187,7 @@ def paused_core(hold_max: float) -> tuple[ProgramCore, str]:
     c.ledger.observe_engine(E1, 0.0, max_total_num_tokens=1000)
     for sid, size in (("a", 400), ("b", 300), ("c", 200)):
         assert c.request(f"{sid}1", sid, E1, size, 0.0).outcome is Outcome.NEW_ADMITTED
-        c.observe_response(
-            f"{sid}1", 0.0, prompt_tokens=size, completion_tokens=0, cached_tokens=0
-        )
+        c.observe_response(f"{sid}1", 0.0, prompt_tokens=size, completion_tokens=0, cached_tokens=0)
         c.turn_ended(f"{sid}1", 0.0)
     c.ledger.pause(c.ledger.sessions["c"], 0.0)
     for sid, size in (("a", 450), ("b", 400)):  # never idle: never decayed
