@@ -31,7 +31,11 @@ permissive again after ``release_windows`` windows in a row busy under
 it idle (then it may not engage again for a back-off that doubles each time). Released
 for quiet it stays **armed** (the thrash it engaged for was measured on this fleet): the
 next new session that does not fit it engages it again at once (:meth:`Engagement.rearm`,
-the fit judged by the caller); a starved release disarms it. While
+the fit judged by the caller); a starved release disarms it. The hold model
+(:mod:`kvproxy.admission.forecast`) may engage a permissive engine at once, before any
+window (:meth:`Engagement.predict`); the windows that follow confirm the prediction or,
+showing twice in a row neither recompute nor exposure, refute it and release the engine
+with the starved release's back-off. While
 engaged, the gate is work-conserving: an engine with fewer than ``min_inflight`` turns
 in flight takes the head of its waiting queues whether or not it fits
 (:mod:`kvproxy.admission.program`).

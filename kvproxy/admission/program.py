@@ -10,8 +10,12 @@ Rules (docs/admission.md#program-mode):
   (``fits``: gate off below the crossover, else ``W + tokens <= theta x C``); a head
   that does not fit blocks that engine's FIFO; after ``new_session_max_wait_s`` it goes
   anyway (``new_aged``);
-* a PAUSED session's turn resumes at once if its footprint fits, else waits at most
-  ``paused_max_wait_s`` (then ``paused_aged``), ahead of every new session of its engine;
+* a PAUSED session's turn resumes at once if its footprint fits, else waits ahead of
+  every new session of its engine: past ``paused_max_wait_s`` it goes (``paused_aged``)
+  once resuming would not push its engine past the pause mark, and past
+  ``paused_hold_max_s`` in any case;
+* a permissive engine engages at once when the hold model says holding pays
+  (kvproxy.admission.forecast), on a new session's first turn or at a window's end;
 * fail open: no session id, no placement, no fresh capacity, a first turn larger than
   its engine's capacity, full queues: forwarded at once, counted by reason.
 
