@@ -232,6 +232,8 @@ class ProgramCore:
         e = eng.engagement
         if e.engaged or e.backoff > 0 or e.failures > 0 or not self.ledger.known(url):
             return False
+        if not self._floor_fits(url, eng):
+            return False  # (measured: the contexts turns come back to, as the rule's)
         o = self.outlook(url, now, s, tokens)
         if o is None or not holding_pays(o, self.p.forecast_rule) or not e.predict():
             return False
