@@ -446,9 +446,21 @@ class EngineLedger:
         eng = self.engines.get(url)
         if eng is None or not eng.sessions:
             return True  # an empty engine takes any session it fits (no deadlock)
-        probe = Session(sid=s.sid, engine=url, since=now, ctx=s.ctx, est=max(s.est, tokens))
-        need = self.reservation(probe, url)
+        need = self.first_reservation(url, s, tokens, now)
         return self.reserved(url, now) + need <= self.p.growth_target * self.kv_room(url)
+
+    def first_reservation(self, url: str, s: Session, tokens: int, now: float) -> int:
+        """What ``s`` with a first turn of ``tokens`` would reserve on ``url``."""
+        probe = Session(sid=s.sid, engine=url, since=now, ctx=s.ctx, est=max(s.est, tokens))
+        return self.reservation(probe, url)
+
+    def past_pause_mark(self, url: str, need: int) -> bool:
+        """Whether ``need`` more tokens would push the engine's sessions (undecayed)
+        past ``pause_high`` x pool + host: the tick would then pause another session.
+        A paused turn whose resume would do so waits past its soft bound (a swap that
+        evicts as much as it saves: docs/admission.md, "Holds that last as long as they
+        pay")."""
+        return self.undecayed(url) + need > self.p.pause_high * self.tier_room(url)
 
     # -- sessions ------------------------------------------------------------------
 

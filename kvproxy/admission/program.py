@@ -3,28 +3,15 @@
 Time is injected (``now``); the asyncio coordinator owns one :class:`ProgramCore`,
 calls it on the event loop only, and turns its answers into futures and timers.
 
-Rules (docs/admission.md#program-mode):
-
-* a continuing turn of an ACTIVE session is forwarded at once, never held;
-* a NEW session's first turn waits in its engine's FIFO until it fits the engine
-  (``fits``: gate off below the crossover, else ``W + tokens <= theta x C``); a head
-  that does not fit blocks that engine's FIFO; after ``new_session_max_wait_s`` it goes
-  anyway (``new_aged``);
-* a PAUSED session's turn resumes at once if its footprint fits, else waits ahead of
-  every new session of its engine: past ``paused_max_wait_s`` it goes (``paused_aged``)
-  once resuming would not push its engine past the pause mark, and past
-  ``paused_hold_max_s`` in any case;
-* a permissive engine engages at once when the hold model says holding pays
-  (kvproxy.admission.forecast), on a new session's first turn or at a window's end;
-* fail open: no session id, no placement, no fresh capacity, a first turn larger than
-  its engine's capacity, full queues: forwarded at once, counted by reason.
-
-The tick (every ``tick_s``): idle expiry; per engine, resume before pause: drain the
-paused queue, then the new FIFO; then, under growth pressure (``U > pause_high x
-room``, gate on; the room is C, or pool + host on an engine with a host tier), pause idle
-sessions (idle at least ``idle_lease_s``) largest footprint first until ``U <= pause_low
-x room``, or mark the smallest running one to pause at its response; then the feedback
-rule once per ``feedback_window_s``.
+Rules (docs/admission.md#program-mode): a continuing turn of an ACTIVE session is
+forwarded at once, never held; a NEW session's first turn waits in its engine's FIFO
+(with fit) until it fits, at most ``new_session_max_wait_s``; a PAUSED session's turn
+waits ahead of new sessions until it fits, past ``paused_max_wait_s`` only while its
+resume would push its engine past the pause mark, at most ``paused_hold_max_s``; an
+engine holds only while engaged (kvproxy.admission.engagement: measured thrash, the
+cold start, or the hold model of kvproxy.admission.forecast); every failure of a signal
+fails open. The tick (every ``tick_s``): idle expiry, drain (resumes first), pause
+(largest idle first) under growth pressure, the feedback window.
 """
 
 from __future__ import annotations
@@ -35,7 +22,7 @@ from typing import Final
 
 from kvproxy.admission.decisions import Event, Held, Outcome
 from kvproxy.admission.engine_ledger import Engine, EngineLedger, Session, SessionState
-from kvproxy.admission.forecast import Outlook, holding_pays
+from kvproxy.admission.forecast import holding_pays, outlook, returned_exposure
 from kvproxy.admission.params import ProgramParams
 from kvproxy.admission.prefetch import Prefetches
 from kvproxy.admission.priority import next_priority
@@ -170,10 +157,8 @@ class ProgramCore:
         return self._wait(ticket, s, tokens, now, "new", deadline, held)
 
     def _reengage(self, url: str, s: Session, tokens: int, now: float) -> bool:
-        """Whether a new session's first turn engages its permissive engine now: the
-        engine is armed (it engaged before and was released because its load dropped:
-        ``Engagement.rearm`` in kvproxy.admission.engagement) and the session does not
-        fit it."""
+        """Whether a new session's first turn that does not fit engages its armed
+        permissive engine now (``Engagement.rearm``)."""
         if not self.p.engage_on_thrash:
             return False
         eng = self.ledger.engine(url, now)
@@ -184,48 +169,9 @@ class ProgramCore:
         self.events[Event.REENGAGED] += 1
         return True
 
-    def outlook(
-        self, url: str, now: float, s: Session | None = None, tokens: int = 0
-    ) -> Outlook | None:
-        """The hold model's inputs on ``url`` (kvproxy.admission.forecast), counting
-        ``s``'s first turn of ``tokens`` when it is not active yet; None while the
-        engine's decodes are unknown."""
-        led = self.ledger
-        eng = led.engine(url, now)
-        decode = eng.decode()
-        if decode is None:
-            return None
-        demand = float(led.undecayed(url))
-        sessions = len(eng.sessions)
-        growth = led.peaks.growth
-        # Expected peaks only once the fleet's growth was seen: before, a peak is the
-        # engine's context length, and every large fleet would look oversubscribed.
-        expected = None if growth is None else led.reserved(url, now)
-        if s is not None and s.state is not SessionState.ACTIVE:
-            demand += max(s.footprint(self.p.session_buffer_tokens), tokens)
-            sessions += 1
-            if expected is not None:
-                probe = Session(sid=s.sid, engine=url, since=now, ctx=s.ctx, est=max(s.est, tokens))
-                expected += led.reservation(probe, url)
-        load = eng.load
-        measured = None
-        if load.returns >= self.p.engage_min_turns:
-            measured = load.exposure(self.p.decode_token_weight, self.p.engage_min_turns)
-        return Outlook(
-            demand=demand,
-            room=led.tier_room(url),
-            sessions=sessions,
-            decode=decode,
-            inflight=load.inflight,
-            measured_exposure=measured,
-            expected=expected,
-            growth=growth or 0.0,
-        )
-
     def _forecast(self, url: str, now: float, s: Session | None = None, tokens: int = 0) -> bool:
-        """Whether the hold model engages the permissive engine ``url`` now, before any
-        thrash is measured (kvproxy.admission.forecast); later windows confirm it or,
-        refuting it, release the engine with a back-off (Engagement.judge)."""
+        """Whether the hold model (kvproxy.admission.forecast) engages the permissive
+        engine ``url`` now; later windows confirm or refute it (Engagement.judge)."""
         if not (self.p.engage_on_thrash and self.p.engage_on_forecast):
             return False
         eng = self.ledger.engine(url, now)
@@ -234,7 +180,7 @@ class ProgramCore:
             return False
         if not self._floor_fits(url, eng):
             return False  # (measured: the contexts turns come back to, as the rule's)
-        o = self.outlook(url, now, s, tokens)
+        o = outlook(self.ledger, self.p, url, now, s, tokens)
         if o is None or not holding_pays(o, self.p.forecast_rule) or not e.predict():
             return False
         eng.theta = self.p.target_start
@@ -428,11 +374,9 @@ class ProgramCore:
         return out
 
     def _conserve(self, url: str, now: float) -> list[Release]:
-        """Work conservation (part of the measured rule: with engage_on_thrash off the
-        gate is the earlier versions' exactly): an engine with fewer than
-        ``min_inflight`` turns in flight takes the next waiting turns (resumes first)
-        whether or not they fit. Only a release to an engine with nothing in flight
-        counts toward the starvation release."""
+        """Work conservation (with engage_on_thrash on): an engine with fewer than
+        ``min_inflight`` turns in flight takes the next waiting turns (resumes first);
+        a release to an engine with nothing in flight counts toward starvation."""
         out: list[Release] = []
         if not self.p.engage_on_thrash:
             return out
@@ -485,18 +429,9 @@ class ProgramCore:
             return Outcome.RESUMED_WAITED
         if not self._aged(url, e, now):
             return None
-        if now < e.enqueued_at + self.p.paused_hold_max_s and self._resume_evicts(url, need):
-            return None  # past its soft bound, but resuming it would still overflow
+        if now < e.enqueued_at + self.p.paused_hold_max_s and led.past_pause_mark(url, need):
+            return None  # past its soft bound, but its resume would make the tick pause another
         return Outcome.PAUSED_AGED
-
-    def _resume_evicts(self, url: str, need: int) -> bool:
-        """Whether resuming a paused session of ``need`` tokens would push its engine's
-        sessions past the pause mark (their undecayed footprint and it over
-        ``pause_high`` x pool + host): the tick would then pause another session for
-        it, a swap that evicts as much as it saves (docs/admission.md, "Holds that last
-        as long as they pay")."""
-        led = self.ledger
-        return led.undecayed(url) + need > self.p.pause_high * led.tier_room(url)
 
     def _new_outcome(self, url: str, e: Entry, engaged: bool, now: float) -> Outcome | None:
         """How the head of a new-session queue leaves now, or None while it must wait."""
@@ -573,12 +508,8 @@ class ProgramCore:
 
     def _pauses(self, url: str, now: float) -> bool:
         """Whether the engine's idle sessions may be paused now: it is engaged and fresh,
-        and no pause of it was undone lately (a paused turn that the work-conserving
-        floor released, this feedback window or the last, found the engine with room in
-        its batch: that pause only delayed it, and the next would too, until a whole
-        window passes without one).
-
-        Measured: docs/benchmarks.md ("The regime grid", "A pause the floor undoes")."""
+        and the floor undid no pause of it this window or the last (that pause only
+        delayed its turn: docs/benchmarks.md, "A pause the floor undoes")."""
         led = self.ledger
         if not (self.p.pause and led.engaged(url) and led.fresh(url, now)):
             return False
@@ -587,17 +518,9 @@ class ProgramCore:
     def _pause(self, url: str, now: float) -> None:
         """Pause idle sessions, the largest first, while the engine's sessions overflow
         ``pause_high`` x its room, down to ``pause_low`` x it; with none idle, mark the
-        smallest running one to pause at its answer. The largest first: the fewest
-        sessions held for the room freed (measured against the smallest first:
-        docs/benchmarks.md, "Pausing the largest first").
-
-        The room is the capacity, or with a host tier (SGLang's HiCache) ``tier_room``,
-        pool + host: what overflows the device comes back from host memory by a load,
-        so a pause pays only once the sessions overflow both tiers and their contexts
-        are lost. Against the device's capacity or ``kv_room`` (max(pool, host) under
-        write-through) such an engine paused subagent fleets whose host tier held them
-        and put runs below 0.97x off+HiCache (docs/benchmarks.md, "SGLang's host
-        tier")."""
+        smallest running one to pause at its answer. The room is ``tier_room`` (pool +
+        host): with a host tier a pause pays only once both tiers overflow. Measured
+        (the largest first, the room): docs/admission.md, "The tick"."""
         led = self.ledger
         cap = led.tier_room(url)
         if cap <= 0 or led.gate_off(url):
@@ -679,7 +602,7 @@ class ProgramCore:
             exposure=eng.load.exposure(p.decode_token_weight, p.engage_min_turns),
             oversubscribed=self._oversubscribed(url, eng, now),
             floor_fits=self._floor_fits(url, eng),
-            returned=self._returned(eng),
+            returned=returned_exposure(eng.load, p.engage_min_turns, p.decode_token_weight),
         )
         if changed is None and not eng.engagement.engaged:
             self._forecast(url, now)
@@ -691,24 +614,12 @@ class ProgramCore:
             for s in self.ledger.on_engine(url):
                 s.pause_pending = False  # permissive: nobody pauses
 
-    def _returned(self, eng: Engine) -> float | None:
-        """The window's exposure when enough continuing turns came back to judge it."""
-        p = self.p
-        if eng.load.returns < p.engage_min_turns:
-            return None
-        return eng.load.exposure(p.decode_token_weight, p.engage_min_turns)
-
     def _floor_fits(self, url: str, eng: Engine) -> bool:
         """Whether the engine's KV room holds ``floor_room`` x ``min_inflight`` of the
         contexts its continuing turns came back to this window (``floor_room_host`` x
-        with a host tier). The work-conserving floor keeps ``min_inflight`` turns
-        running whatever is held; where their contexts alone overflow the room, the
-        running turns evict each other anyway and holding only delays work (measured
-        on small fleets whose pool holds a few such contexts: docs/benchmarks.md, "A
-        pool the floor overflows"). The room is ``kv_room``: with a host tier, what
-        overflows the pool comes back by a load, not a recompute (against the pool
-        alone, HiCache's small fleets lost gains of up to 14% and kept their losses).
-        True while the room or the contexts are unknown."""
+        with a host tier): where the floor's own turns overflow the room they evict each
+        other whatever is held (docs/admission.md, "A pool the floor overflows" in
+        "When admission holds"). True while the room or the contexts are unknown."""
         back = eng.load.mean_return()
         cap = self.ledger.kv_room(url)
         if back is None or cap <= 0:
@@ -718,21 +629,9 @@ class ProgramCore:
 
     def _oversubscribed(self, url: str, eng: Engine, now: float) -> bool:
         """The cold start's condition: at least ``cold_start_sessions`` sessions on the
-        engine, expected to grow to more than ``cold_start_ratio`` x its capacity, its
-        host tier counted (what overflows the pool into host memory comes back by a
-        load, not a recompute: the exposure the cold start assumes is not there).
-
-        The room here is pool + host, the most the two tiers hold (SGLang's write-back);
-        under its default write-through the host also copies the device's KV, so the
-        room is really ``kv_room``, max(pool, host), as the growth gate counts it. The
-        cold start is a prediction made before any thrash shows, so it keeps the larger
-        room and errs towards not engaging: with ``kv_room`` it engaged RL fleets whose
-        working set the host tier held and lost up to 6% (docs/benchmarks.md, "SGLang's
-        host tier"). An engine whose host tier is write-back gets no cold start at all:
-        its two tiers hold distinct KV, so off already keeps most of what a fleet comes
-        back to, and a prediction from the context-length prior held W3 to 0.95-0.97x
-        off there (measured thrash still engages it; docs/benchmarks.md, "Under
-        write-back")."""
+        engine, expected to grow to more than ``cold_start_ratio`` x pool + host (the
+        larger room: it errs towards not engaging); none on a write-back host tier.
+        Why each, measured: docs/admission.md, "When admission holds"."""
         p, led = self.p, self.ledger
         e = eng.engagement
         if p.cold_start_sessions <= 0 or e.engaged or e.failures > 0:
