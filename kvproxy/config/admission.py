@@ -62,18 +62,17 @@ class AdmissionConfig:
     # Ablation: hold continuing turns of active sessions for capacity like new ones
     # (false, the default: a continuing turn is forwarded at once, never held).
     hold_continuing: bool = False
-    # Pause idle sessions under growth pressure; a paused session's next turn waits at
-    # most paused_max_wait_s (then goes anyway), ahead of new sessions. 60 s: chosen over
-    # the regime grid (docs/admission.md#defaults): the bound is the lever of the gain
-    # where the gate engages and sets the continuing-turn TTFT tail there (the p99 is
-    # the bound); 30 s keeps W1's tail at off's but leaves its throughput at 1.6x.
+    # Pause idle sessions under growth pressure; a paused session's next turn waits for
+    # room ahead of new sessions; past paused_max_wait_s (the soft bound) it goes once
+    # its resume would not push its engine past the pause mark (pause_high x pool +
+    # host: the tick would pause another session for it), and past paused_hold_max_s
+    # in any case (docs/admission.md, "Holds that last as long as they pay"). 30 s: with
+    # the hold past it, a soft bound of 30 s gives the throughput of 60 s with the
+    # continuing-turn tail of off's on W1 (60 s under the fixed hold of earlier versions).
+    # paused_hold_max_s equal to paused_max_wait_s: that fixed hold.
     pause: bool = True
-    paused_max_wait_s: float = 60.0
-    # Past paused_max_wait_s a paused turn still waits while resuming it would overflow
-    # its engine (the decayed footprint of its live sessions and it over pool + host:
-    # it would evict contexts the ledger expects back), up to paused_hold_max_s from
-    # its pause, then goes anyway (docs/admission.md, "Holds that last as long as they
-    # pay"). Equal to paused_max_wait_s: the fixed hold of earlier versions.
+    paused_max_wait_s: float = 30.0
+    # 600 s: the knee of the hold's throughput / tail curve (docs/admission.md).
     paused_hold_max_s: float = 600.0
     # A new session waits in its engine's FIFO at most this long, then goes anyway (the
     # first-turn wait bound). 1800 s: the measured trade-off (docs/admission.md#defaults):
