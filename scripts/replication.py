@@ -331,6 +331,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         default="off,thunder,thunder-origin,both,cap,ceiling",
         help="of off, thunder, thunder-origin, both, cap (the experiment's caps), ceiling",
     )
+    ap.add_argument(
+        "--caps", default=None, help="cap:N values for every experiment (default: each one's)"
+    )
     ap.add_argument("--seeds", default="0")
     ap.add_argument("--out", type=Path, default=Path("results/replication.json"))
     ap.add_argument(
@@ -347,6 +350,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     names = None if args.only is None else set(args.only.split(","))
     exps = [e for e in EXPERIMENTS if names is None or e.name in names]
+    if args.caps is not None:
+        caps = tuple(int(c) for c in args.caps.split(","))
+        exps = [
+            dataclasses.replace(e, caps=tuple(c for c in caps if c < e.per_engine)) for e in exps
+        ]
     if not exps:
         ap.error(f"no experiment named {args.only!r}: {', '.join(e.name for e in EXPERIMENTS)}")
     seeds = [int(s) for s in args.seeds.split(",")]

@@ -61,6 +61,32 @@ def _peer_ok(name: str) -> bool:
     return True
 
 
+def _add_peer_arguments(parser: argparse.ArgumentParser) -> None:
+    """kvproxy's admission keys, the peers' settings and the measurement window."""
+    parser.add_argument(
+        "--admission",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override an admission.* key (YAML/JSON value, e.g. paused_max_wait_s=30); repeatable",
+    )
+    parser.add_argument(
+        "--deadline-s",
+        type=float,
+        default=None,
+        help="stop the workload at this simulated second (a measurement window; sessions "
+        "still running count as failed); default: run every session to its end",
+    )
+    parser.add_argument(
+        "--peer",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a ThunderAgent setting for thunder / thunder-origin (YAML value, e.g. "
+        "acting_half_life_s=0, resume_placement=origin-first, force_after_s=600); repeatable",
+    )
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--workload",
@@ -105,21 +131,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="KEY=VALUE",
         help="override a workload parameter (real units, e.g. turns_median=20); repeatable",
     )
-    parser.add_argument(
-        "--admission",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override an admission.* key (YAML/JSON value, e.g. paused_max_wait_s=30); repeatable",
-    )
-    parser.add_argument(
-        "--peer",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="a ThunderAgent setting for thunder / thunder-origin (YAML value, e.g. "
-        "acting_half_life_s=0, resume_placement=origin-first, force_after_s=600); repeatable",
-    )
+    _add_peer_arguments(parser)
     parser.add_argument(
         "--pool-tokens",
         type=int,
@@ -208,6 +220,7 @@ def run(args: argparse.Namespace) -> int:
         workload_overrides=workload_overrides,
         admission_overrides=admission,
         peer_overrides={k: yaml.safe_load(v) for k, v in peer_values.items()},
+        deadline_s=args.deadline_s,
         signal_fault=args.signal_fault,
         tool_hints=args.tool_hints,
         hicache_ratio=hicache_ratio(args),

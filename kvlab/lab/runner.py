@@ -141,6 +141,8 @@ def _validate_policy(policy: str) -> None:
 
 def _validate(cfg: LabConfig) -> None:
     _validate_policy(cfg.policy)
+    if cfg.deadline_s is not None and not cfg.deadline_s > 0:
+        raise LabError(f"deadline must be > 0 simulated seconds, got {cfg.deadline_s}")
     if cfg.router_policy not in ROUTER_POLICIES:
         raise LabError(f"router policy must be one of {ROUTER_POLICIES}, got {cfg.router_policy!r}")
     if cfg.engines < 1:

@@ -102,3 +102,12 @@ def test_cli_runs_peers_beside_kvproxy(tmp_path: Path, capsys: pytest.CaptureFix
     with pytest.raises(SystemExit):
         main(["lab", "--policy", "cap:none"])
     assert "cap:N" in capsys.readouterr().err
+
+
+def test_a_deadline_is_a_measurement_window() -> None:
+    cut = _row("thunder", deadline_s=20.0)
+    assert cut["makespan_s"] == pytest.approx(20.0)
+    assert cut["sessions_failed"] >= 1  # sessions still running at 20 s count as failed
+    assert cut["sessions"] + cut["sessions_failed"] == 12
+    with pytest.raises(LabError, match="deadline"):
+        _row("off", deadline_s=0.0)
