@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from kvproxy.admission.engagement import Engagement, Load
+from kvproxy.admission.forecast import Outlook, returned_exposure
 from kvproxy.admission.params import ProgramParams
 
 
@@ -453,6 +454,40 @@ class EngineLedger:
         """What ``s`` with a first turn of ``tokens`` would reserve on ``url``."""
         probe = Session(sid=s.sid, engine=url, since=now, ctx=s.ctx, est=max(s.est, tokens))
         return self.reservation(probe, url)
+
+    def outlook(
+        self, url: str, now: float, s: Session | None = None, tokens: int = 0
+    ) -> Outlook | None:
+        """The hold model's inputs on ``url`` (kvproxy.admission.forecast), counting
+        ``s``'s first turn of ``tokens`` when it is not active yet; None while the
+        engine's decodes are unknown. Expected peaks only once the fleet's growth was
+        seen: before, a peak is the engine's context length, and every large fleet would
+        look oversubscribed."""
+        p, eng = self.p, self.engine(url, now)
+        decode = eng.decode()
+        if decode is None:
+            return None
+        demand = float(self.undecayed(url))
+        sessions = len(eng.sessions)
+        growth = self.peaks.growth
+        expected = None if growth is None else self.reserved(url, now)
+        if s is not None and s.state is not SessionState.ACTIVE:
+            demand += max(s.footprint(p.session_buffer_tokens), tokens)
+            sessions += 1
+            if expected is not None:
+                expected += self.first_reservation(url, s, tokens, now)
+        return Outlook(
+            demand=demand,
+            room=self.tier_room(url),
+            sessions=sessions,
+            decode=decode,
+            inflight=eng.load.inflight,
+            measured_exposure=returned_exposure(
+                eng.load, p.engage_min_turns, p.decode_token_weight
+            ),
+            expected=expected,
+            growth=growth or 0.0,
+        )
 
     def past_pause_mark(self, url: str, need: int) -> bool:
         """Whether ``need`` more tokens would push the engine's sessions (undecayed)

@@ -28,10 +28,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # (the ledger's and the parameters' modules import this one)
+if TYPE_CHECKING:
     from kvproxy.admission.engagement import Load
-    from kvproxy.admission.engine_ledger import EngineLedger, Session
-    from kvproxy.admission.params import ProgramParams
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,42 +114,3 @@ def returned_exposure(load: Load, min_returns: int, decode_token_weight: float) 
     if load.returns < min_returns:
         return None
     return load.exposure(decode_token_weight, min_returns)
-
-
-def outlook(
-    led: EngineLedger,
-    p: ProgramParams,
-    url: str,
-    now: float,
-    s: Session | None = None,
-    tokens: int = 0,
-) -> Outlook | None:
-    """The model's inputs on ``url`` from the ledger, counting ``s``'s first turn of
-    ``tokens`` when it is not active yet; None while the engine's decodes are unknown.
-    Expected peaks only once the fleet's growth was seen: before, a peak is the
-    engine's context length, and every large fleet would look oversubscribed."""
-    eng = led.engine(url, now)
-    decode = eng.decode()
-    if decode is None:
-        return None
-    demand = float(led.undecayed(url))
-    sessions = len(eng.sessions)
-    growth = led.peaks.growth
-    expected = None if growth is None else led.reserved(url, now)
-    from kvproxy.admission.engine_ledger import SessionState  # (import cycle)
-
-    if s is not None and s.state is not SessionState.ACTIVE:
-        demand += max(s.footprint(p.session_buffer_tokens), tokens)
-        sessions += 1
-        if expected is not None:
-            expected += led.first_reservation(url, s, tokens, now)
-    return Outlook(
-        demand=demand,
-        room=led.tier_room(url),
-        sessions=sessions,
-        decode=decode,
-        inflight=eng.load.inflight,
-        measured_exposure=returned_exposure(eng.load, p.engage_min_turns, p.decode_token_weight),
-        expected=expected,
-        growth=growth or 0.0,
-    )

@@ -22,7 +22,7 @@ from typing import Final
 
 from kvproxy.admission.decisions import Event, Held, Outcome
 from kvproxy.admission.engine_ledger import Engine, EngineLedger, Session, SessionState
-from kvproxy.admission.forecast import holding_pays, outlook, returned_exposure
+from kvproxy.admission.forecast import holding_pays, returned_exposure
 from kvproxy.admission.params import ProgramParams
 from kvproxy.admission.prefetch import Prefetches
 from kvproxy.admission.priority import next_priority
@@ -180,7 +180,7 @@ class ProgramCore:
             return False
         if not self._floor_fits(url, eng):
             return False  # (measured: the contexts turns come back to, as the rule's)
-        o = outlook(self.ledger, self.p, url, now, s, tokens)
+        o = self.ledger.outlook(url, now, s, tokens)
         if o is None or not holding_pays(o, self.p.forecast_rule) or not e.predict():
             return False
         eng.theta = self.p.target_start
