@@ -168,7 +168,7 @@ class AdmissionController:
             waits=self._waits,
             clock=self._clock,
             log=self._log,
-            size=learning.size,
+            size=learning.sized,
             first_turn=learning.first_turn,
         )
         self._program_gate.prefetcher = self.prefetcher = Prefetcher(

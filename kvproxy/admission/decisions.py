@@ -87,6 +87,9 @@ class Event(StrEnum):
     # An engine released for a drop in load engaged again on a new session that did not
     # fit it (the next burst of a fleet whose sessions start together).
     REENGAGED = "reengaged"
+    # A permissive engine engaged by the hold model's prediction, before any thrash is
+    # measured (kvproxy.admission.forecast).
+    PREDICTED = "predicted"
     # An engine heard from neither by /metrics nor by answers: its waiting turns leave
     # one per tick (fail open, gradually), never all at once.
     STALE_RELEASE = "stale_release"

@@ -31,7 +31,11 @@ permissive again after ``release_windows`` windows in a row busy under
 it idle (then it may not engage again for a back-off that doubles each time). Released
 for quiet it stays **armed** (the thrash it engaged for was measured on this fleet): the
 next new session that does not fit it engages it again at once (:meth:`Engagement.rearm`,
-the fit judged by the caller); a starved release disarms it. While
+the fit judged by the caller); a starved release disarms it. The hold model
+(:mod:`kvproxy.admission.forecast`) may engage a permissive engine at once, before any
+window (:meth:`Engagement.predict`); the windows that follow confirm the prediction or,
+showing twice in a row neither recompute nor exposure, refute it and release the engine
+with the starved release's back-off. While
 engaged, the gate is work-conserving: an engine with fewer than ``min_inflight`` turns
 in flight takes the head of its waiting queues whether or not it fits
 (:mod:`kvproxy.admission.program`).
@@ -177,6 +181,10 @@ class Engagement:
     # Released because its load dropped, not because holding starved it: the thrash it
     # engaged for was real, and the next burst of sessions may bring it back at once.
     armed: bool = False
+    # Engaged by the hold model's prediction (kvproxy.admission.forecast), not yet
+    # confirmed by a window; ``wrong``: consecutive windows that contradicted it.
+    predicted: bool = False
+    wrong: int = 0
 
     def judge(
         self,
@@ -188,6 +196,7 @@ class Engagement:
         exposure: float | None = None,
         oversubscribed: bool = False,
         floor_fits: bool = True,
+        returned: float | None = None,
     ) -> bool | None:
         """One window's verdict: True when it engages now, False when it releases now,
         None when nothing changes. ``cost`` None (too few answers to judge yet): a
@@ -198,7 +207,9 @@ class Engagement:
         evicted) of at least ``engage_cost`` such a window counts as hot before any
         thrash is measured. ``floor_fits`` false (the engine's KV room cannot hold the
         work-conserving floor's own turns, judged by the caller): no window counts as
-        hot."""
+        hot. ``returned``: the exposure of a window in which enough continuing turns came
+        back to judge it (None: too few), which confirms or refutes a predicted
+        engagement."""
         if not self.engaged:
             if self.backoff > 0:
                 self.backoff -= 1
@@ -215,6 +226,8 @@ class Engagement:
                 return True
             return None
         self.starved = self.starved + 1 if idled > 0 else 0
+        if self._refuted(rule, cost, returned):
+            self.starved = rule.starved_windows  # the prediction was wrong: back off
         if self.starved >= rule.starved_windows:
             # Holding keeps starving the engine: it holds the wrong work here.
             self.failures += 1
@@ -222,14 +235,39 @@ class Engagement:
                 rule.max_backoff_windows, rule.backoff_windows * 2 ** (self.failures - 1)
             )
             self.engaged, self.hot, self.cool, self.starved = False, 0, 0, 0
-            self.armed = False
+            self.armed = self.predicted = False
+            self.wrong = 0
             return False
         self.cool = self.cool + 1 if busy < rule.release_busy else 0
         if self.cool >= rule.release_windows:
             self.engaged, self.hot, self.cool, self.starved = False, 0, 0, 0
-            self.armed = True
+            self.armed, self.predicted, self.wrong = True, False, 0
             return False
         return None
+
+    def _refuted(self, rule: EngageRule, cost: float | None, exposure: float | None) -> bool:
+        """Whether the windows since a predicted engagement refute it: ``engage_windows``
+        in a row judged (enough answers) with neither the recompute cost at
+        ``engage_cost`` nor the exposure at ``cold_exposure``: the contexts the turns
+        come back to are cheap to recompute against their decodes, so holding cannot
+        pay. A window that shows either confirms it (measured from then on)."""
+        if not self.predicted or cost is None or exposure is None:
+            return False
+        if cost >= rule.engage_cost or exposure >= rule.cold_exposure:
+            self.predicted, self.wrong = False, 0
+            return False
+        self.wrong += 1
+        return self.wrong >= rule.engage_windows
+
+    def predict(self) -> bool:
+        """Engage now on the hold model's prediction (kvproxy.admission.forecast), unless
+        the engine backs off after a starved or refuted engagement, or holding failed
+        on it before (then only measured thrash engages it)."""
+        if self.engaged or self.backoff > 0 or self.failures > 0:
+            return False
+        self.engaged, self.hot, self.cool, self.starved = True, 0, 0, 0
+        self.predicted, self.wrong = True, 0
+        return True
 
     def rearm(self) -> bool:
         """Engage now, on a new session the caller judged not to fit, if the engine

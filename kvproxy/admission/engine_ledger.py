@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from kvproxy.admission.engagement import Engagement, Load
+from kvproxy.admission.forecast import Outlook, returned_exposure
 from kvproxy.admission.params import ProgramParams
 from kvproxy.sessions.family import Family, Link
 
@@ -189,6 +190,13 @@ class Engine:
     # Its write policy is write_back (/server_info): the host holds only what the device
     # evicted, so the two tiers add up (see EngineLedger.kv_room).
     host_write_back: bool = False
+    # Decoded tokens per turn (the hold model's input, kvproxy.admission.forecast): the
+    # mean over the engine's answers once there are some, before that over what its
+    # requests asked for (max_new_tokens or an osl hint, as sized).
+    decode_asked: float = 0.0
+    decode_asks: int = 0
+    decode_answered: float = 0.0
+    decode_answers: int = 0
     # Its last reading's token usage and waiting requests (the prefetch's gate).
     token_usage: float | None = None
     queue_reqs: int | None = None
@@ -208,6 +216,27 @@ class Engine:
     load: Load = field(default_factory=Load)
     engagement: Engagement = field(default_factory=Engagement)
     last_stale_release: float = -math.inf
+
+    def note_decode(self, tokens: int, *, answered: bool) -> None:
+        """One turn's decode: asked for (a request's completion budget) or answered.
+        A running mean over the last ~256 of each."""
+        if answered:
+            n = min(self.decode_answers, 255)
+            self.decode_answered = (self.decode_answered * n + max(0, tokens)) / (n + 1)
+            self.decode_answers += 1
+        else:
+            n = min(self.decode_asks, 255)
+            self.decode_asked = (self.decode_asked * n + max(0, tokens)) / (n + 1)
+            self.decode_asks += 1
+
+    def decode(self) -> float | None:
+        """The expected decode per turn: answered (once 16 answers are in), else asked,
+        else None (unknown)."""
+        if self.decode_answers >= 16 or (self.decode_answers and not self.decode_asks):
+            return self.decode_answered
+        if self.decode_asks:
+            return self.decode_asked
+        return None
 
 
 class EngineLedger:
@@ -436,9 +465,55 @@ class EngineLedger:
         eng = self.engines.get(url)
         if eng is None or not eng.sessions:
             return True  # an empty engine takes any session it fits (no deadlock)
-        probe = Session(sid=s.sid, engine=url, since=now, ctx=s.ctx, est=max(s.est, tokens))
-        need = self.reservation(probe, url)
+        need = self.first_reservation(url, s, tokens, now)
         return self.reserved(url, now) + need <= self.p.growth_target * self.kv_room(url)
+
+    def first_reservation(self, url: str, s: Session, tokens: int, now: float) -> int:
+        """What ``s`` with a first turn of ``tokens`` would reserve on ``url``."""
+        probe = Session(sid=s.sid, engine=url, since=now, ctx=s.ctx, est=max(s.est, tokens))
+        return self.reservation(probe, url)
+
+    def outlook(
+        self, url: str, now: float, s: Session | None = None, tokens: int = 0
+    ) -> Outlook | None:
+        """The hold model's inputs on ``url`` (kvproxy.admission.forecast), counting
+        ``s``'s first turn of ``tokens`` when it is not active yet; None while the
+        engine's decodes are unknown. Expected peaks only once the fleet's growth was
+        seen: before, a peak is the engine's context length, and every large fleet would
+        look oversubscribed."""
+        p, eng = self.p, self.engine(url, now)
+        decode = eng.decode()
+        if decode is None:
+            return None
+        demand = float(self.undecayed(url))
+        sessions = len(eng.sessions)
+        growth = self.peaks.growth
+        expected = None if growth is None else self.reserved(url, now)
+        if s is not None and s.state is not SessionState.ACTIVE:
+            demand += max(s.footprint(p.session_buffer_tokens), tokens)
+            sessions += 1
+            if expected is not None:
+                expected += self.first_reservation(url, s, tokens, now)
+        return Outlook(
+            demand=demand,
+            room=self.tier_room(url),
+            sessions=sessions,
+            decode=decode,
+            inflight=eng.load.inflight,
+            measured_exposure=returned_exposure(
+                eng.load, p.engage_min_turns, p.decode_token_weight
+            ),
+            expected=expected,
+            growth=growth or 0.0,
+        )
+
+    def past_pause_mark(self, url: str, need: int) -> bool:
+        """Whether ``need`` more tokens would push the engine's sessions (undecayed)
+        past ``pause_high`` x pool + host: the tick would then pause another session.
+        A paused turn whose resume would do so waits past its soft bound (a swap that
+        evicts as much as it saves: docs/admission.md, "Holds that last as long as they
+        pay")."""
+        return self.undecayed(url) + need > self.p.pause_high * self.tier_room(url)
 
     # -- sessions ------------------------------------------------------------------
 
@@ -529,6 +604,8 @@ class EngineLedger:
         if prompt_tokens is None:
             return
         total = prompt_tokens + (completion_tokens or 0)
+        if completion_tokens is not None:
+            eng.note_decode(completion_tokens, answered=True)
         if cached_tokens is not None:
             cached = min(cached_tokens, prompt_tokens)
             left = min(s.ctx, prompt_tokens) if continuing else 0
@@ -597,16 +674,19 @@ class EngineLedger:
         s.state = SessionState.CLOSED
         return s
 
-    def expire(self, now: float) -> list[str]:
-        """Sessions idle (not running, not NEW) past ``idle_ttl_s`` leave; returns them."""
-        ttl = self.p.idle_ttl_s
-        out: list[str] = []
-        for sid, s in list(self.sessions.items()):
-            if s.state is SessionState.NEW or s.busy:
-                continue
-            if now - s.since > ttl:
-                self.drop(sid)
-                out.append(sid)
+    def expire(self, now: float, waiting: frozenset[str] = frozenset()) -> list[str]:
+        """Sessions idle (not busy, not NEW) past ``idle_ttl_s`` leave; returns them.
+        A session with a turn ``waiting`` is not idle: its turn is held, not absent (a
+        paused session dropped while its turn waits would come back as a new one, its
+        next turn held as a first turn)."""
+        out = [
+            sid
+            for sid, s in self.sessions.items()
+            if not (s.state is SessionState.NEW or s.busy or sid in waiting)
+            and now - s.since > self.p.idle_ttl_s
+        ]
+        for sid in out:
+            self.drop(sid)
         return out
 
     def on_engine(self, url: str) -> Iterable[Session]:
@@ -614,9 +694,7 @@ class EngineLedger:
 
     def counts(self) -> dict[str, int]:
         out = {state.value: 0 for state in SessionState if state is not SessionState.CLOSED}
-        running = 0
         for s in self.sessions.values():
             out[s.state.value] += 1
-            running += 1 if s.running else 0
-        out["running"] = running
+        out["running"] = sum(1 for s in self.sessions.values() if s.running)
         return out

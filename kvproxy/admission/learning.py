@@ -37,8 +37,15 @@ class Learning:
 
     def size(self, req: AdmissionRequest) -> int | None:
         """The request's reservation in tokens; None when the body cannot be sized."""
+        sized = self.sized(req)
+        return None if sized is None else sized[0]
+
+    def sized(self, req: AdmissionRequest) -> tuple[int, int] | None:
+        """The request's reservation in tokens and its completion part (what it asks to
+        decode); None when the body cannot be sized."""
         try:
-            return self.sizer.size(req.path, req.body, req.session_id).tokens
+            r = self.sizer.size(req.path, req.body, req.session_id)
+            return r.tokens, r.completion_tokens
         except Exception:  # fail open on a body the sizer cannot read
             self._log.warning(
                 "size", "admission: cannot size request %s", req.ticket_id, exc_info=True

@@ -9,7 +9,7 @@ from :class:`~kvproxy.config.AdmissionConfig` (``ProgramParams()`` is
 ``ProgramParams.from_config(AdmissionConfig())``); only the controller's own constants
 (``target_cut``, ``target_step``, ``quiet_windows``, ``min_feedback_turns``,
 ``engage_min_turns``, ``growth_alpha``, ``cold_start_ratio``, ``min_inflight``,
-``floor_room``, ``floor_room_host``) are set here.
+``floor_room``, ``floor_room_host``, ``forecast_ratio``) are set here.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvproxy.admission.engagement import EngageRule
+from kvproxy.admission.forecast import ForecastRule
 from kvproxy.config import AdmissionConfig
 
 # The one place program admission's defaults are written (kvproxy/config/admission.py).
@@ -29,6 +30,7 @@ class ProgramParams:
     hold_continuing: bool = _D.hold_continuing
     pause: bool = _D.pause
     paused_max_wait_s: float = _D.paused_max_wait_s
+    paused_hold_max_s: float = _D.paused_hold_max_s
     new_session_max_wait_s: float = _D.new_session_max_wait_s
     priority_steering: bool = _D.priority_steering
     priority_unit_tokens: int = _D.priority_unit_tokens
@@ -75,6 +77,9 @@ class ProgramParams:
     # expected peaks over its capacity.
     cold_start_sessions: int = _D.cold_start_sessions
     cold_start_ratio: float = 1.5
+    # The hold model (kvproxy.admission.forecast).
+    engage_on_forecast: bool = _D.engage_on_forecast
+    forecast_ratio: float = 1.0  # known contexts over the room that engage
     # Work conservation while engaged: an engine with fewer turns in flight takes the
     # next held turn.
     min_inflight: int = 3
@@ -107,6 +112,19 @@ class ProgramParams:
             release_windows=self.release_windows,
         )
 
+    @property
+    def forecast_rule(self) -> ForecastRule:
+        return ForecastRule(
+            demand_ratio=self.forecast_ratio,
+            expected_ratio=self.cold_start_ratio,
+            exposure=self.engage_rule.cold_exposure,
+            decode_token_weight=self.decode_token_weight,
+            min_inflight=self.min_inflight,
+            floor_room=self.floor_room,
+            min_returns=self.engage_min_turns,
+            min_sessions=self.cold_start_sessions,
+        )
+
     @classmethod
     def from_config(cls, cfg: AdmissionConfig, time_scale: float = 1.0) -> ProgramParams:
         k = time_scale
@@ -115,6 +133,7 @@ class ProgramParams:
             hold_continuing=cfg.hold_continuing,
             pause=cfg.pause,
             paused_max_wait_s=cfg.paused_max_wait_s * k,
+            paused_hold_max_s=cfg.paused_hold_max_s * k,
             new_session_max_wait_s=cfg.new_session_max_wait_s * k,
             priority_steering=cfg.priority_steering,
             priority_unit_tokens=cfg.priority_unit_tokens,
@@ -148,6 +167,7 @@ class ProgramParams:
             engage_windows=cfg.engage_windows,
             release_windows=cfg.release_windows,
             cold_start_sessions=cfg.cold_start_sessions,
+            engage_on_forecast=cfg.engage_on_forecast,
             staleness_s=cfg.effective_staleness_s * k,
             max_queue=cfg.max_queue,
             max_sessions=cfg.max_sessions,

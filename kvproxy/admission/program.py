@@ -3,24 +3,15 @@
 Time is injected (``now``); the asyncio coordinator owns one :class:`ProgramCore`,
 calls it on the event loop only, and turns its answers into futures and timers.
 
-Rules (docs/admission.md#program-mode):
-
-* a continuing turn of an ACTIVE session is forwarded at once, never held;
-* a NEW session's first turn waits in its engine's FIFO until it fits the engine
-  (``fits``: gate off below the crossover, else ``W + tokens <= theta x C``); a head
-  that does not fit blocks that engine's FIFO; after ``new_session_max_wait_s`` it goes
-  anyway (``new_aged``);
-* a PAUSED session's turn resumes at once if its footprint fits, else waits at most
-  ``paused_max_wait_s`` (then ``paused_aged``), ahead of every new session of its engine;
-* fail open: no session id, no placement, no fresh capacity, a first turn larger than
-  its engine's capacity, full queues: forwarded at once, counted by reason.
-
-The tick (every ``tick_s``): idle expiry; per engine, resume before pause: drain the
-paused queue, then the new FIFO; then, under growth pressure (``U > pause_high x
-room``, gate on; the room is C, or pool + host on an engine with a host tier), pause idle
-sessions (idle at least ``idle_lease_s``) largest footprint first until ``U <= pause_low
-x room``, or mark the smallest running one to pause at its response; then the feedback
-rule once per ``feedback_window_s``.
+Rules (docs/admission.md#program-mode): a continuing turn of an ACTIVE session is
+forwarded at once, never held; a NEW session's first turn waits in its engine's FIFO
+(with fit) until it fits, at most ``new_session_max_wait_s``; a PAUSED session's turn
+waits ahead of new sessions until it fits, past ``paused_max_wait_s`` only while its
+resume would push its engine past the pause mark, at most ``paused_hold_max_s``; an
+engine holds only while engaged (kvproxy.admission.engagement: measured thrash, the
+cold start, or the hold model of kvproxy.admission.forecast); every failure of a signal
+fails open. The tick (every ``tick_s``): idle expiry, drain (resumes first), pause
+(largest idle first) under growth pressure, the feedback window.
 """
 
 from __future__ import annotations
@@ -31,6 +22,7 @@ from typing import Final
 
 from kvproxy.admission.decisions import Event, Held, Outcome
 from kvproxy.admission.engine_ledger import Engine, EngineLedger, Session, SessionState
+from kvproxy.admission.forecast import holding_pays, returned_exposure
 from kvproxy.admission.params import ProgramParams
 from kvproxy.admission.prefetch import Prefetches
 from kvproxy.admission.priority import next_priority
@@ -82,12 +74,23 @@ class ProgramCore:
     # -- requests ------------------------------------------------------------------
 
     def request(
-        self, ticket: str, sid: str | None, owner: str | None, tokens: int, now: float
+        self,
+        ticket: str,
+        sid: str | None,
+        owner: str | None,
+        tokens: int,
+        now: float,
+        *,
+        decode: int | None = None,
     ) -> Verdict:
-        """Decide for one turn. ``owner``: the ring owner of its routing key."""
+        """Decide for one turn. ``owner``: the ring owner of its routing key;
+        ``decode``: the completion part of ``tokens`` (what the request asks to decode),
+        when known: the hold model's input before any answer."""
         if sid is None:
             return Verdict(Outcome.BYPASS_NO_SESSION)
         led = self.ledger
+        if decode is not None and owner is not None:
+            led.engine(owner, now).note_decode(decode, answered=False)
         s = led.get(sid)
         if owner is None:
             if s is not None:
@@ -130,7 +133,10 @@ class ProgramCore:
         if tokens > led.capacity(url):
             return self._go(ticket, s, now, tokens, Outcome.BYPASS_OVERSIZED)
         paused_waiting, new_waiting = self.queues.waiting(url)
-        engaged = led.engaged(url) or (not continuing and self._reengage(url, s, tokens, now))
+        engaged = led.engaged(url) or (
+            not continuing
+            and (self._reengage(url, s, tokens, now) or self._forecast(url, now, s, tokens))
+        )
         if not engaged:
             fit = True
         elif continuing:
@@ -151,10 +157,8 @@ class ProgramCore:
         return self._wait(ticket, s, tokens, now, "new", deadline, held)
 
     def _reengage(self, url: str, s: Session, tokens: int, now: float) -> bool:
-        """Whether a new session's first turn engages its permissive engine now: the
-        engine is armed (it engaged before and was released because its load dropped:
-        ``Engagement.rearm`` in kvproxy.admission.engagement) and the session does not
-        fit it."""
+        """Whether a new session's first turn that does not fit engages its armed
+        permissive engine now (``Engagement.rearm``)."""
         if not self.p.engage_on_thrash:
             return False
         eng = self.ledger.engine(url, now)
@@ -163,6 +167,24 @@ class ProgramCore:
             return False
         eng.theta = self.p.target_start
         self.events[Event.REENGAGED] += 1
+        return True
+
+    def _forecast(self, url: str, now: float, s: Session | None = None, tokens: int = 0) -> bool:
+        """Whether the hold model (kvproxy.admission.forecast) engages the permissive
+        engine ``url`` now; later windows confirm or refute it (Engagement.judge)."""
+        if not (self.p.engage_on_thrash and self.p.engage_on_forecast):
+            return False
+        eng = self.ledger.engine(url, now)
+        e = eng.engagement
+        if e.engaged or e.backoff > 0 or e.failures > 0 or not self.ledger.known(url):
+            return False
+        if not self._floor_fits(url, eng):
+            return False  # (measured: the contexts turns come back to, as the rule's)
+        o = self.ledger.outlook(url, now, s, tokens)
+        if o is None or not holding_pays(o, self.p.forecast_rule) or not e.predict():
+            return False
+        eng.theta = self.p.target_start
+        self.events[Event.PREDICTED] += 1
         return True
 
     def hint_growth(self, sid: str | None, osl: int | None) -> None:
@@ -352,11 +374,9 @@ class ProgramCore:
         return out
 
     def _conserve(self, url: str, now: float) -> list[Release]:
-        """Work conservation (part of the measured rule: with engage_on_thrash off the
-        gate is the earlier versions' exactly): an engine with fewer than
-        ``min_inflight`` turns in flight takes the next waiting turns (resumes first)
-        whether or not they fit. Only a release to an engine with nothing in flight
-        counts toward the starvation release."""
+        """Work conservation (with engage_on_thrash on): an engine with fewer than
+        ``min_inflight`` turns in flight takes the next waiting turns (resumes first);
+        a release to an engine with nothing in flight counts toward starvation."""
         out: list[Release] = []
         if not self.p.engage_on_thrash:
             return out
@@ -404,11 +424,14 @@ class ProgramCore:
         s = led.get(e.sid)
         if s is None or s.state is not SessionState.PAUSED or not engaged:
             return Outcome.RESUMED_WAITED  # closed or resumed meanwhile, or permissive
-        if led.fits(url, max(s.footprint(self.p.session_buffer_tokens), e.tokens), now):
+        need = max(s.footprint(self.p.session_buffer_tokens), e.tokens)
+        if led.fits(url, need, now):
             return Outcome.RESUMED_WAITED
-        if self._aged(url, e, now):
-            return Outcome.PAUSED_AGED
-        return None
+        if not self._aged(url, e, now):
+            return None
+        if now < e.enqueued_at + self.p.paused_hold_max_s and led.past_pause_mark(url, need):
+            return None  # past its soft bound, but its resume would make the tick pause another
+        return Outcome.PAUSED_AGED
 
     def _new_outcome(self, url: str, e: Entry, engaged: bool, now: float) -> Outcome | None:
         """How the head of a new-session queue leaves now, or None while it must wait."""
@@ -458,7 +481,9 @@ class ProgramCore:
         for e in self.queues.heads():
             at = e.deadline
             if at <= now:
-                at = max(now, min(now + self.p.tick_s, 2 * e.deadline - e.enqueued_at))
+                at = min(now + self.p.tick_s, 2 * e.deadline - e.enqueued_at)
+                if at <= now:  # (a paused turn held past its bounds: the next tick)
+                    at = now + self.p.tick_s
             if best is None or at < best:
                 best = at
         return best
@@ -466,7 +491,8 @@ class ProgramCore:
     def tick(self, now: float) -> list[Release]:
         """Expiry, then per engine: resume/admit (drain), pause, feedback."""
         self._last_tick = now
-        for sid in self.ledger.expire(now):
+        waiting = frozenset(e.sid for e, _ in self.queues.entries.values())
+        for sid in self.ledger.expire(now, waiting):
             self.prefetch.cancel(sid)
             self.events[Event.IDLE_EXPIRED] += 1
         out = self.drain(now)
@@ -482,12 +508,8 @@ class ProgramCore:
 
     def _pauses(self, url: str, now: float) -> bool:
         """Whether the engine's idle sessions may be paused now: it is engaged and fresh,
-        and no pause of it was undone lately (a paused turn that the work-conserving
-        floor released, this feedback window or the last, found the engine with room in
-        its batch: that pause only delayed it, and the next would too, until a whole
-        window passes without one).
-
-        Measured: docs/benchmarks.md ("The regime grid", "A pause the floor undoes")."""
+        and the floor undid no pause of it this window or the last (that pause only
+        delayed its turn: docs/benchmarks.md, "A pause the floor undoes")."""
         led = self.ledger
         if not (self.p.pause and led.engaged(url) and led.fresh(url, now)):
             return False
@@ -496,17 +518,9 @@ class ProgramCore:
     def _pause(self, url: str, now: float) -> None:
         """Pause idle sessions, the largest first, while the engine's sessions overflow
         ``pause_high`` x its room, down to ``pause_low`` x it; with none idle, mark the
-        smallest running one to pause at its answer. The largest first: the fewest
-        sessions held for the room freed (measured against the smallest first:
-        docs/benchmarks.md, "Pausing the largest first").
-
-        The room is the capacity, or with a host tier (SGLang's HiCache) ``tier_room``,
-        pool + host: what overflows the device comes back from host memory by a load,
-        so a pause pays only once the sessions overflow both tiers and their contexts
-        are lost. Against the device's capacity or ``kv_room`` (max(pool, host) under
-        write-through) such an engine paused subagent fleets whose host tier held them
-        and put runs below 0.97x off+HiCache (docs/benchmarks.md, "SGLang's host
-        tier")."""
+        smallest running one to pause at its answer. The room is ``tier_room`` (pool +
+        host): with a host tier a pause pays only once both tiers overflow. Measured
+        (the largest first, the room): docs/admission.md, "The tick"."""
         led = self.ledger
         cap = led.tier_room(url)
         if cap <= 0 or led.gate_off(url):
@@ -588,7 +602,10 @@ class ProgramCore:
             exposure=eng.load.exposure(p.decode_token_weight, p.engage_min_turns),
             oversubscribed=self._oversubscribed(url, eng, now),
             floor_fits=self._floor_fits(url, eng),
+            returned=returned_exposure(eng.load, p.engage_min_turns, p.decode_token_weight),
         )
+        if changed is None and not eng.engagement.engaged:
+            self._forecast(url, now)
         if changed is True:
             self.events[Event.ENGAGED] += 1
             eng.theta = p.target_start
@@ -600,14 +617,9 @@ class ProgramCore:
     def _floor_fits(self, url: str, eng: Engine) -> bool:
         """Whether the engine's KV room holds ``floor_room`` x ``min_inflight`` of the
         contexts its continuing turns came back to this window (``floor_room_host`` x
-        with a host tier). The work-conserving floor keeps ``min_inflight`` turns
-        running whatever is held; where their contexts alone overflow the room, the
-        running turns evict each other anyway and holding only delays work (measured
-        on small fleets whose pool holds a few such contexts: docs/benchmarks.md, "A
-        pool the floor overflows"). The room is ``kv_room``: with a host tier, what
-        overflows the pool comes back by a load, not a recompute (against the pool
-        alone, HiCache's small fleets lost gains of up to 14% and kept their losses).
-        True while the room or the contexts are unknown."""
+        with a host tier): where the floor's own turns overflow the room they evict each
+        other whatever is held (docs/admission.md, "A pool the floor overflows" in
+        "When admission holds"). True while the room or the contexts are unknown."""
         back = eng.load.mean_return()
         cap = self.ledger.kv_room(url)
         if back is None or cap <= 0:
@@ -617,21 +629,9 @@ class ProgramCore:
 
     def _oversubscribed(self, url: str, eng: Engine, now: float) -> bool:
         """The cold start's condition: at least ``cold_start_sessions`` sessions on the
-        engine, expected to grow to more than ``cold_start_ratio`` x its capacity, its
-        host tier counted (what overflows the pool into host memory comes back by a
-        load, not a recompute: the exposure the cold start assumes is not there).
-
-        The room here is pool + host, the most the two tiers hold (SGLang's write-back);
-        under its default write-through the host also copies the device's KV, so the
-        room is really ``kv_room``, max(pool, host), as the growth gate counts it. The
-        cold start is a prediction made before any thrash shows, so it keeps the larger
-        room and errs towards not engaging: with ``kv_room`` it engaged RL fleets whose
-        working set the host tier held and lost up to 6% (docs/benchmarks.md, "SGLang's
-        host tier"). An engine whose host tier is write-back gets no cold start at all:
-        its two tiers hold distinct KV, so off already keeps most of what a fleet comes
-        back to, and a prediction from the context-length prior held W3 to 0.95-0.97x
-        off there (measured thrash still engages it; docs/benchmarks.md, "Under
-        write-back")."""
+        engine, expected to grow to more than ``cold_start_ratio`` x pool + host (the
+        larger room: it errs towards not engaging); none on a write-back host tier.
+        Why each, measured: docs/admission.md, "When admission holds"."""
         p, led = self.p, self.ledger
         e = eng.engagement
         if p.cold_start_sessions <= 0 or e.engaged or e.failures > 0:

@@ -71,12 +71,13 @@ class ProgramGate:
         waits: WaitHistogram,
         clock: Callable[[], float],
         log: RateLimitedLog,
-        size: Callable[[AdmissionRequest], int | None],
+        size: Callable[[AdmissionRequest], tuple[int, int] | None],
         first_turn: Callable[[str], None],
     ) -> None:
         """``cfg``: the controller's (time-scaled) config, replaced on a reload;
         ``workers``: the ring's worker URLs and the available ones (None: the polled
-        engines); ``size``: a request's reservation (None: unreadable);
+        engines); ``size``: a request's reservation and its completion part (None:
+        unreadable);
         ``first_turn``: note a session's first turn's ticket."""
         self.core = core
         self.cfg = cfg
@@ -201,15 +202,14 @@ class ProgramGate:
         now = self._clock()
         core = self.core
         sid = req.session_id
-        tokens = self._size(req)
-        if tokens is None:
-            tokens = 0
+        sized = self._size(req)
+        tokens, decode = (0, None) if sized is None else sized
         owner = None if sid is None else self.placement.owner(req.routing_key or sid)
         if sid is not None and core.ledger.get(sid) is None:
             self._first_turn(ticket)
         if sid is not None and req.parent_id is not None:
             core.ledger.link(sid, req.parent_id)  # a lead counts while its child runs
-        verdict = core.request(ticket, sid, owner, tokens, now)
+        verdict = core.request(ticket, sid, owner, tokens, now, decode=decode)
         if core.p.prefetch and sid is not None and self.prefetcher is not None:
             self.prefetcher.keep(req)
         # Dynamo's agent_hints.osl: the session grows by at least that much per turn.

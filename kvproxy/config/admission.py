@@ -67,13 +67,18 @@ class AdmissionConfig:
     # Ablation: hold continuing turns of active sessions for capacity like new ones
     # (false, the default: a continuing turn is forwarded at once, never held).
     hold_continuing: bool = False
-    # Pause idle sessions under growth pressure; a paused session's next turn waits at
-    # most paused_max_wait_s (then goes anyway), ahead of new sessions. 60 s: chosen over
-    # the regime grid (docs/admission.md#defaults): the bound is the lever of the gain
-    # where the gate engages and sets the continuing-turn TTFT tail there (the p99 is
-    # the bound); 30 s keeps W1's tail at off's but leaves its throughput at 1.6x.
+    # Pause idle sessions under growth pressure; a paused session's next turn waits for
+    # room ahead of new sessions; past paused_max_wait_s (the soft bound) it goes once
+    # its resume would not push its engine past the pause mark (pause_high x pool +
+    # host: the tick would pause another session for it), and past paused_hold_max_s
+    # in any case (docs/admission.md, "Holds that last as long as they pay"). 30 s: with
+    # the hold past it, a soft bound of 30 s gives the throughput of 60 s with the
+    # continuing-turn tail of off's on W1 (60 s under the fixed hold of earlier versions).
+    # paused_hold_max_s equal to paused_max_wait_s: that fixed hold.
     pause: bool = True
-    paused_max_wait_s: float = 60.0
+    paused_max_wait_s: float = 30.0
+    # 600 s: the knee of the hold's throughput / tail curve (docs/admission.md).
+    paused_hold_max_s: float = 600.0
     # A new session waits in its engine's FIFO at most this long, then goes anyway (the
     # first-turn wait bound). 1800 s: the measured trade-off (docs/admission.md#defaults):
     # over the regime grid the first-turn wait p99 reached 1,870 s without a tighter
@@ -131,6 +136,13 @@ class AdmissionConfig:
     # sessions expected to grow to more than 1.5 x its capacity, whose contexts would
     # cost at least 0.5 of its work to recompute were they all evicted. 0: off.
     cold_start_sessions: int = 24
+    # The hold model (docs/admission.md, "The hold model"): a permissive engine also
+    # engages at once, on a new session's first turn or at a window's end, when the
+    # contexts it already knows exceed its room (pool + host) and recomputing them would
+    # cost at least half its work (predicted from prompts against the decodes asked
+    # for, measured once turns come back); released with a back-off when the windows
+    # that follow refute it. false: off.
+    engage_on_forecast: bool = True
     # Growth-aware admission of new sessions: a new session starts only if what the
     # engine's admitted sessions and it are expected to grow to (each: max(footprint,
     # expected peak context)) fits growth_target x capacity (x the host pool where an
@@ -234,7 +246,12 @@ def _validate_request_keys(a: AdmissionConfig) -> None:
 
 
 # Program mode's keys by the range they must lie in.
-_NON_NEGATIVE = ("paused_max_wait_s", "new_session_max_wait_s", "idle_half_life_s")
+_NON_NEGATIVE = (
+    "paused_max_wait_s",
+    "paused_hold_max_s",
+    "new_session_max_wait_s",
+    "idle_half_life_s",
+)
 _POSITIVE = ("tick_s", "idle_lease_s", "idle_ttl_s", "feedback_window_s", "prefetch_lead_s")
 _FRACTIONS = (
     "pause_high",

@@ -297,9 +297,14 @@ async def test_a_paused_sessions_turn_waits_no_longer_than_its_bound(
     proxy, ch_engines, http
 ) -> None:
     # The growth gate off: before any growth is seen it reserves the engine's context
-    # length per session, which would hold big's first turn; this test is the pause's.
+    # length per session, which would hold big's first turn; this test is the pause's,
+    # with the fixed hold (paused_hold_max_s = paused_max_wait_s).
     p = await proxy(
-        idle_lease_s=0.2, idle_half_life_s=600.0, paused_max_wait_s=0.5, growth_reservation=False
+        idle_lease_s=0.2,
+        idle_half_life_s=600.0,
+        paused_max_wait_s=0.5,
+        paused_hold_max_s=0.5,
+        growth_reservation=False,
     )
     a_url = ch_engines[1].url
     prefix = f"pause{next(_ids)}"

@@ -317,7 +317,11 @@ def test_a_paused_turn_that_fits_resumes_at_once() -> None:
 
 def test_a_paused_turn_waits_at_most_its_bound_ahead_of_new_sessions() -> None:
     c = paused_setup()
-    c.configure(dataclasses.replace(c.p, idle_lease_s=1000.0))  # no decay from here on
+    # no decay from here on; the fixed hold (a hold past its soft bound that would still
+    # overflow: tests/unit/test_admission_forecast.py)
+    c.configure(
+        dataclasses.replace(c.p, idle_lease_s=1000.0, paused_hold_max_s=c.p.paused_max_wait_s)
+    )
     turn(c, "s3-1", "s3", 95, 7.0)  # continuing: forwarded
     c.ledger.sessions["s3"].growth = 100  # s3 is expected to grow: W ~ 860
     v = turn(c, "s2-1", "s2", 100, 7.0)

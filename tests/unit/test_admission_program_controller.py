@@ -167,7 +167,11 @@ async def test_unknown_router_policy_falls_back_to_fleet_accounting_and_says_so(
 
 async def test_a_paused_turn_waits_no_longer_than_its_bound(lab) -> None:
     ctl = await lab(
-        idle_lease_s=0.01, idle_half_life_s=3600.0, paused_max_wait_s=0.2, feedback=False
+        idle_lease_s=0.01,
+        idle_half_life_s=3600.0,
+        paused_max_wait_s=0.2,
+        paused_hold_max_s=0.2,
+        feedback=False,
     )
     a1, a2 = keys_on(A, 2)
     await turn(ctl, request("t1", a1, 10), prompt=500)

@@ -116,6 +116,7 @@ def test_program_params_take_their_defaults_from_the_config() -> None:
         "min_inflight",
         "floor_room",
         "floor_room_host",
+        "forecast_ratio",
     }
     derived = {
         "cut_interval_s": 2 * AdmissionConfig().feedback_window_s,
