@@ -21,10 +21,10 @@ class Outcome(StrEnum):
     NEW_WAITED = "new_waited"
     # Fail open: a new session that waited new_session_max_wait_s went anyway.
     NEW_AGED = "new_aged"
-    # A paused session's turn fitted at once / after waiting (< paused_max_wait_s).
+    # A paused session's turn fitted at once / after waiting (< paused_soft_wait_s).
     RESUMED = "resumed"
     RESUMED_WAITED = "resumed_waited"
-    # Fail open: a paused session's turn that waited paused_max_wait_s went anyway.
+    # Fail open: a paused session's turn that waited paused_soft_wait_s went anyway.
     PAUSED_AGED = "paused_aged"
     # Work-conserving: a waiting turn its engine took because fewer than min_inflight
     # (3) turns were in flight there (engaged gate; it did not fit yet).

@@ -29,8 +29,8 @@ class ProgramParams:
     headroom: float = _D.headroom
     hold_continuing: bool = _D.hold_continuing
     pause: bool = _D.pause
+    paused_soft_wait_s: float = _D.paused_soft_wait_s
     paused_max_wait_s: float = _D.paused_max_wait_s
-    paused_hold_max_s: float = _D.paused_hold_max_s
     new_session_max_wait_s: float = _D.new_session_max_wait_s
     priority_steering: bool = _D.priority_steering
     priority_unit_tokens: int = _D.priority_unit_tokens
@@ -132,8 +132,10 @@ class ProgramParams:
             headroom=cfg.headroom,
             hold_continuing=cfg.hold_continuing,
             pause=cfg.pause,
+            # The soft bound never outlasts the hard one (paused_max_wait_s: 30 alone
+            # is the fixed 30 s hold, as the key meant before the soft bound).
+            paused_soft_wait_s=min(cfg.paused_soft_wait_s, cfg.paused_max_wait_s) * k,
             paused_max_wait_s=cfg.paused_max_wait_s * k,
-            paused_hold_max_s=cfg.paused_hold_max_s * k,
             new_session_max_wait_s=cfg.new_session_max_wait_s * k,
             priority_steering=cfg.priority_steering,
             priority_unit_tokens=cfg.priority_unit_tokens,

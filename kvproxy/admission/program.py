@@ -6,8 +6,8 @@ calls it on the event loop only, and turns its answers into futures and timers.
 Rules (docs/admission.md#program-mode): a continuing turn of an ACTIVE session is
 forwarded at once, never held; a NEW session's first turn waits in its engine's FIFO
 (with fit) until it fits, at most ``new_session_max_wait_s``; a PAUSED session's turn
-waits ahead of new sessions until it fits, past ``paused_max_wait_s`` only while its
-resume would push its engine past the pause mark, at most ``paused_hold_max_s``; an
+waits ahead of new sessions until it fits, past ``paused_soft_wait_s`` only while its
+resume would push its engine past the pause mark, at most ``paused_max_wait_s``; an
 engine holds only while engaged (kvproxy.admission.engagement: measured thrash, the
 cold start, or the hold model of kvproxy.admission.forecast); every failure of a signal
 fails open. The tick (every ``tick_s``): idle expiry, drain (resumes first), pause
@@ -122,7 +122,7 @@ class ProgramCore:
         need = max(s.footprint(self.p.session_buffer_tokens), tokens)
         if not led.engaged(url) or led.fits(url, need, now):
             return self._go(ticket, s, now, tokens, Outcome.RESUMED)
-        deadline = now + self.p.paused_max_wait_s
+        deadline = now + self.p.paused_soft_wait_s
         return self._wait(ticket, s, tokens, now, "paused", deadline, Held.PAUSED_FIT)
 
     def _first_turn(self, ticket: str, s: Session, tokens: int, now: float) -> Verdict:
@@ -429,7 +429,7 @@ class ProgramCore:
             return Outcome.RESUMED_WAITED
         if not self._aged(url, e, now):
             return None
-        if now < e.enqueued_at + self.p.paused_hold_max_s and led.past_pause_mark(url, need):
+        if now < e.enqueued_at + self.p.paused_max_wait_s and led.past_pause_mark(url, need):
             return None  # past its soft bound, but its resume would make the tick pause another
         return Outcome.PAUSED_AGED
 

@@ -2,7 +2,7 @@
 
 Each engine has two queues of waiting turns, both in arrival order:
 
-* ``paused``: turns of PAUSED sessions, each with a deadline (``paused_max_wait_s``
+* ``paused``: turns of PAUSED sessions, each with a deadline (``paused_soft_wait_s``
   after it arrived); served first (resumes go before new sessions);
 * ``new``: first turns of NEW sessions (FIFO-with-fit: a head that does not fit
   blocks the rest of that engine's queue), each with its own deadline

@@ -68,17 +68,18 @@ class AdmissionConfig:
     # (false, the default: a continuing turn is forwarded at once, never held).
     hold_continuing: bool = False
     # Pause idle sessions under growth pressure; a paused session's next turn waits for
-    # room ahead of new sessions; past paused_max_wait_s (the soft bound) it goes once
+    # room ahead of new sessions; past paused_soft_wait_s (the soft bound) it goes once
     # its resume would not push its engine past the pause mark (pause_high x pool +
-    # host: the tick would pause another session for it), and past paused_hold_max_s
-    # in any case (docs/admission.md, "Holds that last as long as they pay"). 30 s: with
-    # the hold past it, a soft bound of 30 s gives the throughput of 60 s with the
-    # continuing-turn tail of off's on W1 (60 s under the fixed hold of earlier versions).
-    # paused_hold_max_s equal to paused_max_wait_s: that fixed hold.
+    # host: the tick would pause another session for it), and past paused_max_wait_s
+    # in any case: the most a paused turn waits, as ever (docs/admission.md, "Holds that
+    # last as long as they pay"). 30 s: with the hold past it, a soft bound of 30 s gives
+    # the throughput of 60 s with the continuing-turn tail of off's on W1. The soft bound
+    # never outlasts paused_max_wait_s: paused_max_wait_s: 30 alone is a fixed 30 s hold,
+    # the behaviour of earlier versions (their default 60 s).
     pause: bool = True
-    paused_max_wait_s: float = 30.0
+    paused_soft_wait_s: float = 30.0
     # 600 s: the knee of the hold's throughput / tail curve (docs/admission.md).
-    paused_hold_max_s: float = 600.0
+    paused_max_wait_s: float = 600.0
     # A new session waits in its engine's FIFO at most this long, then goes anyway (the
     # first-turn wait bound). 1800 s: the measured trade-off (docs/admission.md#defaults):
     # over the regime grid the first-turn wait p99 reached 1,870 s without a tighter
@@ -247,8 +248,8 @@ def _validate_request_keys(a: AdmissionConfig) -> None:
 
 # Program mode's keys by the range they must lie in.
 _NON_NEGATIVE = (
+    "paused_soft_wait_s",
     "paused_max_wait_s",
-    "paused_hold_max_s",
     "new_session_max_wait_s",
     "idle_half_life_s",
 )

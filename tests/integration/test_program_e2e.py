@@ -298,12 +298,12 @@ async def test_a_paused_sessions_turn_waits_no_longer_than_its_bound(
 ) -> None:
     # The growth gate off: before any growth is seen it reserves the engine's context
     # length per session, which would hold big's first turn; this test is the pause's,
-    # with the fixed hold (paused_hold_max_s = paused_max_wait_s).
+    # with the fixed hold (paused_max_wait_s = paused_soft_wait_s).
     p = await proxy(
         idle_lease_s=0.2,
         idle_half_life_s=600.0,
+        paused_soft_wait_s=0.5,
         paused_max_wait_s=0.5,
-        paused_hold_max_s=0.5,
         growth_reservation=False,
     )
     a_url = ch_engines[1].url

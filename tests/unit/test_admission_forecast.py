@@ -134,8 +134,8 @@ P = ProgramParams(
     session_buffer_tokens=0,
     idle_lease_s=5.0,
     idle_half_life_s=10.0,
+    paused_soft_wait_s=8.0,
     paused_max_wait_s=8.0,
-    paused_hold_max_s=8.0,
     new_session_max_wait_s=60.0,
     staleness_s=5.0,
     growth_reservation=False,
@@ -183,7 +183,7 @@ def paused_core(hold_max: float) -> tuple[ProgramCore, str]:
     """An engine of 1000 whose gate is engaged: a (400) and b (300) keep running with
     turns of 450 and 400; c (200), paused, asks for its next turn (320) at t=20:
     resuming it would cross pause_high (850 + 320 > 950)."""
-    c = ProgramCore(dataclasses.replace(P, engage_on_thrash=False, paused_hold_max_s=hold_max))
+    c = ProgramCore(dataclasses.replace(P, engage_on_thrash=False, paused_max_wait_s=hold_max))
     c.ledger.observe_engine(E1, 0.0, max_total_num_tokens=1000)
     for sid, size in (("a", 400), ("b", 300), ("c", 200)):
         assert c.request(f"{sid}1", sid, E1, size, 0.0).outcome is Outcome.NEW_ADMITTED

@@ -27,7 +27,7 @@ P = ProgramParams(
     session_buffer_tokens=0,
     idle_lease_s=5.0,
     idle_half_life_s=10.0,
-    paused_max_wait_s=8.0,
+    paused_soft_wait_s=8.0,
     new_session_max_wait_s=60.0,
     staleness_s=1e9,
     growth_alpha=0.5,
@@ -320,7 +320,7 @@ def test_a_paused_turn_waits_at_most_its_bound_ahead_of_new_sessions() -> None:
     # no decay from here on; the fixed hold (a hold past its soft bound that would still
     # overflow: tests/unit/test_admission_forecast.py)
     c.configure(
-        dataclasses.replace(c.p, idle_lease_s=1000.0, paused_hold_max_s=c.p.paused_max_wait_s)
+        dataclasses.replace(c.p, idle_lease_s=1000.0, paused_max_wait_s=c.p.paused_soft_wait_s)
     )
     turn(c, "s3-1", "s3", 95, 7.0)  # continuing: forwarded
     c.ledger.sessions["s3"].growth = 100  # s3 is expected to grow: W ~ 860
@@ -473,9 +473,9 @@ def test_reattribution_moves_sessions_and_their_waiting_turns() -> None:
 
 
 def test_params_scale_every_duration_by_the_time_scale() -> None:
-    cfg = AdmissionConfig(enabled=True, paused_max_wait_s=30.0)
+    cfg = AdmissionConfig(enabled=True, paused_soft_wait_s=30.0)
     p = ProgramParams.from_config(cfg, time_scale=0.5)
-    assert (p.tick_s, p.paused_max_wait_s, p.idle_lease_s, p.idle_half_life_s) == (
+    assert (p.tick_s, p.paused_soft_wait_s, p.idle_lease_s, p.idle_half_life_s) == (
         0.5,
         15.0,
         2.5,
@@ -497,7 +497,7 @@ def test_the_token_scale_divides_every_token_valued_setting() -> None:
         scaled.session_buffer_tokens,
     ) == (256, 128, 256, 6)
     # Durations and ratios are the time scale's business, not the token scale's.
-    assert (scaled.paused_max_wait_s, scaled.headroom) == (cfg.paused_max_wait_s, cfg.headroom)
+    assert (scaled.paused_soft_wait_s, scaled.headroom) == (cfg.paused_soft_wait_s, cfg.headroom)
     assert token_scaled(AdmissionConfig(), 16).expected_decode_cap is None
 
 

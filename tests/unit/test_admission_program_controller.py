@@ -169,8 +169,8 @@ async def test_a_paused_turn_waits_no_longer_than_its_bound(lab) -> None:
     ctl = await lab(
         idle_lease_s=0.01,
         idle_half_life_s=3600.0,
+        paused_soft_wait_s=0.2,
         paused_max_wait_s=0.2,
-        paused_hold_max_s=0.2,
         feedback=False,
     )
     a1, a2 = keys_on(A, 2)

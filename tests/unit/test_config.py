@@ -136,7 +136,7 @@ def test_session_residency_maps_to_mode_and_a_contradiction_names_the_replacemen
         ("admission", "ledger", "global", "admission.ledger"),
         ("admission", "priority_max", 10, "preempts"),
         ("admission", "pause_low", 0.99, "admission.pause_low"),
-        ("admission", "paused_max_wait_s", -1, "admission.paused_max_wait_s"),
+        ("admission", "paused_soft_wait_s", -1, "admission.paused_soft_wait_s"),
         ("server", "time_scale", 0, "server.time_scale"),
         ("router", "policy", "Consistent Hashing", "router.policy"),
         ("router", "metrics_url", "nope", "router.metrics_url"),
