@@ -26,10 +26,20 @@ fi
 if command -v apt-get >/dev/null 2>&1 && { [ "$(id -u)" = 0 ] || [ -n "$SUDO" ]; }; then
     echo "installing ${missing[*]} (apt-get) for the multi-replica tests" >&2
     export DEBIAN_FRONTEND=noninteractive
+    # Debian would start the packaged services (nginx on port 80 of every address): a
+    # policy-rc.d that refuses every start keeps them stopped; the tests start their own
+    # on 127.0.0.1 and free ports. Removed again unless one was already there.
+    policy=/usr/sbin/policy-rc.d
+    made_policy=""
+    if [ ! -e "$policy" ]; then
+        $SUDO sh -c "printf '#!/bin/sh\nexit 101\n' > $policy && chmod +x $policy" && made_policy=1
+    fi
+    ok=""
     if $SUDO apt-get update -q >&2 \
         && $SUDO apt-get install -y -q --no-install-recommends "${missing[@]}" >&2; then
-        # Debian starts the packaged services; the tests start their own on free ports.
-        exit 0
+        ok=1
     fi
+    if [ -n "$made_policy" ]; then $SUDO rm -f "$policy"; fi
+    if [ -n "$ok" ]; then exit 0; fi
 fi
 echo "no ${missing[*]} for the multi-replica tests and no root to install them: run 'sudo apt-get install ${missing[*]}' (Debian/Ubuntu); those tests fail until then" >&2
