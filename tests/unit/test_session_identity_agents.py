@@ -36,16 +36,36 @@ def resolve(
 
 
 def test_default_order_puts_dynamo_then_agents_before_kvproxys_own() -> None:
-    assert SESSION_ID_SOURCES == (
-        "dynamo",
-        "claude_code",
-        "codex",
-        "body",
-        "header",
-        "nvext",
-        "routing_key",
-        "path",
-    )
+    # Every source carries its own id; taking the winner away each time walks the order.
+    headers = {
+        "X-Dynamo-Session-ID": "from-dynamo",
+        "x-claude-code-session-id": "from-claude-code",
+        "session-id": "from-codex",
+        "X-Session-ID": "from-header",
+        "X-SMG-Routing-Key": "from-routing-key",
+    }
+    body: dict[str, Any] = {
+        "session_id": "from-body",
+        "nvext": {"session_control": {"session_id": "from-nvext"}},
+    }
+    drop = {
+        "dynamo": lambda: headers.pop("X-Dynamo-Session-ID"),
+        "claude_code": lambda: headers.pop("x-claude-code-session-id"),
+        "codex": lambda: headers.pop("session-id"),
+        "body": lambda: body.pop("session_id"),
+        "header": lambda: headers.pop("X-Session-ID"),
+        "nvext": lambda: body.pop("nvext"),
+        "routing_key": lambda: headers.pop("X-SMG-Routing-Key"),
+    }
+    winners = []
+    for _ in range(len(drop) + 1):
+        sid, source, *_ = resolve(dict(headers), dict(body), path_id="from-path")
+        winners.append(source)
+        assert sid == f"from-{str(source).replace('_', '-')}"
+        if source in drop:
+            drop[source]()
+    assert tuple(winners) == SESSION_ID_SOURCES
+    assert winners[:3] == ["dynamo", "claude_code", "codex"]
 
 
 @pytest.mark.parametrize(
