@@ -484,6 +484,22 @@ def test_params_scale_every_duration_by_the_time_scale() -> None:
     assert p.new_session_max_wait_s == 900.0 and p.idle_ttl_s == 300.0
 
 
+@pytest.mark.parametrize(
+    ("keys", "soft", "hard"),
+    [
+        ({}, 30.0, 600.0),  # the defaults: a soft bound, then the hold while it pays
+        ({"paused_max_wait_s": 30.0}, 30.0, 30.0),  # alone: the fixed 30 s hold, as before
+        ({"paused_max_wait_s": 8.0}, 8.0, 8.0),  # never a soft bound past the hard one
+        ({"paused_soft_wait_s": 5.0, "paused_max_wait_s": 60.0}, 5.0, 60.0),
+    ],
+)
+def test_paused_max_wait_s_stays_the_most_a_paused_turn_waits(
+    keys: dict[str, float], soft: float, hard: float
+) -> None:
+    p = ProgramParams.from_config(AdmissionConfig(enabled=True, **keys))
+    assert (p.paused_soft_wait_s, p.paused_max_wait_s) == (soft, hard)
+
+
 def test_the_token_scale_divides_every_token_valued_setting() -> None:
     from kvproxy.admission.scaling import token_scaled
 
