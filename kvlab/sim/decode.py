@@ -1,5 +1,4 @@
-"""Decode on one simulated rank: one token per running request, in a step of its own or
-riding in a prefill step (mixed chunk).
+"""Decode on one simulated rank: one token per running request, alone or in a prefill step.
 
 Pure; time is passed in. Decode step k allocates one slot per running request; when the
 pool cannot give them even after evicting, requests are retracted

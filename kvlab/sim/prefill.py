@@ -1,5 +1,4 @@
-"""Prefill on one simulated rank: which waiting requests join the next prefill batch, and
-what a finished prefill step leaves behind.
+"""Prefill on one simulated rank: admission into the next prefill batch, and its results.
 
 Pure; time is passed in. Admission follows SGLang's ``PrefillAdder``: FCFS (or by
 priority with priority scheduling), head-of-line blocking. A request is admitted if
