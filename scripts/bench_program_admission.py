@@ -1,6 +1,8 @@
 """Cost of program admission on the event loop: admit + observe_usage + exit per
-continuing turn, and one tick, in-process (no network). Usage:
-python scripts/bench_program_admission.py"""
+continuing turn, and one tick, in-process (no network).
+
+Usage: python scripts/bench_program_admission.py
+"""
 
 from __future__ import annotations
 

@@ -11,6 +11,7 @@ import pytest
 from kvlab.sim.config import CostModel, HiCacheConfig, SchedulerConfig, validate_hicache
 from kvlab.sim.hicache import HiKVCache
 from kvlab.sim.kvcache import KVCache
+from kvlab.sim.prefill import load_overlapped_s
 from kvlab.sim.presets import hicache_config, scheduler_config
 from kvlab.sim.scheduler import Scheduler, SimRequest
 from tests.helpers import seq
@@ -211,11 +212,11 @@ def test_an_evicted_prefix_is_loaded_back_and_counted_as_cached() -> None:
 
 
 def test_load_overlaps_the_prefill_layer_by_layer() -> None:
-    s = Scheduler(SchedulerConfig(cost=COST, hicache=HiCacheConfig(num_layers=4)))
-    assert s._with_load(1.0, 0) == pytest.approx(1.0)
-    load = s.cfg.hicache.transfer_s(1_000_000)  # type: ignore[union-attr]
+    hc = HiCacheConfig(num_layers=4)
+    assert load_overlapped_s(hc, 1.0, 0) == pytest.approx(1.0)
+    load = hc.transfer_s(1_000_000)
     # Load-bound: the whole load plus the last layer's compute.
-    assert s._with_load(0.1, 1_000_000) == pytest.approx(load + 0.1 / 4)
+    assert load_overlapped_s(hc, 0.1, 1_000_000) == pytest.approx(load + 0.1 / 4)
 
 
 def test_write_back_stall_is_charged_to_the_step() -> None:
