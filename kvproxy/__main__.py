@@ -1,3 +1,5 @@
+"""Runs the command line: ``python -m kvproxy``."""
+
 import sys
 
 from kvproxy.cli import main

@@ -1,0 +1,1 @@
+"""The request path: intercepting, planning and relaying each request to the router."""
