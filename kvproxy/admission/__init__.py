@@ -9,18 +9,18 @@ Pure (no I/O, time injected, table-tested):
   sizing and its calibration from engines' usage reports;
 * :mod:`kvproxy.admission.scaling` - the config x token scale / time scale;
 * :mod:`kvproxy.admission.waitqueue` - the queue protocol both modes' queues follow;
-* ledger (request) mode: :mod:`kvproxy.admission.ledger` (capacity, pressure, leases,
-  TTL, epoch) and :mod:`kvproxy.admission.fleet_queue` (the two FIFOs, the decisions);
-* program mode: :mod:`kvproxy.admission.decisions`, :mod:`kvproxy.admission.engine_ledger`,
-  :mod:`kvproxy.admission.engagement`, :mod:`kvproxy.admission.queues`,
-  :mod:`kvproxy.admission.program`, :mod:`kvproxy.admission.priority`,
-  :mod:`kvproxy.admission.params`;
+* ledger (request) mode: :mod:`kvproxy.admission.fleet.ledger` (capacity, pressure, leases,
+  TTL, epoch) and :mod:`kvproxy.admission.fleet.queue` (the two FIFOs, the decisions);
+* program mode: :mod:`kvproxy.admission.program.events`, :mod:`kvproxy.admission.program.ledger`,
+  :mod:`kvproxy.admission.program.engagement`, :mod:`kvproxy.admission.program.queues`,
+  :mod:`kvproxy.admission.program.core`, :mod:`kvproxy.admission.program.priority`,
+  :mod:`kvproxy.admission.program.params`;
 * :mod:`kvproxy.admission.catalogue` / :mod:`kvproxy.admission.report` - metric names,
   and the stats / health / Prometheus rendering.
 
 asyncio shells: :mod:`kvproxy.admission.waiters` (a request's handle, its future, the
-deadline timer), :mod:`kvproxy.admission.fleet_gate` and
-:mod:`kvproxy.admission.program_gate` (each mode on the loop),
+deadline timer), :mod:`kvproxy.admission.fleet.gate` and
+:mod:`kvproxy.admission.program.gate` (each mode on the loop),
 :mod:`kvproxy.admission.poller` (what is read from the fleet, the loops) and
 :mod:`kvproxy.admission.coordinator` (the controller).
 """

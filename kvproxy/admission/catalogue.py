@@ -6,8 +6,8 @@ Counter names are ``agentic_kv/admission/*`` and ``agentic_kv/budget/*`` keys
 (``/kvproxy/stats``; on ``/metrics`` with ``/`` as ``_`` and a ``_total`` suffix).
 Ledger (request) mode's counters are named by :class:`~kvproxy.admission.records.Action`
 and :class:`~kvproxy.admission.records.Reason` values (``admit``, ``bypass``,
-``bypass_<reason>``), program mode's by :class:`~kvproxy.admission.decisions.Outcome`
-and :class:`~kvproxy.admission.decisions.Event` values (``decision_<outcome>``,
+``bypass_<reason>``), program mode's by :class:`~kvproxy.admission.program.events.Outcome`
+and :class:`~kvproxy.admission.program.events.Event` values (``decision_<outcome>``,
 ``event_<event>``). Per-engine gauges are labelled by engine. The rendering of the
 whole of admission (stats, health, /metrics) is :mod:`kvproxy.admission.report`.
 """
@@ -20,8 +20,8 @@ from typing import Any
 
 from prometheus_client.core import GaugeMetricFamily, Metric
 
-from kvproxy.admission.decisions import Event, Outcome
-from kvproxy.admission.program import ProgramCore
+from kvproxy.admission.program.core import ProgramCore
+from kvproxy.admission.program.events import Event, Outcome
 from kvproxy.admission.records import Action, Reason
 from kvproxy.fleet.placement import Placement
 

@@ -5,12 +5,12 @@ every decision, release, cancellation and poll runs on the event loop without
 awaiting in between, so the ledgers and the queues need no lock. What it decides
 with is pure and time-injected:
 
-* ledger (request) mode: :class:`~kvproxy.admission.fleet_queue.FleetAdmission`, two
-  FIFOs in front of the fleet-wide :class:`~kvproxy.admission.ledger.Ledger`, on the
-  loop through :class:`~kvproxy.admission.fleet_gate.FleetGate` (futures, aging timer);
+* ledger (request) mode: :class:`~kvproxy.admission.fleet.queue.FleetAdmission`, two
+  FIFOs in front of the fleet-wide :class:`~kvproxy.admission.fleet.ledger.Ledger`, on the
+  loop through :class:`~kvproxy.admission.fleet.gate.FleetGate` (futures, aging timer);
 * program mode (docs/admission.md#program-mode):
-  :class:`~kvproxy.admission.program.ProgramCore`, per-engine ledgers and queues, on
-  the loop through :class:`~kvproxy.admission.program_gate.ProgramGate` (futures,
+  :class:`~kvproxy.admission.program.core.ProgramCore`, per-engine ledgers and queues, on
+  the loop through :class:`~kvproxy.admission.program.gate.ProgramGate` (futures,
   deadline timer, ring mirror, engines' server info).
 
 What is left here: the order below, the mode each request goes to, tickets
@@ -57,16 +57,16 @@ from kvproxy.admission.catalogue import (
     C_SESSION_ENDED,
     COUNTERS,
 )
-from kvproxy.admission.decisions import Outcome
-from kvproxy.admission.fleet_gate import FleetGate
-from kvproxy.admission.fleet_queue import FLEET, FleetAdmission
+from kvproxy.admission.fleet.gate import FleetGate
+from kvproxy.admission.fleet.ledger import Ledger
+from kvproxy.admission.fleet.queue import FLEET, FleetAdmission
 from kvproxy.admission.learning import Learning
-from kvproxy.admission.ledger import Ledger
-from kvproxy.admission.params import ProgramParams
 from kvproxy.admission.poller import Poller, poll_loop, tick_loop
-from kvproxy.admission.prefetcher import Prefetcher
-from kvproxy.admission.program import ProgramCore
-from kvproxy.admission.program_gate import LEASE_PREFIX, ProgramGate
+from kvproxy.admission.program.core import ProgramCore
+from kvproxy.admission.program.events import Outcome
+from kvproxy.admission.program.gate import LEASE_PREFIX, ProgramGate
+from kvproxy.admission.program.params import ProgramParams
+from kvproxy.admission.program.prefetch_sender import Prefetcher
 from kvproxy.admission.records import (
     BYPASS_CANCELLED,
     BYPASS_PROTECTED,
@@ -386,7 +386,7 @@ class AdmissionController:
             enabled=self._cfg.enabled,
         )
 
-    # -- program mode (docs/admission.md#program-mode): kvproxy.admission.program_gate --
+    # -- program mode (docs/admission.md#program-mode): kvproxy.admission.program.gate --
 
     @property
     def _residency(self) -> bool:
@@ -442,7 +442,7 @@ class AdmissionController:
         """Program admission now: the one snapshot stats, /metrics and health render."""
         return self._program_gate.snapshot(self._clock() if now is None else now)
 
-    # -- ledger mode's aging timer (kvproxy.admission.fleet_gate) ----------------------
+    # -- ledger mode's aging timer (kvproxy.admission.fleet.gate) ----------------------
 
     @property
     def _timer(self) -> asyncio.TimerHandle | None:

@@ -25,8 +25,8 @@ from collections.abc import Awaitable, Callable, Container, Sequence
 import aiohttp
 
 from kvproxy.admission.catalogue import C_DIVERTED, C_POLL_ERROR, C_SCRAPE_FAILURE
-from kvproxy.admission.engine_ledger import EngineLedger
-from kvproxy.admission.ledger import Ledger
+from kvproxy.admission.fleet.ledger import Ledger
+from kvproxy.admission.program.ledger import EngineLedger
 from kvproxy.fleet.client import EngineHttp
 from kvproxy.fleet.engine_info import EngineSessionMode, probe
 from kvproxy.fleet.engine_metrics import parse_engine_metrics

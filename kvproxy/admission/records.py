@@ -4,7 +4,7 @@ the enums whose values are their actions and reasons. Pure.
 Every intercepted request becomes one :class:`AdmissionRequest`; the controller
 (:mod:`kvproxy.admission.coordinator`) answers each with one :class:`Decision`.
 ``Decision.action`` is an :class:`Action`; ``Decision.reason`` is a :class:`Reason`
-in ledger (request) mode and a program :class:`~kvproxy.admission.decisions.Outcome`
+in ledger (request) mode and a program :class:`~kvproxy.admission.program.events.Outcome`
 value in program mode. Both enums' values double as metric labels: ledger mode
 counts ``agentic_kv/admission/<action>`` and ``agentic_kv/admission/bypass_<reason>``
 (:mod:`kvproxy.admission.catalogue`).

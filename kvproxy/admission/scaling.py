@@ -4,7 +4,7 @@ engines' token scale, durations multiplied by the time scale. Pure.
 ``server.token_scale`` (K) runs simulated engines whose token counts are 1/K of a
 real one's; ``server.time_scale`` multiplies every kvproxy timer, for stacks of
 simulated engines running faster than real time. Program mode's own durations are
-scaled by :meth:`kvproxy.admission.params.ProgramParams.from_config`.
+scaled by :meth:`kvproxy.admission.program.params.ProgramParams.from_config`.
 """
 
 from __future__ import annotations

@@ -5,8 +5,8 @@ the queues at their next deadline (asyncio shell).
 
 Both admission modes' shells use them: ledger mode's in
 :mod:`kvproxy.admission.coordinator`, program mode's in
-:mod:`kvproxy.admission.program_gate`. The queues themselves are pure
-(:mod:`kvproxy.admission.fleet_queue`, :mod:`kvproxy.admission.queues`).
+:mod:`kvproxy.admission.program.gate`. The queues themselves are pure
+(:mod:`kvproxy.admission.fleet.queue`, :mod:`kvproxy.admission.program.queues`).
 """
 
 from __future__ import annotations

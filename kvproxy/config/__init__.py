@@ -19,7 +19,7 @@ Adding a key: a field with its default and a comment in its section's dataclass,
 range in that module's validator (checked only when the feature is enabled), and a line
 in ``configs/kvproxy.yaml`` and a row in ``docs/configuration.md`` (a test,
 tests/unit/test_config_reference.py, fails until both state the default). A program
-admission key is also a field of :class:`~kvproxy.admission.params.ProgramParams`
+admission key is also a field of :class:`~kvproxy.admission.program.params.ProgramParams`
 (default ``_D.<key>``) and a line of its ``from_config`` (times the time scale when it
 is a duration).
 """

@@ -1,7 +1,7 @@
 """The ``admission:`` section: admission's keys, and program admission's defaults. Pure.
 
 :class:`AdmissionConfig` is the one place program admission's defaults are written:
-:class:`~kvproxy.admission.params.ProgramParams` takes its defaults from it (scaled at
+:class:`~kvproxy.admission.program.params.ProgramParams` takes its defaults from it (scaled at
 ``server.time_scale`` 1), and a test keeps ``configs/kvproxy.yaml`` and
 ``docs/configuration.md`` stating the same values.
 """

@@ -6,7 +6,7 @@ import importlib
 
 import pytest
 
-from kvproxy.admission.ledger import Grant, Lease
+from kvproxy.admission.fleet.ledger import Grant, Lease
 from kvproxy.admission.records import Decision
 from kvproxy.compiled import MODULES
 from kvproxy.proxy.usage import Usage

@@ -21,8 +21,8 @@ head never blocks a continuing request. A head refused at ``enqueued_at + max_wa
 leaves as ``bypass``/``aged``; :meth:`FleetAdmission.next_deadline` says when that
 comes, for the caller's timer.
 
-Storage (:class:`FleetQueues`) follows :class:`kvproxy.admission.waitqueue.WaitQueues`,
-as program mode's per-engine queues do: the fleet is its one engine (:data:`FLEET`),
+Storage (:class:`FleetQueues`) has the two-lane shape of program mode's per-engine
+queues: the fleet is its one engine (:data:`FLEET`),
 with lanes ``continuing`` and ``new``. A withdrawn entry is skipped lazily at a head
 and a lane is compacted when dead entries dominate: every operation is O(1) amortised.
 
@@ -50,7 +50,7 @@ from kvproxy.admission.catalogue import (
     C_WAIT_NEW_SESSION,
     C_WAIT_SECONDS_SUM,
 )
-from kvproxy.admission.ledger import DEGRADED, OVERSIZED, Ledger
+from kvproxy.admission.fleet.ledger import DEGRADED, OVERSIZED, Ledger
 from kvproxy.admission.records import Action, Decision, Reason
 from kvproxy.admission.report import WaitHistogram
 from kvproxy.observability import WindowedCounters
@@ -160,7 +160,7 @@ Resolved = tuple[FleetEntry, Decision | None]
 
 
 class FleetAdmission:
-    """Ledger mode over one fleet-wide :class:`~kvproxy.admission.ledger.Ledger`."""
+    """Ledger mode over one fleet-wide :class:`~kvproxy.admission.fleet.ledger.Ledger`."""
 
     __slots__ = (
         "_evicted_seen",

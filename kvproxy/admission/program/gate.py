@@ -1,6 +1,6 @@
 """Program admission on the event loop (asyncio shell; docs/admission.md#program-mode).
 
-:class:`ProgramGate` wraps the pure :class:`~kvproxy.admission.program.ProgramCore`
+:class:`ProgramGate` wraps the pure :class:`~kvproxy.admission.program.core.ProgramCore`
 (per-engine ledgers and queues, time injected) with what needs the loop: the futures
 of turns waiting in the core's queues, the timer armed for their next deadline, the
 mirror of the router's consistent-hashing ring (:class:`~kvproxy.fleet.placement.Placement`)
@@ -35,9 +35,9 @@ from kvproxy.admission.catalogue import (
     C_WAIT_NEW_SESSION,
     C_WAIT_SECONDS_SUM,
 )
-from kvproxy.admission.decisions import Event, Outcome
-from kvproxy.admission.prefetcher import Prefetcher
-from kvproxy.admission.program import ProgramCore, Release
+from kvproxy.admission.program.core import ProgramCore, Release
+from kvproxy.admission.program.events import Event, Outcome
+from kvproxy.admission.program.prefetch_sender import Prefetcher
 from kvproxy.admission.records import BYPASS_CANCELLED, Action, AdmissionRequest, Decision
 from kvproxy.admission.report import WaitHistogram
 from kvproxy.admission.reservation import expected_output
@@ -94,7 +94,7 @@ class ProgramGate:
         self._wake = Wakeup(self._on_timer)
         self._fallback_logged = False
         self._events_seen: dict[str, int] = {}
-        # The prefetches' shell (kvproxy.admission.prefetcher), set by the controller.
+        # The prefetches' shell (kvproxy.admission.program.prefetch_sender), set by the controller.
         self.prefetcher: Prefetcher | None = None
 
     # -- when it decides ---------------------------------------------------------------

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvproxy.admission.engagement import EngageRule
-from kvproxy.admission.forecast import ForecastRule
+from kvproxy.admission.program.engagement import EngageRule
+from kvproxy.admission.program.forecast import ForecastRule
 from kvproxy.config import AdmissionConfig
 
 # The one place program admission's defaults are written (kvproxy/config/admission.py).
@@ -65,7 +65,7 @@ class ProgramParams:
     growth_window: int = _D.growth_window
     growth_min_closed: int = _D.growth_min_closed
     growth_horizon_turns: float = _D.growth_horizon_turns
-    # Hold only where holding is measured to pay (kvproxy.admission.engagement).
+    # Hold only where holding is measured to pay (kvproxy.admission.program.engagement).
     engage_on_thrash: bool = _D.engage_on_thrash
     engage_cost: float = _D.engage_cost
     engage_busy: float = _D.engage_busy
@@ -73,11 +73,11 @@ class ProgramParams:
     release_busy: float = _D.release_busy
     engage_windows: int = _D.engage_windows
     release_windows: int = _D.release_windows
-    # The cold start (kvproxy.admission.engagement): sessions on the engine, and their
+    # The cold start (kvproxy.admission.program.engagement): sessions on the engine, and their
     # expected peaks over its capacity.
     cold_start_sessions: int = _D.cold_start_sessions
     cold_start_ratio: float = 1.5
-    # The hold model (kvproxy.admission.forecast).
+    # The hold model (kvproxy.admission.program.forecast).
     engage_on_forecast: bool = _D.engage_on_forecast
     forecast_ratio: float = 1.0  # known contexts over the room that engage
     # Work conservation while engaged: an engine with fewer turns in flight takes the

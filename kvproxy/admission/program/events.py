@@ -88,12 +88,12 @@ class Event(StrEnum):
     # fit it (the next burst of a fleet whose sessions start together).
     REENGAGED = "reengaged"
     # A permissive engine engaged by the hold model's prediction, before any thrash is
-    # measured (kvproxy.admission.forecast).
+    # measured (kvproxy.admission.program.forecast).
     PREDICTED = "predicted"
     # An engine heard from neither by /metrics nor by answers: its waiting turns leave
     # one per tick (fail open, gradually), never all at once.
     STALE_RELEASE = "stale_release"
-    # Prefetch (kvproxy.admission.prefetch): planned at an answer (or a client's call),
+    # Prefetch (kvproxy.admission.program.prefetch): planned at an answer (or a client's call),
     # sent when due, skipped when due (paused session; engine without a host tier, not
     # heard from, busy, or its sessions overflowing pool + host), or late (the turn
     # came first).

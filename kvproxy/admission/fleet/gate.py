@@ -1,6 +1,6 @@
 """Ledger (request) mode on the event loop (asyncio shell).
 
-:class:`FleetGate` wraps the pure :class:`~kvproxy.admission.fleet_queue.FleetAdmission`
+:class:`FleetGate` wraps the pure :class:`~kvproxy.admission.fleet.queue.FleetAdmission`
 (two FIFOs in front of the fleet-wide ledger, time injected) with what needs the
 loop: the future of each waiting request and the aging timer, armed for the earlier
 head's ``enqueued_at + max_wait_s`` so that a waiter leaves within a few milliseconds
@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Iterable
 
-from kvproxy.admission.fleet_queue import FleetAdmission, Resolved
+from kvproxy.admission.fleet.queue import FleetAdmission, Resolved
 from kvproxy.admission.records import BYPASS_CANCELLED, Action, AdmissionRequest, Decision, Reason
 from kvproxy.admission.waiters import CANCELLED, RESOLVED, WAITING, Waiter, Wakeup
 from kvproxy.observability import RateLimitedLog

@@ -40,9 +40,9 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from kvproxy.admission.engagement import Engagement, Load
-from kvproxy.admission.forecast import Outlook, returned_exposure
-from kvproxy.admission.params import ProgramParams
+from kvproxy.admission.program.engagement import Engagement, Load
+from kvproxy.admission.program.forecast import Outlook, returned_exposure
+from kvproxy.admission.program.params import ProgramParams
 from kvproxy.sessions.family import Family, Link
 
 
@@ -67,7 +67,7 @@ class Session:
     prio: int = 0  # last priority sent
     pause_pending: bool = False  # pause at its next response
     # Its last tool calls' lengths (request after an answer), newest last: with
-    # prefetch on only (kvproxy.admission.prefetch).
+    # prefetch on only (kvproxy.admission.program.prefetch).
     tool_s: tuple[float, ...] = ()
     # Child sessions (those naming this one as parent) running now (kvproxy.sessions.family).
     children_running: int = 0
@@ -190,7 +190,7 @@ class Engine:
     # Its write policy is write_back (/server_info): the host holds only what the device
     # evicted, so the two tiers add up (see EngineLedger.kv_room).
     host_write_back: bool = False
-    # Decoded tokens per turn (the hold model's input, kvproxy.admission.forecast): the
+    # Decoded tokens per turn (the hold model's input, kvproxy.admission.program.forecast): the
     # mean over the engine's answers once there are some, before that over what its
     # requests asked for (max_new_tokens or an osl hint, as sized).
     decode_asked: float = 0.0
@@ -212,7 +212,7 @@ class Engine:
     quiet: int = 0
     last_cut: float = -math.inf
     # What kvproxy sees of the engine itself (turns in flight, busy time, answers) and
-    # whether holding is measured to pay there (kvproxy.admission.engagement).
+    # whether holding is measured to pay there (kvproxy.admission.program.engagement).
     load: Load = field(default_factory=Load)
     engagement: Engagement = field(default_factory=Engagement)
     last_stale_release: float = -math.inf
@@ -476,7 +476,7 @@ class EngineLedger:
     def outlook(
         self, url: str, now: float, s: Session | None = None, tokens: int = 0
     ) -> Outlook | None:
-        """The hold model's inputs on ``url`` (kvproxy.admission.forecast), counting
+        """The hold model's inputs on ``url`` (kvproxy.admission.program.forecast), counting
         ``s``'s first turn of ``tokens`` when it is not active yet; None while the
         engine's decodes are unknown. Expected peaks only once the fleet's growth was
         seen: before, a peak is the engine's context length, and every large fleet would
