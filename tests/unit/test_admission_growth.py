@@ -8,9 +8,10 @@ import dataclasses
 import pytest
 
 from kvproxy.admission.program.core import ProgramCore
-from kvproxy.admission.program.events import Held, Outcome
+from kvproxy.admission.program.events import Held
 from kvproxy.admission.program.ledger import PeakModel
 from kvproxy.admission.program.params import ProgramParams
+from kvproxy.admission.records import Outcome
 from kvproxy.config import AdmissionConfig, ConfigError, from_mapping
 from kvproxy.fleet.engine_info import parse_server_info
 

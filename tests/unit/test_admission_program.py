@@ -8,10 +8,11 @@ import dataclasses
 import pytest
 
 from kvproxy.admission.program.core import ProgramCore
-from kvproxy.admission.program.events import Event, Held, Outcome
+from kvproxy.admission.program.events import Event, Held
 from kvproxy.admission.program.ledger import SessionState
 from kvproxy.admission.program.params import ProgramParams
 from kvproxy.admission.program.priority import next_priority, size_priority
+from kvproxy.admission.records import Outcome
 from kvproxy.config import AdmissionConfig
 from kvproxy.fleet.placement import Placement
 from kvproxy.fleet.ring import HashRing

@@ -8,9 +8,8 @@ forwarded at once, never held; a NEW session's first turn waits in its engine's 
 (with fit) until it fits, at most ``new_session_max_wait_s``; a PAUSED session's turn
 waits ahead of new sessions until it fits, past ``paused_soft_wait_s`` only while its
 resume would push its engine past the pause mark, at most ``paused_max_wait_s``; an
-engine holds only while engaged (kvproxy.admission.program.engagement: measured thrash, the
-cold start, or the hold model of kvproxy.admission.program.forecast); every failure of a signal
-fails open. The tick (every ``tick_s``): idle expiry, drain (resumes first), pause
+engine holds only while engaged (:mod:`.engagement`: measured thrash, the cold start,
+or the hold model of :mod:`.forecast`); every failure of a signal fails open. The tick (every ``tick_s``): idle expiry, drain (resumes first), pause
 (largest idle first) under growth pressure, the feedback window.
 """
 
@@ -20,13 +19,14 @@ from collections import Counter
 from collections.abc import Iterable
 from typing import Final
 
-from kvproxy.admission.program.events import Event, Held, Outcome
+from kvproxy.admission.program.events import Event, Held
 from kvproxy.admission.program.forecast import holding_pays, returned_exposure
 from kvproxy.admission.program.ledger import Engine, EngineLedger, Session, SessionState
 from kvproxy.admission.program.params import ProgramParams
 from kvproxy.admission.program.prefetch import Prefetches
 from kvproxy.admission.program.priority import next_priority
 from kvproxy.admission.program.queues import Entry, Queues
+from kvproxy.admission.records import Outcome
 from kvproxy.record import Record
 
 

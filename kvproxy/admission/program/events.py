@@ -1,73 +1,15 @@
-"""Program admission's decisions and events: enums whose values double as metric labels.
+"""Program admission's events and why a turn is held: enums whose values double as
+metric labels. Pure.
 
-Pure. Every request that program admission sees ends in exactly one :class:`Outcome`
-(counted as ``agentic_kv/admission/decision/<value>`` and exported as
-``agentic_kv_admission_decisions_total{outcome=...}``); the tick's actions are
-:class:`Event` values (``agentic_kv/admission/event/<value>``).
+The tick's actions are :class:`Event` values (``agentic_kv/admission/event/<value>``);
+every request ends in one :class:`~kvproxy.admission.records.Outcome` (counted as
+``agentic_kv/admission/decision/<value>`` and exported as
+``agentic_kv_admission_decisions_total{outcome=...}``).
 """
 
 from __future__ import annotations
 
 from enum import StrEnum
-
-
-class Outcome(StrEnum):
-    # Forwarded at once, never held: a continuing turn of an ACTIVE session.
-    CONTINUING_FORWARDED = "continuing_forwarded"
-    # Ablation only (hold_continuing: true): a continuing turn that waited to fit.
-    CONTINUING_WAITED = "continuing_waited"
-    # A new session's first turn fitted its engine at once / after waiting in its FIFO.
-    NEW_ADMITTED = "new_admitted"
-    NEW_WAITED = "new_waited"
-    # Fail open: a new session that waited new_session_max_wait_s went anyway.
-    NEW_AGED = "new_aged"
-    # A paused session's turn fitted at once / after waiting (< paused_soft_wait_s).
-    RESUMED = "resumed"
-    RESUMED_WAITED = "resumed_waited"
-    # Fail open: a paused session's turn that waited paused_soft_wait_s went anyway.
-    PAUSED_AGED = "paused_aged"
-    # Work-conserving: a waiting turn its engine took because fewer than min_inflight
-    # (3) turns were in flight there (engaged gate; it did not fit yet).
-    IDLE_ENGINE = "idle_engine"
-    # Fail open, forwarded at once and not held:
-    BYPASS_NO_SESSION = "bypass_no_session"  # no session id: nothing to attribute
-    BYPASS_NO_PLACEMENT = "bypass_no_placement"  # no ring owner (no available worker)
-    BYPASS_NO_METRICS = "bypass_no_metrics"  # the owner has no fresh capacity reading
-    BYPASS_OVERSIZED = "bypass_oversized"  # larger than its engine's whole capacity
-    BYPASS_QUEUE_FULL = "bypass_queue_full"  # the engine's queues are at max_queue
-    # Withdrawn while waiting (client gone); not forwarded.
-    CANCELLED = "cancelled"
-
-    @property
-    def waited(self) -> bool:
-        return self in _WAITED
-
-    @property
-    def fail_open(self) -> bool:
-        return self in _FAIL_OPEN
-
-
-_WAITED = frozenset(
-    {
-        Outcome.CONTINUING_WAITED,
-        Outcome.NEW_WAITED,
-        Outcome.NEW_AGED,
-        Outcome.RESUMED_WAITED,
-        Outcome.PAUSED_AGED,
-        Outcome.IDLE_ENGINE,
-    }
-)
-_FAIL_OPEN = frozenset(
-    {
-        Outcome.NEW_AGED,
-        Outcome.PAUSED_AGED,
-        Outcome.BYPASS_NO_SESSION,
-        Outcome.BYPASS_NO_PLACEMENT,
-        Outcome.BYPASS_NO_METRICS,
-        Outcome.BYPASS_OVERSIZED,
-        Outcome.BYPASS_QUEUE_FULL,
-    }
-)
 
 
 class Event(StrEnum):
