@@ -50,7 +50,7 @@ MODULES: tuple[str, ...] = (
     "kvproxy.admission.program.gate",
     "kvproxy.admission.wiring",
     "kvproxy.admission.view",
-    "kvproxy.admission.program.controls",
+    "kvproxy.admission.controls",
     "kvproxy.admission.coordinator",
     "kvproxy.dynamo.streaming",
     "kvproxy.sessions.lifecycle_core",

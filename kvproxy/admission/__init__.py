@@ -24,7 +24,8 @@ Shared by both, pure (no I/O, time injected, table-tested):
 asyncio shells: :mod:`kvproxy.admission.waiters` (a request's handle, its future, the
 deadline timer), :mod:`kvproxy.admission.gate` (the protocol each mode's gate
 follows), :mod:`kvproxy.admission.poller` (what is read from the fleet, the loops),
-:mod:`kvproxy.admission.wiring` (the parts, built once),
+:mod:`kvproxy.admission.wiring` (the parts, built once), :mod:`kvproxy.admission.controls`
+(program mode's controls as the controller offers them),
 :mod:`kvproxy.admission.view` (what admission shows) and
 :mod:`kvproxy.admission.coordinator` (the controller).
 """

@@ -10,7 +10,7 @@ decides: program mode's when it is active (mode ``program``, ledger ``engine``, 
 router policy kvproxy can mirror), else fleet mode's. A lease and a waiter carry their
 mode back to their gate; a lease is released exactly once when the ``async with``
 block exits. Its bases show (:mod:`kvproxy.admission.view`) and steer program mode
-(:mod:`kvproxy.admission.program.controls`); its parts are wired once
+(:mod:`kvproxy.admission.controls`); its parts are wired once
 (:mod:`kvproxy.admission.wiring`).
 """
 
@@ -25,8 +25,8 @@ from typing import Any
 from kvproxy.admission import classify
 from kvproxy.admission.catalogue import C_BYPASS, C_BYPASS_PROTECTED, C_POLL_ERROR
 from kvproxy.admission.catalogue import C_SESSION_ENDED as C_ENDED
+from kvproxy.admission.controls import ProgramControls
 from kvproxy.admission.poller import Loops
-from kvproxy.admission.program.controls import ProgramControls
 from kvproxy.admission.program.params import ProgramParams
 from kvproxy.admission.records import (
     BYPASS_PROTECTED,

@@ -3,7 +3,7 @@
 
 :class:`AdmissionView` is the base of the controller
 (:class:`~kvproxy.admission.coordinator.AdmissionController`, through
-:class:`~kvproxy.admission.program.controls.ProgramControls`): it reads the parts the
+:class:`~kvproxy.admission.controls.ProgramControls`): it reads the parts the
 controller wired (:mod:`kvproxy.admission.wiring`) at a time the controller's clock
 gives and hands them to the pure rendering of :mod:`kvproxy.admission.report`. It
 changes nothing but the counters' window (a stats reset) and the counts it carries
