@@ -11,7 +11,8 @@ only, with an injected clock and engines' metrics served from memory (no network
   cancelled waiter, a session that ends;
 * program mode (``mode: program``, ``ledger: engine``, a mirrored ring over two
   engines): new sessions that fit or wait, continuing turns, usage reports, ticks
-  with the clock moving, a pause under growth, a session that ends, a reload.
+  with the clock moving, a pause under growth, a session that ends, a reload; once
+  as configured and once at a time scale of 0.5 and a token scale of 4.
 
 Then ``kvproxy lab`` (virtual time) on swe and rl at small sizes, policies off and both,
 seed 0, with the wall-clock fields left out.
@@ -29,7 +30,7 @@ import json
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -150,7 +151,13 @@ class Script:
         self.log.append([label, observe(self.ctl)])
 
 
-def controller(clock: Clock, caps: dict[str, tuple[int, float]], **cfg: Any) -> AdmissionController:
+def controller(
+    clock: Clock,
+    caps: dict[str, tuple[int, float]],
+    time_scale: float = 1.0,
+    token_scale: int = 1,
+    **cfg: Any,
+) -> AdmissionController:
     async def fetch(url: str) -> str:
         cap, usage = caps[url]
         return metrics_text(cap, usage)
@@ -169,6 +176,8 @@ def controller(clock: Clock, caps: dict[str, tuple[int, float]], **cfg: Any) -> 
         fetch_metrics=fetch,
         router_policy="consistent_hashing",
         server_info={u: {"radix_eviction_policy": "priority"} for u in caps},
+        time_scale=time_scale,
+        token_scale=token_scale,
     )
 
 
@@ -215,12 +224,14 @@ async def request_mode() -> list[Any]:
     return s.log
 
 
-async def program_mode() -> list[Any]:
+async def program_mode(time_scale: float = 1.0, token_scale: int = 1) -> list[Any]:
     clock = Clock()
     caps = {A: (2000, 0.1), B: (2000, 0.1)}
     ctl = controller(
         clock,
         caps,
+        time_scale,
+        token_scale,
         mode="program",
         ledger="engine",
         headroom=1.0,
@@ -312,7 +323,7 @@ def _strip(doc: Any) -> Any:
     return doc
 
 
-def run(fn: Callable[[], Any]) -> Any:
+def run(fn: Callable[[], Awaitable[Any]]) -> Any:
     return asyncio.run(fn())
 
 
@@ -321,7 +332,12 @@ def main() -> None:
     ap.add_argument("--no-lab", action="store_true", help="the scripted scenario only")
     ap.add_argument("--json", help="also write the JSON here")
     args = ap.parse_args()
-    doc: dict[str, Any] = {"request_mode": run(request_mode), "program_mode": run(program_mode)}
+    doc: dict[str, Any] = {
+        "request_mode": run(request_mode),
+        "program_mode": run(program_mode),
+        # The same at a time scale and a token scale (server.time_scale, token_scale).
+        "program_mode_scaled": run(lambda: program_mode(0.5, 4)),
+    }
     if not args.no_lab:
         doc["lab"] = lab_rows()
     text = json.dumps(doc, indent=1, sort_keys=True, default=str)
