@@ -22,7 +22,7 @@ class InvalidTransition(RuntimeError):
 
 
 def step(table: Mapping[S, Mapping[E, S]], state: S, event: E, what: str) -> S:
-    """The state ``event`` leads to from ``state`` (``what``: the machine, for the error)."""
+    """The state ``event`` leads to from ``state`` (``what`` names the machine in the error)."""
     nxt = table[state].get(event)
     if nxt is None:
         raise InvalidTransition(f"{what}: {event!s} is not allowed in state {state!s}")

@@ -544,7 +544,7 @@ class ProgramCore:
             running = [s for s in active if s.running and not s.pause_pending]
             if running:
                 smallest = min(running, key=lambda s: (s.footprint(b), s.sid))
-                smallest.pause_pending = True
+                led.mark_pause(smallest, True)
                 self.events[Event.PAUSE_MARKED] += 1
 
     def _feedback(self, url: str, now: float) -> None:
@@ -612,7 +612,7 @@ class ProgramCore:
         elif changed is False:
             self.events[Event.DISENGAGED] += 1
             for s in self.ledger.on_engine(url):
-                s.pause_pending = False  # permissive: nobody pauses
+                self.ledger.mark_pause(s, False)  # permissive: nobody pauses
 
     def _floor_fits(self, url: str, eng: Engine) -> bool:
         """Whether the engine's KV room holds ``floor_room`` x ``min_inflight`` of the
