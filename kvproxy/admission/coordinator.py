@@ -23,8 +23,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 from kvproxy.admission import classify
-from kvproxy.admission.catalogue import C_BYPASS, C_BYPASS_PROTECTED, C_POLL_ERROR
-from kvproxy.admission.catalogue import C_SESSION_ENDED as C_ENDED
+from kvproxy.admission.catalogue import C_BYPASS, C_BYPASS_PROTECTED, C_POLL_ERROR, C_SESSION_ENDED
 from kvproxy.admission.controls import ProgramControls
 from kvproxy.admission.poller import Loops
 from kvproxy.admission.program.params import ProgramParams
@@ -175,7 +174,7 @@ class AdmissionController(ProgramControls):
         released normally."""
         for mode in _END_ORDER:
             if self._gates[mode].end_session(session_id, self._clock()):
-                self._counters.inc(C_ENDED)
+                self._counters.inc(C_SESSION_ENDED)
 
     def learns_from(self, req: AdmissionRequest) -> bool:
         """Whether the engine's usage report for ``req`` (decided) teaches anything."""

@@ -17,7 +17,7 @@ S = TypeVar("S")
 E = TypeVar("E")
 
 
-class InvalidTransition(RuntimeError):
+class InvalidTransition(Exception):
     """An event its state machine's table does not allow in the current state."""
 
 
