@@ -3,6 +3,7 @@ ring (docs/admission.md#program-mode).
 
 Pure (time injected): :mod:`~kvproxy.admission.program.params` (the parameters, derived
 from the config), :mod:`~kvproxy.admission.program.events` (events and why-held),
+:mod:`~kvproxy.admission.program.session` (a session and its transitions table),
 :mod:`~kvproxy.admission.program.ledger` (per-engine session ledgers),
 :mod:`~kvproxy.admission.program.queues` (per-engine FIFOs),
 :mod:`~kvproxy.admission.program.engagement` and
