@@ -2,7 +2,7 @@
 
 The shape shared by Dynamo's speculative prefill (:mod:`kvproxy.dynamo.prefill`: the
 conversation plus the answer) and program admission's prefetch
-(:mod:`kvproxy.admission.prefetch`: the session's last prompt, sent before its tool
+(:mod:`kvproxy.admission.program.prefetch`: the session's last prompt, sent before its tool
 returns). The engine matches the prompt in its radix cache, loads back what its host
 tier holds (SGLang's HiCache), computes what is missing and decodes one token.
 """

@@ -20,7 +20,7 @@ from kvproxy.admin.auth import NEEDS_TOKEN, Access
 from kvproxy.admin.guard import guarded, is_allowed, on_plane
 from kvproxy.admin.health import health_doc
 from kvproxy.admin.reload import reload_config
-from kvproxy.admission.prefetch import tool_end_in_s
+from kvproxy.admission.program.prefetch import tool_end_in_s
 from kvproxy.config import ConfigError
 from kvproxy.keys import ADMISSION, CONFIG, DYNAMO, REGISTRY, SESSIONS
 from kvproxy.proxy.errors import ErrorType

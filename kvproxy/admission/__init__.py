@@ -1,26 +1,31 @@
 """Program-aware admission: hold requests at kvproxy's boundary until the fleet's KV
 pool can hold them (see docs/admission.md).
 
-Pure (no I/O, time injected, table-tested):
+Two modes, each a subpackage behind one protocol
+(:class:`kvproxy.admission.gate.Gate`, one per :class:`kvproxy.admission.records.Mode`):
 
-* :mod:`kvproxy.admission.records` - the request and decision records, ``Action`` / ``Reason``;
+* :mod:`kvproxy.admission.fleet` - every request on its own against one fleet-wide
+  ledger (``mode: request``, and program mode where placement is unknown);
+* :mod:`kvproxy.admission.program` - a session's turns as one program, per engine of a
+  mirrored ring.
+
+Shared by both, pure (no I/O, time injected, table-tested):
+
+* :mod:`kvproxy.admission.records` - the request and decision records, ``Mode``,
+  ``Outcome`` (from which the action and the metric labels derive);
 * :mod:`kvproxy.admission.classify` - scope and protection;
 * :mod:`kvproxy.admission.reservation` / :mod:`kvproxy.admission.learning` - reservation
   sizing and its calibration from engines' usage reports;
 * :mod:`kvproxy.admission.scaling` - the config x token scale / time scale;
-* :mod:`kvproxy.admission.waitqueue` - the queue protocol both modes' queues follow;
-* ledger (request) mode: :mod:`kvproxy.admission.ledger` (capacity, pressure, leases,
-  TTL, epoch) and :mod:`kvproxy.admission.fleet_queue` (the two FIFOs, the decisions);
-* program mode: :mod:`kvproxy.admission.decisions`, :mod:`kvproxy.admission.engine_ledger`,
-  :mod:`kvproxy.admission.engagement`, :mod:`kvproxy.admission.queues`,
-  :mod:`kvproxy.admission.program`, :mod:`kvproxy.admission.priority`,
-  :mod:`kvproxy.admission.params`;
+* :mod:`kvproxy.admission.transitions` - state machines as tables;
 * :mod:`kvproxy.admission.catalogue` / :mod:`kvproxy.admission.report` - metric names,
   and the stats / health / Prometheus rendering.
 
 asyncio shells: :mod:`kvproxy.admission.waiters` (a request's handle, its future, the
-deadline timer), :mod:`kvproxy.admission.fleet_gate` and
-:mod:`kvproxy.admission.program_gate` (each mode on the loop),
-:mod:`kvproxy.admission.poller` (what is read from the fleet, the loops) and
+deadline timer), :mod:`kvproxy.admission.gate` (the protocol each mode's gate
+follows), :mod:`kvproxy.admission.poller` (what is read from the fleet, the loops),
+:mod:`kvproxy.admission.wiring` (the parts, built once), :mod:`kvproxy.admission.controls`
+(program mode's controls as the controller offers them),
+:mod:`kvproxy.admission.view` (what admission shows) and
 :mod:`kvproxy.admission.coordinator` (the controller).
 """

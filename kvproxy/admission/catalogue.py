@@ -4,12 +4,12 @@ document. Pure.
 
 Counter names are ``agentic_kv/admission/*`` and ``agentic_kv/budget/*`` keys
 (``/kvproxy/stats``; on ``/metrics`` with ``/`` as ``_`` and a ``_total`` suffix).
-Ledger (request) mode's counters are named by :class:`~kvproxy.admission.records.Action`
-and :class:`~kvproxy.admission.records.Reason` values (``admit``, ``bypass``,
-``bypass_<reason>``), program mode's by :class:`~kvproxy.admission.decisions.Outcome`
-and :class:`~kvproxy.admission.decisions.Event` values (``decision_<outcome>``,
-``event_<event>``). Per-engine gauges are labelled by engine. The rendering of the
-whole of admission (stats, health, /metrics) is :mod:`kvproxy.admission.report`.
+Both modes count :class:`~kvproxy.admission.records.Action` values (``admit``,
+``bypass``); fleet mode counts its bypasses by :class:`~kvproxy.admission.records.Outcome`
+(``bypass_<outcome>``), program mode every outcome (``decision_<outcome>``) and its
+:class:`~kvproxy.admission.program.events.Event` values (``event_<event>``).
+Per-engine gauges are labelled by engine. The rendering of the whole of admission
+(stats, health, /metrics) is :mod:`kvproxy.admission.report`.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from typing import Any
 
 from prometheus_client.core import GaugeMetricFamily, Metric
 
-from kvproxy.admission.decisions import Event, Outcome
-from kvproxy.admission.program import ProgramCore
-from kvproxy.admission.records import Action, Reason
+from kvproxy.admission.program.core import ProgramCore
+from kvproxy.admission.program.events import Event
+from kvproxy.admission.records import FLEET_BYPASSES, PROGRAM_OUTCOMES, Action, Outcome
 from kvproxy.fleet.placement import Placement
 
 _A = "agentic_kv/admission/"
@@ -33,25 +33,15 @@ _B = "agentic_kv/budget/"
 C_ADMIT = _A + Action.ADMIT.value
 C_BYPASS = _A + Action.BYPASS.value
 # One counter per reason a request bypasses for (protected, degraded, aged, ...).
-C_BYPASS_REASON: Mapping[str, str] = {
-    r: _A + "bypass_" + r.value
-    for r in (
-        Reason.PROTECTED,
-        Reason.DEGRADED,
-        Reason.AGED,
-        Reason.OVERSIZED,
-        Reason.QUEUE_FULL,
-        Reason.DISABLED,
-    )
-}
-C_BYPASS_PROTECTED = C_BYPASS_REASON[Reason.PROTECTED]
-C_BYPASS_DEGRADED = C_BYPASS_REASON[Reason.DEGRADED]
-C_BYPASS_AGED = C_BYPASS_REASON[Reason.AGED]
-C_BYPASS_OVERSIZED = C_BYPASS_REASON[Reason.OVERSIZED]
-C_BYPASS_QUEUE_FULL = C_BYPASS_REASON[Reason.QUEUE_FULL]
-C_BYPASS_DISABLED = C_BYPASS_REASON[Reason.DISABLED]
+C_BYPASS_REASON: Mapping[Outcome, str] = {r: _A + "bypass_" + r.value for r in FLEET_BYPASSES}
+C_BYPASS_PROTECTED = C_BYPASS_REASON[Outcome.PROTECTED]
+C_BYPASS_DEGRADED = C_BYPASS_REASON[Outcome.DEGRADED]
+C_BYPASS_AGED = C_BYPASS_REASON[Outcome.AGED]
+C_BYPASS_OVERSIZED = C_BYPASS_REASON[Outcome.OVERSIZED]
+C_BYPASS_QUEUE_FULL = C_BYPASS_REASON[Outcome.QUEUE_FULL]
+C_BYPASS_DISABLED = C_BYPASS_REASON[Outcome.DISABLED]
 C_WAIT = _A + "wait"
-C_CANCELLED = _A + Reason.CANCELLED.value
+C_CANCELLED = _A + Outcome.CANCELLED.value
 C_WAIT_NEW_SESSION = _A + "wait_new_session"
 C_WAIT_CONTINUING = _A + "wait_continuing"
 C_WAIT_GRANTED = _A + "wait_granted"  # internal: grants after a wait
@@ -167,7 +157,7 @@ ENGINE_FRESH = "agentic_kv_budget_engine_fresh"
 # -- program mode ------------------------------------------------------------------------
 
 PROGRAM_HELP: dict[str, str] = {}
-_C_DECISION = {o: _A + "decision_" + o.value for o in Outcome}
+_C_DECISION = {o: _A + "decision_" + o.value for o in PROGRAM_OUTCOMES}
 _C_EVENT = {e: _A + "event_" + e.value for e in Event}
 C_PAUSED_WAIT_SUM = _A + "paused_wait_seconds_sum"
 C_PAUSED_WAIT_COUNT = _A + "paused_wait_count"

@@ -14,7 +14,7 @@ a rate-limited warning when a body or a report cannot be used.
 
 from __future__ import annotations
 
-from kvproxy.admission.program import ProgramCore
+from kvproxy.admission.program.core import ProgramCore
 from kvproxy.admission.records import AdmissionRequest
 from kvproxy.admission.reservation import ReservationSizer
 from kvproxy.observability import RateLimitedLog

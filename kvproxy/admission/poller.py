@@ -9,8 +9,8 @@
 * :meth:`Poller.check_diversion`: the requests smg's own counters show routed off
   the consistent-hashing ring since the last read (:func:`diverted_requests`; counted
   ``router_diverted``, and warned about);
-* :func:`poll_loop` / :func:`tick_loop`: the background tasks; an exception never
-  stops them (counted ``poll_error``).
+* :func:`poll_loop` / :func:`tick_loop`: the background tasks, started and stopped
+  together by :class:`Loops`; an exception never stops them (counted ``poll_error``).
 
 The controller (:mod:`kvproxy.admission.coordinator`) decides what to do with what
 is read; this module only reads.
@@ -25,8 +25,8 @@ from collections.abc import Awaitable, Callable, Container, Sequence
 import aiohttp
 
 from kvproxy.admission.catalogue import C_DIVERTED, C_POLL_ERROR, C_SCRAPE_FAILURE
-from kvproxy.admission.engine_ledger import EngineLedger
-from kvproxy.admission.ledger import Ledger
+from kvproxy.admission.fleet.ledger import Ledger
+from kvproxy.admission.program.ledger import EngineLedger
 from kvproxy.fleet.client import EngineHttp
 from kvproxy.fleet.engine_info import EngineSessionMode, probe
 from kvproxy.fleet.engine_metrics import parse_engine_metrics
@@ -197,6 +197,46 @@ async def tick_loop(
         except Exception:
             counters.inc(C_POLL_ERROR)
             log.warning("tick", "admission: tick failed", exc_info=True)
+
+
+class Loops:
+    """The poll and tick tasks of one controller, started and stopped together."""
+
+    __slots__ = ("_counters", "_log", "_tasks")
+
+    def __init__(self, counters: WindowedCounters, log: RateLimitedLog) -> None:
+        self._counters = counters
+        self._log = log
+        self._tasks: list[asyncio.Task[None]] = []
+
+    @property
+    def running(self) -> bool:
+        return bool(self._tasks)
+
+    def start(
+        self,
+        interval_s: Callable[[], float],
+        poll: Callable[[], Awaitable[None]],
+        period_s: Callable[[], float],
+        tick: Callable[[], None],
+    ) -> None:
+        c, lg = self._counters, self._log
+        self._tasks = [
+            asyncio.create_task(poll_loop(interval_s, poll, c, lg), name="kvproxy-admission-poll"),
+            asyncio.create_task(tick_loop(period_s, tick, c, lg), name="kvproxy-admission-tick"),
+        ]
+
+    async def stop(self) -> None:
+        """Cancel both and wait for them (a cancellation of the caller propagates)."""
+        tasks, self._tasks = self._tasks, []
+        for task in tasks:
+            task.cancel()
+            try:
+                await task
+            except asyncio.CancelledError:
+                current = asyncio.current_task()
+                if current is not None and current.cancelling():
+                    raise
 
 
 _BRANCH_RE = re.compile(

@@ -44,7 +44,7 @@ from kvproxy.admission.catalogue import (
     WAIT_HISTOGRAM,
     ProgramSnapshot,
 )
-from kvproxy.admission.ledger import EngineView, Ledger
+from kvproxy.admission.fleet.ledger import EngineView, Ledger
 from kvproxy.observability import WindowedCounters, counter_families, gauge_families
 
 

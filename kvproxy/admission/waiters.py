@@ -5,8 +5,8 @@ the queues at their next deadline (asyncio shell).
 
 Both admission modes' shells use them: ledger mode's in
 :mod:`kvproxy.admission.coordinator`, program mode's in
-:mod:`kvproxy.admission.program_gate`. The queues themselves are pure
-(:mod:`kvproxy.admission.fleet_queue`, :mod:`kvproxy.admission.queues`).
+:mod:`kvproxy.admission.program.gate`. The queues themselves are pure
+(:mod:`kvproxy.admission.fleet.queue`, :mod:`kvproxy.admission.program.queues`).
 """
 
 from __future__ import annotations
@@ -15,18 +15,40 @@ import asyncio
 import math
 from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
+from enum import StrEnum
 from types import TracebackType
 from typing import Protocol
 
-from kvproxy.admission.records import BYPASS_CANCELLED, AdmissionRequest, Decision, Reason
+from kvproxy.admission.records import BYPASS_CANCELLED, AdmissionRequest, Decision, Mode, Outcome
+from kvproxy.admission.transitions import step
 
-WAITING, RESOLVED, CANCELLED = 0, 1, 2
+
+class WaiterState(StrEnum):
+    WAITING = "waiting"  # in its mode's queue, its future pending
+    RESOLVED = "resolved"  # decided: its future holds (or held) the decision
+    CANCELLED = "cancelled"  # withdrawn (its task was cancelled) before a decision
+
+
+class WaiterEvent(StrEnum):
+    RESOLVE = "resolve"  # its gate decided it (a lease, a bypass, or fail open)
+    CANCEL = "cancel"  # its task was cancelled, or it was found abandoned at a head
+
+
+# A waiter's allowed transitions: a decision or a withdrawal, once; nothing after.
+WAITER_TRANSITIONS: dict[WaiterState, dict[WaiterEvent, WaiterState]] = {
+    WaiterState.WAITING: {
+        WaiterEvent.RESOLVE: WaiterState.RESOLVED,
+        WaiterEvent.CANCEL: WaiterState.CANCELLED,
+    },
+    WaiterState.RESOLVED: {},
+    WaiterState.CANCELLED: {},
+}
 
 
 class Waiter:
     """A request waiting for its decision, in either mode: its future."""
 
-    __slots__ = ("enqueued_at", "future", "program", "session", "state", "ticket", "tokens")
+    __slots__ = ("enqueued_at", "future", "mode", "session", "state", "ticket", "tokens")
 
     def __init__(
         self,
@@ -35,15 +57,19 @@ class Waiter:
         enqueued_at: float,
         future: asyncio.Future[Decision],
         session: str | None,
-        program: bool,
+        mode: Mode,
     ) -> None:
         self.ticket = ticket
         self.tokens = tokens
         self.enqueued_at = enqueued_at
         self.future = future
         self.session = session
-        self.program = program  # waits in program admission's per-engine queues
-        self.state = WAITING
+        self.mode = mode  # the gate it waits in
+        self.state = WaiterState.WAITING
+
+    def on(self, event: WaiterEvent) -> None:
+        """Apply ``event`` (WAITER_TRANSITIONS); an event its state does not allow raises."""
+        self.state = step(WAITER_TRANSITIONS, self.state, event, "waiter")
 
 
 class Wakeup:
@@ -85,7 +111,7 @@ class _Controller(Protocol):
 
     def _cancel_waiter(self, w: Waiter) -> None: ...
 
-    def _release(self, lease_id: str) -> None: ...
+    def _release(self, mode: Mode, lease_id: str, ticket: str) -> None: ...
 
     def _aged_turn_ended(self, req: AdmissionRequest, tokens: int) -> None: ...
 
@@ -98,12 +124,13 @@ class Admission(AbstractAsyncContextManager[Decision]):
     :meth:`decide_now`, then :meth:`wait` only when it returned None, and
     :meth:`leave` once the attempt ends."""
 
-    __slots__ = ("_aged", "_ctl", "_lease_id", "_pending", "_req")
+    __slots__ = ("_aged", "_ctl", "_lease_id", "_mode", "_pending", "_req")
 
     def __init__(self, ctl: _Controller, req: AdmissionRequest) -> None:
         self._ctl = ctl
         self._req = req
         self._lease_id: str | None = None
+        self._mode: Mode | None = None  # the gate that holds the lease
         # Tokens of an aged bypass of a session: noted as its residency at exit.
         self._aged: int | None = None
         self._pending: tuple[Waiter, bool] | None = None
@@ -141,7 +168,8 @@ class Admission(AbstractAsyncContextManager[Decision]):
 
     def _entered(self, decision: Decision) -> Decision:
         self._lease_id = decision.lease_id
-        if decision.reason == Reason.AGED and self._req.session_id is not None:
+        self._mode = decision.mode
+        if decision.reason == Outcome.AGED and self._req.session_id is not None:
             self._aged = decision.tokens
         return decision
 
@@ -154,7 +182,8 @@ class Admission(AbstractAsyncContextManager[Decision]):
         ``async with`` does on exit; the request path calls it directly."""
         lease_id, self._lease_id = self._lease_id, None
         if lease_id is not None:
-            self._ctl._release(lease_id)
+            assert self._mode is not None, "a lease is held by a gate"
+            self._ctl._release(self._mode, lease_id, self._req.ticket_id)
         elif self._aged is not None:
             tokens, self._aged = self._aged, None
             self._ctl._aged_turn_ended(self._req, tokens)

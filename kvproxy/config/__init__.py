@@ -18,10 +18,11 @@ imported from here (``from kvproxy.config import ...``).
 Adding a key: a field with its default and a comment in its section's dataclass, its
 range in that module's validator (checked only when the feature is enabled), and a line
 in ``configs/kvproxy.yaml`` and a row in ``docs/configuration.md`` (a test,
-tests/unit/test_config_reference.py, fails until both state the default). A program
-admission key is also a field of :class:`~kvproxy.admission.params.ProgramParams`
-(default ``_D.<key>``) and a line of its ``from_config`` (times the time scale when it
-is a duration).
+tests/unit/test_config_reference.py, fails until both state the default). Program
+admission's parameters inherit every admission key
+(:class:`~kvproxy.admission.program.params.ProgramParams`): nothing to add there. A key
+that is a duration or a token count is also named in :mod:`kvproxy.admission.scaling`
+(``TIME_SCALED``, ``TOKEN_SCALED``), so that the time and token scales apply to it.
 """
 
 from __future__ import annotations

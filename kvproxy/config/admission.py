@@ -1,9 +1,8 @@
 """The ``admission:`` section: admission's keys, and program admission's defaults. Pure.
 
-:class:`AdmissionConfig` is the one place program admission's defaults are written:
-:class:`~kvproxy.admission.params.ProgramParams` takes its defaults from it (scaled at
-``server.time_scale`` 1), and a test keeps ``configs/kvproxy.yaml`` and
-``docs/configuration.md`` stating the same values.
+:class:`AdmissionConfig` is the one place admission's keys and defaults are written:
+:class:`~kvproxy.admission.program.params.ProgramParams` inherits its fields, and a test
+keeps ``configs/kvproxy.yaml`` and ``docs/configuration.md`` stating the same values.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ idle: its next turn comes as soon as they answer, on its whole context. A subage
 runs from its first request to its end (its close, or admission's idle expiry of it),
 its tool calls included: between two of its turns it is still working for its lead.
 Admission asks :meth:`Family.running_children` and counts a lead with a running child
-as running (never paused, its weight kept; kvproxy.admission.engine_ledger).
+as running (never paused, its weight kept; kvproxy.admission.program.ledger).
 
 Bounded: at most ``max_links`` child -> parent links (the least recently linked is
 forgotten first) and ``max_children`` children per parent (a link past it is refused).

@@ -20,7 +20,7 @@ import orjson
 import pytest
 
 from kvlab import stack
-from kvproxy.admission.engine_ledger import SessionState
+from kvproxy.admission.program.ledger import SessionState
 from kvproxy.fleet.ring import HashRing
 from kvproxy.keys import ADMISSION
 

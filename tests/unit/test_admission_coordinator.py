@@ -12,7 +12,9 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from kvproxy.admission.catalogue import PROGRAM_STATS_KEYS
 from kvproxy.admission.coordinator import AdmissionController
-from kvproxy.admission.records import AdmissionRequest, Decision
+from kvproxy.admission.fleet.gate import FleetGate
+from kvproxy.admission.records import AdmissionRequest, Decision, Mode
+from kvproxy.admission.waiters import Wakeup
 from kvproxy.config import AdmissionConfig
 
 A, B = "http://a:1", "http://b:1"
@@ -56,6 +58,13 @@ def metrics_text(cap: int | None, usage: float | None) -> str:
     if usage is not None:
         lines.append(f'sglang:token_usage{{model_name="m",tp_rank="0"}} {usage}')
     return "\n".join(lines) + "\n"
+
+
+def _aging(ctl: AdmissionController) -> Wakeup:
+    """Fleet mode's aging timer (its gate's), which these tests watch fire."""
+    gate = ctl._gates[Mode.FLEET]
+    assert isinstance(gate, FleetGate)
+    return gate.aging
 
 
 def req(
@@ -390,32 +399,6 @@ async def test_cancel_before_acquire(make_env: Factory) -> None:
     with pytest.raises(asyncio.CancelledError):
         await h.task
     assert ctl.ledger.lease_count == 0 and ctl.waiting == 0
-    # A ticket cancelled by id before it asks: the later admit returns cancelled at once.
-    ctl.cancel("late")
-    async with ctl.admit(req("late", 10)) as d:
-        assert (d.action, d.reason, d.lease_id) == ("bypass", "cancelled", None)
-    assert ctl.ledger.reserved == 0
-    s = ctl.stats()
-    assert s["agentic_kv/admission/bypass"] == 0 and s["agentic_kv/admission/cancelled"] == 0
-    # The tombstone is consumed: the same id is decided normally afterwards.
-    async with ctl.admit(req("late", 10)) as d:
-        assert d.action == "admit"
-
-
-async def test_cancel_by_id_resolves_waiter_and_releases_lease(make_env: Factory) -> None:
-    env = await make_env()
-    ctl = env.ctl
-    first = Holder(ctl, req("first", 100))
-    waiter = Holder(ctl, req("waiter", 10))
-    await settle()
-    ctl.cancel("waiter")
-    d = await decided(waiter)
-    assert (d.action, d.reason) == ("bypass", "cancelled")
-    await waiter.finish()
-    ctl.cancel("first")  # releases the held lease
-    assert ctl.ledger.reserved == 0
-    await first.finish()  # its own release is now a no-op
-    assert ctl.ledger.reserved == 0 and stat(ctl, "agentic_kv/admission/cancelled") == 1
 
 
 # -- aging ---------------------------------------------------------------------------------
@@ -453,8 +436,8 @@ async def test_aging_timer_releases_waiter_at_its_deadline_with_no_other_event()
     async def rearmed(previous: asyncio.TimerHandle) -> asyncio.TimerHandle:
         # Bounded poll until the timer fired and armed a new one (or resolved the waiter).
         for _ in range(400):
-            if ctl._timer is not previous:
-                return ctl._timer  # type: ignore[return-value]
+            if _aging(ctl).handle is not previous:
+                return _aging(ctl).handle  # type: ignore[return-value]
             await asyncio.sleep(0.005)
         raise AssertionError("the aging timer never fired")
 
@@ -469,7 +452,7 @@ async def test_aging_timer_releases_waiter_at_its_deadline_with_no_other_event()
         await settle()
         after = loop.time()
         assert ctl.waiting == 1
-        timer = ctl._timer
+        timer = _aging(ctl).handle
         assert timer is not None
         assert before + max_wait <= timer.when() <= after + max_wait  # armed for max_wait
 
@@ -486,7 +469,7 @@ async def test_aging_timer_releases_waiter_at_its_deadline_with_no_other_event()
         d = await decided(waiter)
         assert (d.action, d.reason, d.lease_id) == ("bypass", "aged", None)
         assert d.wait_s == pytest.approx(max_wait)
-        assert ctl.waiting == 0 and ctl._timer is None
+        assert ctl.waiting == 0 and _aging(ctl).handle is None
         assert ctl.ledger.reserved == 100  # only the first's lease
         assert stat(ctl, "agentic_kv/admission/bypass_aged") == 1
         await waiter.finish()
@@ -902,20 +885,20 @@ async def test_aging_covers_both_fifos(make_env: Factory) -> None:
     new = Holder(ctl, sreq("n:1", "n", 100))
     await settle()
     t_new = clock.now
-    assert ctl._timer_deadline == t_new + 5.0
+    assert _aging(ctl).at == t_new + 5.0
     clock.now += 1.0
     await set_usage(env, 0.95)
     cont = Holder(ctl, sreq("s1:2", "s1", 950))
     await settle()
     assert (ctl.waiting_new, ctl.waiting_continuing) == (1, 1)
-    assert ctl._timer_deadline == t_new + 5.0  # the earlier head
+    assert _aging(ctl).at == t_new + 5.0  # the earlier head
     clock.now = t_new + 5.0
-    ctl._on_timer()
+    _aging(ctl).fire()
     d = await decided(new)
     assert (d.action, d.reason) == ("bypass", "aged")
-    assert ctl._timer_deadline == t_new + 6.0 and not cont.decision.done()
+    assert _aging(ctl).at == t_new + 6.0 and not cont.decision.done()
     clock.now = t_new + 6.0
-    ctl._on_timer()
+    _aging(ctl).fire()
     d = await decided(cont)
     assert (d.action, d.reason) == ("bypass", "aged")
     assert stat(ctl, "agentic_kv/admission/bypass_aged") == 2
@@ -988,13 +971,13 @@ async def test_only_a_sessions_first_request_teaches_the_shared_prefix(make_env:
     async with ctl.admit(first) as d:
         assert d.tokens == 2000
     ctl.observe_usage(first, 2000, 1500)  # the first turn found 1,500 tokens cached
-    learned = ctl._sizer.shared_prefix
+    learned = ctl._p.sizer.shared_prefix
     assert learned > 0
     second = session_req("t2", "s1", 2600)
     async with ctl.admit(second):
         pass
     ctl.observe_usage(second, 2600, 2000)  # a later turn: its cache hit is its own history
-    assert ctl._sizer.shared_prefix == learned
+    assert ctl._p.sizer.shared_prefix == learned
     async with ctl.admit(session_req("t3", "s2", 2000)) as d:
         assert d.tokens == 2000 - int(learned)
 

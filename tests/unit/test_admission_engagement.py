@@ -7,11 +7,12 @@ import dataclasses
 
 import pytest
 
-from kvproxy.admission.decisions import Event, Held, Outcome
-from kvproxy.admission.engagement import Engagement, EngageRule, Load
-from kvproxy.admission.engine_ledger import SessionState
-from kvproxy.admission.params import ProgramParams
-from kvproxy.admission.program import ProgramCore
+from kvproxy.admission.program.core import ProgramCore
+from kvproxy.admission.program.engagement import Engagement, EngageRule, Load
+from kvproxy.admission.program.events import Event, Held
+from kvproxy.admission.program.ledger import SessionState
+from kvproxy.admission.program.params import ProgramParams
+from kvproxy.admission.records import Outcome
 
 E1 = "http://e1:1"
 RULE = EngageRule(

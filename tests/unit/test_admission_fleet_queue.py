@@ -1,4 +1,4 @@
-"""Ledger (request) mode's pure decisions (kvproxy.admission.fleet_queue), table-tested
+"""Ledger (request) mode's pure decisions (kvproxy.admission.fleet.queue), table-tested
 over a real fleet ledger with injected time."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 
 from kvproxy.admission.catalogue import COUNTERS
-from kvproxy.admission.fleet_queue import CONTINUING, FLEET, NEW, FleetAdmission, FleetEntry
-from kvproxy.admission.ledger import Ledger
+from kvproxy.admission.fleet.ledger import Ledger
+from kvproxy.admission.fleet.queue import CONTINUING, FLEET, NEW, FleetAdmission, FleetEntry
 from kvproxy.admission.records import Action, Decision, Reason
 from kvproxy.admission.report import WaitHistogram
 from kvproxy.observability import WindowedCounters

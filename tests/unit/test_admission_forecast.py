@@ -8,12 +8,19 @@ import dataclasses
 
 import pytest
 
-from kvproxy.admission.decisions import Event, Held, Outcome
-from kvproxy.admission.engagement import Engagement, EngageRule
-from kvproxy.admission.engine_ledger import SessionState
-from kvproxy.admission.forecast import ForecastRule, Outlook, exposure, holding_pays, overflow
-from kvproxy.admission.params import ProgramParams
-from kvproxy.admission.program import ProgramCore
+from kvproxy.admission.program.core import ProgramCore
+from kvproxy.admission.program.engagement import Engagement, EngageRule
+from kvproxy.admission.program.events import Event, Held
+from kvproxy.admission.program.forecast import (
+    ForecastRule,
+    Outlook,
+    exposure,
+    holding_pays,
+    overflow,
+)
+from kvproxy.admission.program.ledger import SessionState
+from kvproxy.admission.program.params import ProgramParams
+from kvproxy.admission.records import Outcome
 
 E1 = "http://e1:1"
 RULE = ForecastRule(min_sessions=4)

@@ -7,10 +7,11 @@ import dataclasses
 
 import pytest
 
-from kvproxy.admission.decisions import Held, Outcome
-from kvproxy.admission.engine_ledger import PeakModel
-from kvproxy.admission.params import ProgramParams
-from kvproxy.admission.program import ProgramCore
+from kvproxy.admission.program.core import ProgramCore
+from kvproxy.admission.program.events import Held
+from kvproxy.admission.program.ledger import PeakModel
+from kvproxy.admission.program.params import ProgramParams
+from kvproxy.admission.records import Outcome
 from kvproxy.config import AdmissionConfig, ConfigError, from_mapping
 from kvproxy.fleet.engine_info import parse_server_info
 

@@ -2,7 +2,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from kvproxy.admission.ledger import (
+from kvproxy.admission.fleet.ledger import (
     CAPACITY_AVAILABLE,
     CAPACITY_EXHAUSTED,
     DEGRADED,

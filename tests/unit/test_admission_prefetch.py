@@ -9,9 +9,10 @@ from typing import Any
 
 import pytest
 
-from kvproxy.admission.decisions import Event
-from kvproxy.admission.params import ProgramParams
-from kvproxy.admission.prefetch import (
+from kvproxy.admission.program.core import ProgramCore
+from kvproxy.admission.program.events import Event
+from kvproxy.admission.program.params import ProgramParams
+from kvproxy.admission.program.prefetch import (
     TOOL_SAMPLES,
     PrefetchPlan,
     Prompts,
@@ -19,7 +20,6 @@ from kvproxy.admission.prefetch import (
     tool_end_in_s,
     with_tool_call,
 )
-from kvproxy.admission.program import ProgramCore
 from kvproxy.config import AdmissionConfig
 from kvproxy.proxy.scan import scan_object
 from kvproxy.warm import body_bytes, warm_body

@@ -7,11 +7,12 @@ import dataclasses
 
 import pytest
 
-from kvproxy.admission.decisions import Event, Held, Outcome
-from kvproxy.admission.engine_ledger import SessionState
-from kvproxy.admission.params import ProgramParams
-from kvproxy.admission.priority import next_priority, size_priority
-from kvproxy.admission.program import ProgramCore
+from kvproxy.admission.program.core import ProgramCore
+from kvproxy.admission.program.events import Event, Held
+from kvproxy.admission.program.ledger import SessionState
+from kvproxy.admission.program.params import ProgramParams
+from kvproxy.admission.program.priority import next_priority, size_priority
+from kvproxy.admission.records import Outcome
 from kvproxy.config import AdmissionConfig
 from kvproxy.fleet.placement import Placement
 from kvproxy.fleet.ring import HashRing

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import yaml
 
-from kvproxy.admission.params import ProgramParams
+from kvproxy.admission.program.params import ProgramParams
 from kvproxy.config import SECTIONS, AdmissionConfig, Config
 
 REPO = Path(__file__).resolve().parents[2]

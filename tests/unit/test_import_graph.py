@@ -230,7 +230,7 @@ PURE_MODULES = [
     "kvproxy.dynamo.prefill",
     "kvproxy.admission.classify",
     "kvproxy.admission.reservation",
-    "kvproxy.admission.ledger",
+    "kvproxy.admission.fleet.ledger",
     "kvlab.sim.histogram",
     "kvlab.sim.parse",
     "kvlab.sim.responses",

@@ -6,8 +6,8 @@ import importlib
 
 import pytest
 
-from kvproxy.admission.ledger import Grant, Lease
-from kvproxy.admission.records import Decision
+from kvproxy.admission.fleet.ledger import Grant, Lease
+from kvproxy.admission.records import Action, Decision, Outcome
 from kvproxy.compiled import MODULES
 from kvproxy.proxy.usage import Usage
 from kvproxy.record import Record
@@ -38,8 +38,8 @@ def test_equality_and_hash_are_by_value_and_type() -> None:
     assert a == Usage(10, 5, 2) and hash(a) == hash(Usage(10, 5, 2))
     assert a != Usage(10, 5, 3)
     assert a != (10, 5, 2, 1, "meta_info")  # not a tuple any more
-    decision = Decision("admit", "capacity_available", "0:t", 10, 0.0)
-    assert decision != Decision("admit", "capacity_available", "0:t", 10, 0.5)
+    decision = Decision(Action.ADMIT, Outcome.CAPACITY_AVAILABLE, "0:t", 10, 0.0)
+    assert decision != Decision(Action.ADMIT, Outcome.CAPACITY_AVAILABLE, "0:t", 10, 0.5)
     assert len({a, Usage(10, 5, 2), Usage(1)}) == 2
 
 

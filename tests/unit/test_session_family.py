@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvproxy.admission.engine_ledger import EngineLedger, SessionState
-from kvproxy.admission.params import ProgramParams
+from kvproxy.admission.program.ledger import EngineLedger, SessionState
+from kvproxy.admission.program.params import ProgramParams
 from kvproxy.sessions.family import MAX_DEPTH, Family, Link
 
 

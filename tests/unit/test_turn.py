@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from kvproxy.admission.records import AdmissionRequest, Decision
+from kvproxy.admission.records import Action, AdmissionRequest, Decision, Mode, Outcome
 from kvproxy.proxy.errors import ErrorType
 from kvproxy.proxy.pipeline import Plan
 from kvproxy.proxy.refusals import Refused
@@ -25,11 +25,13 @@ from kvproxy.proxy.usage import Usage
 from kvproxy.sessions.identity import InjectionPlan
 from kvproxy.sessions.lifecycle import SessionClosed
 
-ADMIT = Decision("admit", "capacity_available", "lease-1", 100, 0.0)
-WAITED = Decision("admit", "capacity_available", "lease-1", 100, 1.5)
-STEERED = Decision("admit", "capacity_available", "lease-1", 100, 0.0, priority=7)
-FAIL_OPEN = Decision("bypass", "degraded", None, 100, 0.0)  # no fresh reading: forwarded
-CANCELLED = Decision("bypass", "cancelled", None, 0, 0.0)
+OK = Outcome.CAPACITY_AVAILABLE
+ADMIT = Decision(Action.ADMIT, OK, "lease-1", 100, 0.0, mode=Mode.FLEET)
+WAITED = Decision(Action.ADMIT, OK, "lease-1", 100, 1.5, mode=Mode.FLEET)
+STEERED = Decision(Action.ADMIT, OK, "lease-1", 100, 0.0, priority=7, mode=Mode.FLEET)
+# No fresh reading: forwarded without a lease.
+FAIL_OPEN = Decision(Action.BYPASS, Outcome.DEGRADED, None, 100, 0.0)
+CANCELLED = Decision(Action.BYPASS, Outcome.CANCELLED, None, 0, 0.0)
 USAGE = Usage(prompt_tokens=90, completion_tokens=10, cached_tokens=40)
 
 

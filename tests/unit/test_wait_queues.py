@@ -1,5 +1,7 @@
-"""One conformance table for the WaitQueues protocol, run against both admission modes'
-queues: program mode's per-engine Queues and ledger mode's FleetQueues (pure)."""
+"""One conformance table for both admission modes' wait queues (pure): program mode's
+per-engine Queues and fleet mode's FleetQueues. Each holds two lanes per engine in
+arrival order, serves the first lane before the second, and skips a withdrawn entry
+lazily (it never shows at a head again)."""
 
 from __future__ import annotations
 
@@ -9,10 +11,9 @@ from typing import Any
 
 import pytest
 
-from kvproxy.admission.decisions import Held
-from kvproxy.admission.fleet_queue import CONTINUING, FLEET, NEW, FleetEntry, FleetQueues
-from kvproxy.admission.queues import Entry, Queues
-from kvproxy.admission.waitqueue import WaitQueues
+from kvproxy.admission.fleet.queue import CONTINUING, FLEET, NEW, FleetEntry, FleetQueues
+from kvproxy.admission.program.events import Held
+from kvproxy.admission.program.queues import Entry, Queues
 
 
 @dataclass(frozen=True)
@@ -21,7 +22,7 @@ class Impl:
     and how it builds an entry (ticket, arrival time)."""
 
     name: str
-    make: Callable[[], WaitQueues[Any]]
+    make: Callable[[], Any]
     engine: str
     lanes: tuple[str, str]
     entry: Callable[[str, float], Any]

@@ -3,8 +3,9 @@
 Per **session**: its engine (the ring owner of its routing key), its context tokens
 (from each response: prompt + completion tokens), the expected growth per turn (an
 EMA of the context's growth), its state (NEW before its first turn is admitted,
-ACTIVE, PAUSED, CLOSED), whether a turn is running and since when it is running or
-idle, the priority last sent, and an estimate of the running turn's size.
+ACTIVE, PAUSED, CLOSED: its transitions are the table of
+:mod:`kvproxy.admission.program.session`), whether a turn is running and since when it
+is running or idle, the priority last sent, and an estimate of the running turn's size.
 
 Per **engine**: its capacity ``C = max_total_num_tokens x headroom`` (known while its
 last reading is fresh), its admission target theta, the shared-prefix credit (the
@@ -38,53 +39,12 @@ import math
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from enum import StrEnum
 
-from kvproxy.admission.engagement import Engagement, Load
-from kvproxy.admission.forecast import Outlook, returned_exposure
-from kvproxy.admission.params import ProgramParams
+from kvproxy.admission.program.engagement import Engagement, Load
+from kvproxy.admission.program.forecast import Outlook, returned_exposure
+from kvproxy.admission.program.params import ProgramParams
+from kvproxy.admission.program.session import Session, SessionEvent, SessionState
 from kvproxy.sessions.family import Family, Link
-
-
-class SessionState(StrEnum):
-    NEW = "new"
-    ACTIVE = "active"
-    PAUSED = "paused"
-    CLOSED = "closed"
-
-
-@dataclass(slots=True)
-class Session:
-    sid: str
-    engine: str
-    since: float  # when it last started or stopped running
-    state: SessionState = SessionState.NEW
-    ctx: int = 0  # context tokens after its last response
-    growth: float = 0.0  # EMA of per-turn context growth
-    est: int = 0  # size estimate of its running (or next) turn
-    running: int = 0  # turns in flight
-    turns: int = 0  # responses seen
-    prio: int = 0  # last priority sent
-    pause_pending: bool = False  # pause at its next response
-    # Its last tool calls' lengths (request after an answer), newest last: with
-    # prefetch on only (kvproxy.admission.prefetch).
-    tool_s: tuple[float, ...] = ()
-    # Child sessions (those naming this one as parent) running now (kvproxy.sessions.family).
-    children_running: int = 0
-    # Its id had several turns in flight at once (a harness sharing one id across
-    # subagents): its turns' contexts diverge (observe_response).
-    shared: bool = False
-
-    @property
-    def busy(self) -> bool:
-        """A turn of its own runs, or a child runs (a lead waiting for its subagents)."""
-        return bool(self.running or self.children_running)
-
-    def footprint(self, buffer: int) -> int:
-        return int(max(self.ctx + self.growth, self.est)) + buffer
-
-    def idle_s(self, now: float) -> float:
-        return 0.0 if self.running else max(0.0, now - self.since)
 
 
 class PeakModel:
@@ -190,7 +150,7 @@ class Engine:
     # Its write policy is write_back (/server_info): the host holds only what the device
     # evicted, so the two tiers add up (see EngineLedger.kv_room).
     host_write_back: bool = False
-    # Decoded tokens per turn (the hold model's input, kvproxy.admission.forecast): the
+    # Decoded tokens per turn (the hold model's input, kvproxy.admission.program.forecast): the
     # mean over the engine's answers once there are some, before that over what its
     # requests asked for (max_new_tokens or an osl hint, as sized).
     decode_asked: float = 0.0
@@ -212,7 +172,7 @@ class Engine:
     quiet: int = 0
     last_cut: float = -math.inf
     # What kvproxy sees of the engine itself (turns in flight, busy time, answers) and
-    # whether holding is measured to pay there (kvproxy.admission.engagement).
+    # whether holding is measured to pay there (kvproxy.admission.program.engagement).
     load: Load = field(default_factory=Load)
     engagement: Engagement = field(default_factory=Engagement)
     last_stale_release: float = -math.inf
@@ -476,7 +436,7 @@ class EngineLedger:
     def outlook(
         self, url: str, now: float, s: Session | None = None, tokens: int = 0
     ) -> Outlook | None:
-        """The hold model's inputs on ``url`` (kvproxy.admission.forecast), counting
+        """The hold model's inputs on ``url`` (kvproxy.admission.program.forecast), counting
         ``s``'s first turn of ``tokens`` when it is not active yet; None while the
         engine's decodes are unknown. Expected peaks only once the fleet's growth was
         seen: before, a peak is the engine's context length, and every large fleet would
@@ -544,10 +504,16 @@ class EngineLedger:
 
     def activate(self, s: Session) -> None:
         if s.state is not SessionState.ACTIVE:
-            s.state = SessionState.ACTIVE
+            s.on(SessionEvent.ACTIVATE)
             self.engine(s.engine).sessions.add(s.sid)
 
+    def mark_pause(self, s: Session, pending: bool) -> None:
+        """Whether an ACTIVE session pauses at its next response."""
+        s.on(SessionEvent.MARK_PAUSE if pending else SessionEvent.UNMARK)
+        s.pause_pending = pending
+
     def turn_started(self, s: Session, now: float, est: int) -> None:
+        s.on(SessionEvent.TURN_START)
         s.running += 1
         s.since = now
         # One id with several turns in flight (a harness sharing it across subagents):
@@ -558,6 +524,7 @@ class EngineLedger:
         self.sessions.move_to_end(s.sid)
 
     def turn_ended(self, s: Session, now: float) -> None:
+        s.on(SessionEvent.TURN_END)
         s.running = max(0, s.running - 1)
         s.since = now
 
@@ -639,12 +606,11 @@ class EngineLedger:
     def pause(self, s: Session, now: float) -> int:
         """ACTIVE -> PAUSED: it stops counting; returns the footprint freed."""
         freed = s.footprint(self.p.session_buffer_tokens)
+        s.on(SessionEvent.PAUSE)
         s.pause_pending = False
-        if s.state is SessionState.ACTIVE:
-            eng = self.engine(s.engine, now)
-            eng.sessions.discard(s.sid)
-            eng.freed_tokens += freed
-        s.state = SessionState.PAUSED
+        eng = self.engine(s.engine, now)
+        eng.sessions.discard(s.sid)
+        eng.freed_tokens += freed
         return freed
 
     def move(self, s: Session, engine: str, now: float) -> None:
@@ -671,7 +637,7 @@ class EngineLedger:
         if eng is not None and sid in eng.sessions:
             eng.sessions.discard(sid)
             eng.freed_tokens += s.footprint(self.p.session_buffer_tokens)
-        s.state = SessionState.CLOSED
+        s.on(SessionEvent.CLOSE)
         return s
 
     def expire(self, now: float, waiting: frozenset[str] = frozenset()) -> list[str]:

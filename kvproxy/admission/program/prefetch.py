@@ -35,9 +35,9 @@ from typing import Any, NamedTuple
 
 import orjson
 
-from kvproxy.admission.decisions import Event
-from kvproxy.admission.engine_ledger import EngineLedger, Session, SessionState
-from kvproxy.admission.params import ProgramParams
+from kvproxy.admission.program.events import Event
+from kvproxy.admission.program.ledger import EngineLedger, Session, SessionState
+from kvproxy.admission.program.params import ProgramParams
 from kvproxy.warm import body_bytes
 
 # Tool calls remembered per session (the expected one is the shortest of them).
@@ -126,7 +126,7 @@ class PrefetchPlan:
 
 class Prefetches:
     """The prefetch's rules over program admission's ledger (the module docstring),
-    counting into the core's ``events``. :class:`~kvproxy.admission.program.ProgramCore`
+    counting into the core's ``events``. :class:`~kvproxy.admission.program.core.ProgramCore`
     calls it at a turn's arrival and answer, and asks it who is due at each tick."""
 
     __slots__ = ("events", "p", "plan")

@@ -1,6 +1,6 @@
 """Program admission on the event loop (asyncio shell; docs/admission.md#program-mode).
 
-:class:`ProgramGate` wraps the pure :class:`~kvproxy.admission.program.ProgramCore`
+:class:`ProgramGate` wraps the pure :class:`~kvproxy.admission.program.core.ProgramCore`
 (per-engine ledgers and queues, time injected) with what needs the loop: the futures
 of turns waiting in the core's queues, the timer armed for their next deadline, the
 mirror of the router's consistent-hashing ring (:class:`~kvproxy.fleet.placement.Placement`)
@@ -9,9 +9,11 @@ are counted in the controller's counters (``agentic_kv/admission/decision_<outco
 and the counters both modes share) and its events carried over from the core
 (``event_<event>``).
 
-The controller (:mod:`kvproxy.admission.coordinator`) owns one and asks it when
-program admission is active: mode ``program``, ledger ``engine`` and a router policy
-kvproxy can mirror; otherwise the fleet-wide ledger decides.
+It is the :class:`~kvproxy.admission.gate.Gate` of
+:attr:`~kvproxy.admission.records.Mode.PROGRAM`: the controller
+(:mod:`kvproxy.admission.coordinator`) routes to it when program admission is active
+(mode ``program``, ledger ``engine`` and a router policy kvproxy can mirror);
+otherwise the fleet-wide ledger decides.
 """
 
 from __future__ import annotations
@@ -35,13 +37,13 @@ from kvproxy.admission.catalogue import (
     C_WAIT_NEW_SESSION,
     C_WAIT_SECONDS_SUM,
 )
-from kvproxy.admission.decisions import Event, Outcome
-from kvproxy.admission.prefetcher import Prefetcher
-from kvproxy.admission.program import ProgramCore, Release
-from kvproxy.admission.records import BYPASS_CANCELLED, Action, AdmissionRequest, Decision
+from kvproxy.admission.program.core import ProgramCore, Release
+from kvproxy.admission.program.events import Event
+from kvproxy.admission.program.prefetch_sender import Prefetcher
+from kvproxy.admission.records import BYPASS_CANCELLED, AdmissionRequest, Decision, Mode, Outcome
 from kvproxy.admission.report import WaitHistogram
 from kvproxy.admission.reservation import expected_output
-from kvproxy.admission.waiters import CANCELLED, RESOLVED, WAITING, Waiter, Wakeup
+from kvproxy.admission.waiters import Waiter, WaiterEvent, WaiterState, Wakeup
 from kvproxy.config import AdmissionConfig
 from kvproxy.fleet.engine_info import EngineSessionMode, parse_server_info
 from kvproxy.fleet.placement import Placement
@@ -51,7 +53,8 @@ from kvproxy.urls import base_url
 # Its lines keep the logger they always had: operators filter on it.
 log = logging.getLogger("kvproxy.admission.coordinator")
 
-# Program mode's lease ids: this prefix and the ticket (the turn it started).
+# Program mode's lease ids, as shown: this prefix and the ticket (the turn it started).
+# A lease is routed back by its Decision's mode, never by this prefix.
 LEASE_PREFIX = "p:"
 
 Workers = Callable[[], tuple[Sequence[str], Sequence[str]]]
@@ -59,6 +62,8 @@ Workers = Callable[[], tuple[Sequence[str], Sequence[str]]]
 
 class ProgramGate:
     """Program admission's waiters, timer, ring mirror and engine modes."""
+
+    mode = Mode.PROGRAM
 
     def __init__(
         self,
@@ -94,7 +99,7 @@ class ProgramGate:
         self._wake = Wakeup(self._on_timer)
         self._fallback_logged = False
         self._events_seen: dict[str, int] = {}
-        # The prefetches' shell (kvproxy.admission.prefetcher), set by the controller.
+        # The prefetches' shell (kvproxy.admission.program.prefetch_sender), set by the controller.
         self.prefetcher: Prefetcher | None = None
 
     # -- when it decides ---------------------------------------------------------------
@@ -218,7 +223,7 @@ class ProgramGate:
             self.drain(now)
             return self._decision(ticket, sid, verdict.outcome, tokens, 0.0)
         future = asyncio.get_running_loop().create_future()
-        waiter = self.waiters[ticket] = Waiter(ticket, tokens, now, future, sid, True)
+        waiter = self.waiters[ticket] = Waiter(ticket, tokens, now, future, sid, Mode.PROGRAM)
         self._counters.inc(C_WAIT)
         if sid is not None and verdict.held is not None and verdict.held.value.startswith("new"):
             self._counters.inc(C_WAIT_NEW_SESSION)
@@ -235,16 +240,16 @@ class ProgramGate:
         )
         if outcome.fail_open:
             c.inc(C_BYPASS)
-            action = Action.BYPASS
         else:
             c.inc(C_ADMIT)
-            action = Action.ADMIT
             if outcome.waited:
                 c.inc(C_WAIT_GRANTED)
                 c.inc(C_WAIT_SECONDS_SUM, wait_s)
         prio = self.core.priority(sid) if self.priority_steering else None
-        lease = LEASE_PREFIX + ticket if started else None
-        return Decision(action, outcome.value, lease, tokens, wait_s, prio)
+        if not started:
+            return Decision(outcome.action, outcome, None, tokens, wait_s, prio)
+        lease = LEASE_PREFIX + ticket
+        return Decision(outcome.action, outcome, lease, tokens, wait_s, prio, Mode.PROGRAM)
 
     def _apply(self, releases: Sequence[Release]) -> None:
         for r in releases:
@@ -253,7 +258,7 @@ class ProgramGate:
                 # Nobody awaits it (cancelled in a race): end the turn it started.
                 self.core.turn_ended(r.ticket, self._clock())
                 continue
-            w.state = RESOLVED
+            w.on(WaiterEvent.RESOLVE)
             self._waits.observe(r.wait_s)
             if r.outcome in (Outcome.RESUMED_WAITED, Outcome.PAUSED_AGED):
                 self._counters.inc(C_PAUSED_WAIT_SUM, r.wait_s)
@@ -269,6 +274,35 @@ class ProgramGate:
             self._apply(self.core.drain(now))
         self._arm(now)
 
+    def release(self, lease_id: str, ticket: str, now: float) -> None:
+        """The turn that holds the lease (the request ``ticket`` started) ended."""
+        self.turn_ended(ticket, now)
+
+    def end_session(self, session_id: str, now: float) -> bool:
+        """The session closed: it leaves its engine's ledger at once (its waiting
+        turns stay queued) and its prefetch is forgotten; the next may fit now."""
+        if self.prefetcher is not None:
+            self.prefetcher.forget(session_id)
+        if not self.core.end_session(session_id, now):
+            return False
+        self.drain(now)
+        return True
+
+    def configure(self, cfg: AdmissionConfig) -> None:
+        """A reloaded (scaled) config; the prompts kept for prefetch follow its bounds."""
+        self.cfg = cfg
+        if self.prefetcher is not None:
+            self.prefetcher.prompts.max_bytes = cfg.prefetch_max_bytes
+            if not (cfg.enabled and cfg.prefetch):
+                self.prefetcher.prompts.clear()
+
+    def rearm(self) -> None:
+        self.check_active()
+
+    def oldest(self) -> float | None:
+        entry = self.core.queues.oldest()
+        return None if entry is None else entry.enqueued_at
+
     def turn_ended(self, ticket: str, now: float) -> None:
         self.core.turn_ended(ticket, now)
         if self.waiters:
@@ -277,8 +311,8 @@ class ProgramGate:
     def cancel(self, w: Waiter, now: float) -> None:
         """The awaiting task was cancelled: the turn leaves its queue, or (granted in
         the race) the turn it started ends unforwarded."""
-        if w.state == WAITING:
-            w.state = CANCELLED
+        if w.state == WaiterState.WAITING:
+            w.on(WaiterEvent.CANCEL)
             self.waiters.pop(w.ticket, None)
             self.core.cancel(w.ticket)
             self._counters.inc(C_CANCELLED)
@@ -297,7 +331,7 @@ class ProgramGate:
         self.waiters.clear()
         for w in waiters:
             self.core.cancel(w.ticket)
-            w.state = RESOLVED
+            w.on(WaiterEvent.RESOLVE)
             decision = self._decision(w.ticket, w.session, outcome, w.tokens, now - w.enqueued_at)
             if not w.future.done():
                 w.future.set_result(decision)

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from kvproxy.admission.engagement import Load
+    from kvproxy.admission.program.engagement import Load
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,14 +1,16 @@
 """Ledger (request) mode on the event loop (asyncio shell).
 
-:class:`FleetGate` wraps the pure :class:`~kvproxy.admission.fleet_queue.FleetAdmission`
+:class:`FleetGate` wraps the pure :class:`~kvproxy.admission.fleet.queue.FleetAdmission`
 (two FIFOs in front of the fleet-wide ledger, time injected) with what needs the
 loop: the future of each waiting request and the aging timer, armed for the earlier
 head's ``enqueued_at + max_wait_s`` so that a waiter leaves within a few milliseconds
 of ``max_wait_s`` even when nothing else happens. Everything runs on the loop without
 awaiting in between: no lock.
 
-The controller (:mod:`kvproxy.admission.coordinator`) owns one and asks it whenever
-program admission is not active.
+It is the :class:`~kvproxy.admission.gate.Gate` of
+:attr:`~kvproxy.admission.records.Mode.FLEET`: the controller
+(:mod:`kvproxy.admission.coordinator`) routes to it whenever program admission is not
+active.
 """
 
 from __future__ import annotations
@@ -16,14 +18,25 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Iterable
 
-from kvproxy.admission.fleet_queue import FleetAdmission, Resolved
-from kvproxy.admission.records import BYPASS_CANCELLED, Action, AdmissionRequest, Decision, Reason
-from kvproxy.admission.waiters import CANCELLED, RESOLVED, WAITING, Waiter, Wakeup
+from kvproxy.admission.fleet.queue import FleetAdmission, Resolved
+from kvproxy.admission.records import (
+    BYPASS_CANCELLED,
+    Action,
+    AdmissionRequest,
+    Decision,
+    Mode,
+    Outcome,
+)
+from kvproxy.admission.scaling import residency_of
+from kvproxy.admission.waiters import Waiter, WaiterEvent, WaiterState, Wakeup
+from kvproxy.config import AdmissionConfig
 from kvproxy.observability import RateLimitedLog
 
 
 class FleetGate:
     """Ledger mode's waiters and aging timer around :class:`FleetAdmission`."""
+
+    mode = Mode.FLEET
 
     def __init__(
         self,
@@ -56,14 +69,19 @@ class FleetGate:
         lease = ledger.lease_for_ticket(ticket)
         if lease is not None:  # idempotent: the lease it holds
             return Decision(
-                Action.ADMIT, Reason.CAPACITY_AVAILABLE, lease.lease_id, lease.full_tokens, 0.0
+                Action.ADMIT,
+                Outcome.CAPACITY_AVAILABLE,
+                lease.lease_id,
+                lease.full_tokens,
+                0.0,
+                mode=Mode.FLEET,
             )
         existing = self.waiters.get(ticket)
         if existing is not None:
             return existing, True
         tokens = self._size(req)
         if tokens is None:
-            return self.fleet.bypass(Reason.DEGRADED, 0)
+            return self.fleet.bypass(Outcome.DEGRADED, 0)
         now = self._clock()
         sid = req.session_id if self.residency else None
         continuing = ledger.is_resident(sid)
@@ -75,7 +93,7 @@ class FleetGate:
         if isinstance(outcome, Decision):
             return outcome
         future = asyncio.get_running_loop().create_future()
-        waiter = self.waiters[ticket] = Waiter(ticket, tokens, now, future, sid, False)
+        waiter = self.waiters[ticket] = Waiter(ticket, tokens, now, future, sid, Mode.FLEET)
         self.drain(now)  # ages it at once when max_wait_s == 0; arms the timer
         return waiter, False
 
@@ -97,18 +115,18 @@ class FleetGate:
             if w is None:
                 continue
             if decision is None:
-                w.state = CANCELLED
+                w.on(WaiterEvent.CANCEL)
                 continue
-            w.state = RESOLVED
+            w.on(WaiterEvent.RESOLVE)
             if not w.future.done():
                 w.future.set_result(decision)
 
     def cancel(self, w: Waiter, now: float) -> None:
         """The awaiting task was cancelled: the waiter leaves its FIFO, or a lease
         granted in the race is released."""
-        if w.state == WAITING:
+        if w.state == WaiterState.WAITING:
             was_head = self.fleet.cancel(w.ticket, now)
-            w.state = CANCELLED
+            w.on(WaiterEvent.CANCEL)
             if self.waiters.get(w.ticket) is w:
                 del self.waiters[w.ticket]
             if not w.future.done():
@@ -118,22 +136,39 @@ class FleetGate:
         elif self.ledger.release_ticket(w.ticket, now, ran=False) is not None:
             self.drain(now)
 
-    def release(self, lease_id: str, now: float) -> None:
+    def release(self, lease_id: str, ticket: str, now: float) -> None:
         """A lease's attempt ended: release it; the next waiters may fit now."""
         if self.ledger.release(lease_id, now) is not None and self.waiters:
             self.drain(now)
 
-    def release_ticket(self, ticket: str, now: float) -> bool:
-        """Release the lease ``ticket`` holds (cancelled from outside); whether it had one."""
-        if self.ledger.release_ticket(ticket, now) is None:
+    def end_session(self, session_id: str, now: float) -> bool:
+        """The session closed: its residency goes (idempotent), freeing room."""
+        if not self.ledger.end_session(session_id):
             return False
-        self.drain(now)
+        if self.waiters:
+            self.drain(now)
         return True
 
-    def release_all(self, reason: Reason) -> None:
-        """Every waiter leaves now as ``bypass``/``reason`` (stop, or disabled)."""
+    def release_all(self, outcome: Outcome) -> None:
+        """Every waiter leaves now as ``bypass``/``outcome`` (stop, or disabled)."""
         self.aging.cancel()
-        self._settle(self.fleet.release_all(reason, self._clock()))
+        self._settle(self.fleet.release_all(outcome, self._clock()))
+
+    def configure(self, cfg: AdmissionConfig) -> None:
+        """A reloaded (scaled) config: the ledger's thresholds, the FIFOs' bounds."""
+        self.ledger.configure(
+            headroom=cfg.headroom,
+            pressure_threshold=cfg.pressure_threshold,
+            lease_ttl_s=cfg.lease_ttl_s,
+            staleness_s=cfg.effective_staleness_s,
+            session_residency=residency_of(cfg),
+        )
+        self.fleet.configure(max_wait_s=cfg.max_wait_s, max_queue=cfg.max_queue)
+        self.residency = residency_of(cfg)
+
+    def oldest(self) -> float | None:
+        entry = self.fleet.queues.oldest()
+        return None if entry is None else entry.enqueued_at
 
     def rearm(self) -> None:
         """Drain and arm the aging timer from scratch (``max_wait_s`` may have changed)."""

@@ -11,8 +11,9 @@ Each engine has two queues of waiting turns, both in arrival order:
 
 A withdrawn entry (its client went away) is removed lazily: it is marked dead and
 skipped when it reaches a head. The total of live entries is bounded by the caller.
-:class:`Queues` follows :class:`kvproxy.admission.waitqueue.WaitQueues`, as ledger
-mode's FIFOs (:mod:`kvproxy.admission.fleet_queue`) do.
+:class:`Queues` has the two-lane shape of fleet mode's FIFOs
+(:mod:`kvproxy.admission.fleet.queue`); tests/unit/test_wait_queues.py runs one
+conformance table against both.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from kvproxy.admission.decisions import Held
+from kvproxy.admission.program.events import Held
 
 
 @dataclass(slots=True)
@@ -34,7 +35,7 @@ class Entry:
     deadline: float
     held: Held
     # The engine's answers when it was queued: a hold ages only once the engine has
-    # moved on (kvproxy.admission.engagement.Load.answers), so a proxy whose clock
+    # moved on (kvproxy.admission.program.engagement.Load.answers), so a proxy whose clock
     # runs ahead of its engines does not age holds early.
     mark: int = 0
     live: bool = True

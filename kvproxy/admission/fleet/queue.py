@@ -21,8 +21,8 @@ head never blocks a continuing request. A head refused at ``enqueued_at + max_wa
 leaves as ``bypass``/``aged``; :meth:`FleetAdmission.next_deadline` says when that
 comes, for the caller's timer.
 
-Storage (:class:`FleetQueues`) follows :class:`kvproxy.admission.waitqueue.WaitQueues`,
-as program mode's per-engine queues do: the fleet is its one engine (:data:`FLEET`),
+Storage (:class:`FleetQueues`) has the two-lane shape of program mode's per-engine
+queues: the fleet is its one engine (:data:`FLEET`),
 with lanes ``continuing`` and ``new``. A withdrawn entry is skipped lazily at a head
 and a lane is compacted when dead entries dominate: every operation is O(1) amortised.
 
@@ -50,8 +50,8 @@ from kvproxy.admission.catalogue import (
     C_WAIT_NEW_SESSION,
     C_WAIT_SECONDS_SUM,
 )
-from kvproxy.admission.ledger import DEGRADED, OVERSIZED, Ledger
-from kvproxy.admission.records import Action, Decision, Reason
+from kvproxy.admission.fleet.ledger import DEGRADED, OVERSIZED, Ledger
+from kvproxy.admission.records import Action, Decision, Mode, Outcome
 from kvproxy.admission.report import WaitHistogram
 from kvproxy.observability import WindowedCounters
 
@@ -160,7 +160,7 @@ Resolved = tuple[FleetEntry, Decision | None]
 
 
 class FleetAdmission:
-    """Ledger mode over one fleet-wide :class:`~kvproxy.admission.ledger.Ledger`."""
+    """Ledger mode over one fleet-wide :class:`~kvproxy.admission.fleet.ledger.Ledger`."""
 
     __slots__ = (
         "_evicted_seen",
@@ -193,7 +193,7 @@ class FleetAdmission:
         self.max_wait_s = max_wait_s
         self.max_queue = max_queue
 
-    def bypass(self, reason: Reason, tokens: int, wait_s: float = 0.0) -> Decision:
+    def bypass(self, reason: Outcome, tokens: int, wait_s: float = 0.0) -> Decision:
         """Forwarded without a lease (counted ``bypass`` and ``bypass_<reason>``)."""
         c = self.counters
         c.inc(C_BYPASS)
@@ -218,18 +218,16 @@ class FleetAdmission:
             grant = ledger.reserve(ticket, tokens, now, sid, continuing=continuing)
             if grant.granted:
                 self.counters.inc(C_ADMIT)
-                return Decision(
-                    Action.ADMIT, Reason.CAPACITY_AVAILABLE, grant.lease_id, grant.tokens, 0.0
-                )
+                return _admitted(grant.lease_id, grant.tokens, 0.0)
             reason = grant.reason
         else:
             reason = ledger.check(tokens, now, sid, continuing=continuing)
         if reason == DEGRADED:
-            return self.bypass(Reason.DEGRADED, tokens)
+            return self.bypass(Outcome.DEGRADED, tokens)
         if reason == OVERSIZED:
-            return self.bypass(Reason.OVERSIZED, tokens)
+            return self.bypass(Outcome.OVERSIZED, tokens)
         if len(queues.entries) >= self.max_queue:
-            return self.bypass(Reason.QUEUE_FULL, tokens)
+            return self.bypass(Outcome.QUEUE_FULL, tokens)
         entry = FleetEntry(ticket, tokens, now, sid)
         c = self.counters
         c.inc(C_WAIT)
@@ -278,17 +276,15 @@ class FleetAdmission:
             c.inc(C_ADMIT)
             c.inc(C_WAIT_GRANTED)
             c.inc(C_WAIT_SECONDS_SUM, waited)
-            return Decision(
-                Action.ADMIT, Reason.CAPACITY_AVAILABLE, grant.lease_id, grant.tokens, waited
-            )
+            return _admitted(grant.lease_id, grant.tokens, waited)
         if grant.reason == DEGRADED:
-            return self.bypass(Reason.DEGRADED, e.tokens, waited)
+            return self.bypass(Outcome.DEGRADED, e.tokens, waited)
         if grant.reason == OVERSIZED:
-            return self.bypass(Reason.OVERSIZED, e.tokens, waited)
+            return self.bypass(Outcome.OVERSIZED, e.tokens, waited)
         if now >= e.enqueued_at + self.max_wait_s:  # refused at its deadline: fail open
             # (the timer's own deadline sum: a timer firing at the deadline always ages
             # the head, never re-arms for ~0 s on a rounding difference)
-            return self.bypass(Reason.AGED, e.tokens, waited)
+            return self.bypass(Outcome.AGED, e.tokens, waited)
         return None
 
     def _cancelled(self, e: FleetEntry, now: float) -> None:
@@ -307,7 +303,7 @@ class FleetAdmission:
         self._cancelled(entry, now)
         return was_head
 
-    def release_all(self, reason: Reason, now: float) -> list[Resolved]:
+    def release_all(self, reason: Outcome, now: float) -> list[Resolved]:
         """Every waiter leaves as ``bypass``/``reason`` (stop, or disabled by a reload)."""
         out: list[Resolved] = []
         queues = self.queues
@@ -343,3 +339,9 @@ class FleetAdmission:
         """When the earlier head ages (None: nothing waits)."""
         oldest = self.queues.oldest()
         return None if oldest is None else oldest.enqueued_at + self.max_wait_s
+
+
+def _admitted(lease_id: str | None, tokens: int, wait_s: float) -> Decision:
+    """Admitted holding a lease of the fleet-wide ledger."""
+    outcome = Outcome.CAPACITY_AVAILABLE
+    return Decision(outcome.action, outcome, lease_id, tokens, wait_s, mode=Mode.FLEET)

@@ -32,13 +32,13 @@ it idle (then it may not engage again for a back-off that doubles each time). Re
 for quiet it stays **armed** (the thrash it engaged for was measured on this fleet): the
 next new session that does not fit it engages it again at once (:meth:`Engagement.rearm`,
 the fit judged by the caller); a starved release disarms it. The hold model
-(:mod:`kvproxy.admission.forecast`) may engage a permissive engine at once, before any
+(:mod:`kvproxy.admission.program.forecast`) may engage a permissive engine at once, before any
 window (:meth:`Engagement.predict`); the windows that follow confirm the prediction or,
 showing twice in a row neither recompute nor exposure, refute it and release the engine
 with the starved release's back-off. While
 engaged, the gate is work-conserving: an engine with fewer than ``min_inflight`` turns
 in flight takes the head of its waiting queues whether or not it fits
-(:mod:`kvproxy.admission.program`).
+(:mod:`kvproxy.admission.program.core`).
 """
 
 from __future__ import annotations
@@ -181,7 +181,7 @@ class Engagement:
     # Released because its load dropped, not because holding starved it: the thrash it
     # engaged for was real, and the next burst of sessions may bring it back at once.
     armed: bool = False
-    # Engaged by the hold model's prediction (kvproxy.admission.forecast), not yet
+    # Engaged by the hold model's prediction (kvproxy.admission.program.forecast), not yet
     # confirmed by a window; ``wrong``: consecutive windows that contradicted it.
     predicted: bool = False
     wrong: int = 0
@@ -260,7 +260,7 @@ class Engagement:
         return self.wrong >= rule.engage_windows
 
     def predict(self) -> bool:
-        """Engage now on the hold model's prediction (kvproxy.admission.forecast), unless
+        """Engage now on the hold model's prediction (kvproxy.admission.program.forecast), unless
         the engine backs off after a starved or refuted engagement, or holding failed
         on it before (then only measured thrash engages it)."""
         if self.engaged or self.backoff > 0 or self.failures > 0:

@@ -1,8 +1,8 @@
 """Program admission's prefetches on the event loop (asyncio shell;
 docs/admission.md#prefetch-before-the-tool-returns).
 
-The pure parts are in :mod:`kvproxy.admission.prefetch`: who is due and whether an
-engine may take it (``Prefetches``, over :class:`~kvproxy.admission.program.ProgramCore`'s
+The pure parts are in :mod:`kvproxy.admission.program.prefetch`: who is due and whether an
+engine may take it (``Prefetches``, over :class:`~kvproxy.admission.program.core.ProgramCore`'s
 ledger), the plan, the prompts kept. This keeps each session's last request as its turn asked admission,
 and at every tick sends the due prefetches: the prompt as one output token
 (:func:`kvproxy.warm.warm_body`) posted to the router with the session's routing key,
@@ -20,8 +20,8 @@ import aiohttp
 import orjson
 
 from kvproxy.admission.catalogue import C_PREFETCH_FAILED, C_PREFETCH_NO_PROMPT
-from kvproxy.admission.prefetch import Prompts
-from kvproxy.admission.program import ProgramCore
+from kvproxy.admission.program.core import ProgramCore
+from kvproxy.admission.program.prefetch import Prompts
 from kvproxy.admission.records import AdmissionRequest
 from kvproxy.fleet.client import EngineHttp
 from kvproxy.observability import WindowedCounters

@@ -8,9 +8,8 @@ forwarded at once, never held; a NEW session's first turn waits in its engine's 
 (with fit) until it fits, at most ``new_session_max_wait_s``; a PAUSED session's turn
 waits ahead of new sessions until it fits, past ``paused_soft_wait_s`` only while its
 resume would push its engine past the pause mark, at most ``paused_max_wait_s``; an
-engine holds only while engaged (kvproxy.admission.engagement: measured thrash, the
-cold start, or the hold model of kvproxy.admission.forecast); every failure of a signal
-fails open. The tick (every ``tick_s``): idle expiry, drain (resumes first), pause
+engine holds only while engaged (:mod:`.engagement`: measured thrash, the cold start,
+or the hold model of :mod:`.forecast`); every failure of a signal fails open. The tick (every ``tick_s``): idle expiry, drain (resumes first), pause
 (largest idle first) under growth pressure, the feedback window.
 """
 
@@ -20,13 +19,14 @@ from collections import Counter
 from collections.abc import Iterable
 from typing import Final
 
-from kvproxy.admission.decisions import Event, Held, Outcome
-from kvproxy.admission.engine_ledger import Engine, EngineLedger, Session, SessionState
-from kvproxy.admission.forecast import holding_pays, returned_exposure
-from kvproxy.admission.params import ProgramParams
-from kvproxy.admission.prefetch import Prefetches
-from kvproxy.admission.priority import next_priority
-from kvproxy.admission.queues import Entry, Queues
+from kvproxy.admission.program.events import Event, Held
+from kvproxy.admission.program.forecast import holding_pays, returned_exposure
+from kvproxy.admission.program.ledger import Engine, EngineLedger, Session, SessionState
+from kvproxy.admission.program.params import ProgramParams
+from kvproxy.admission.program.prefetch import Prefetches
+from kvproxy.admission.program.priority import next_priority
+from kvproxy.admission.program.queues import Entry, Queues
+from kvproxy.admission.records import Outcome
 from kvproxy.record import Record
 
 
@@ -170,7 +170,7 @@ class ProgramCore:
         return True
 
     def _forecast(self, url: str, now: float, s: Session | None = None, tokens: int = 0) -> bool:
-        """Whether the hold model (kvproxy.admission.forecast) engages the permissive
+        """Whether the hold model (kvproxy.admission.program.forecast) engages the permissive
         engine ``url`` now; later windows confirm or refute it (Engagement.judge)."""
         if not (self.p.engage_on_thrash and self.p.engage_on_forecast):
             return False
@@ -544,7 +544,7 @@ class ProgramCore:
             running = [s for s in active if s.running and not s.pause_pending]
             if running:
                 smallest = min(running, key=lambda s: (s.footprint(b), s.sid))
-                smallest.pause_pending = True
+                led.mark_pause(smallest, True)
                 self.events[Event.PAUSE_MARKED] += 1
 
     def _feedback(self, url: str, now: float) -> None:
@@ -590,7 +590,7 @@ class ProgramCore:
         eng.cached_sum = eng.resident_sum = eng.turns_in_window = 0
 
     def _engage(self, url: str, eng: Engine, now: float) -> None:
-        """The window's engagement verdict (kvproxy.admission.engagement)."""
+        """The window's engagement verdict (kvproxy.admission.program.engagement)."""
         if not self.p.engage_on_thrash:
             return
         p = self.p
@@ -612,7 +612,7 @@ class ProgramCore:
         elif changed is False:
             self.events[Event.DISENGAGED] += 1
             for s in self.ledger.on_engine(url):
-                s.pause_pending = False  # permissive: nobody pauses
+                self.ledger.mark_pause(s, False)  # permissive: nobody pauses
 
     def _floor_fits(self, url: str, eng: Engine) -> bool:
         """Whether the engine's KV room holds ``floor_room`` x ``min_inflight`` of the
