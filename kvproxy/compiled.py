@@ -58,6 +58,7 @@ MODULES: tuple[str, ...] = (
     "kvproxy.proxy.upstream",
     "kvproxy.proxy.responses",
     "kvproxy.dynamo.relay",
+    "kvproxy.proxy.dynamo_layer",
     "kvproxy.proxy.handlers",
 )
 

@@ -1,11 +1,12 @@
-"""kvproxy in the lab: the server's own session and admission objects, without HTTP.
+"""kvproxy in the lab: the server's own session, admission and Dynamo objects, without HTTP.
 
-The adapter between the lab's clients and engines. It builds the same two objects
-the proxy's app factory builds (``kvproxy.app``): a
-:class:`~kvproxy.sessions.lifecycle.SessionManager` and an
-:class:`~kvproxy.admission.coordinator.AdmissionController`, with the same config
-types, wired the same way (a finished close ends the session's admission
-residency). Only the HTTP edges are replaced:
+The adapter between the lab's clients and engines. It builds the same objects the
+proxy's app factory builds (``kvproxy.app``): a
+:class:`~kvproxy.sessions.lifecycle.SessionManager`, an
+:class:`~kvproxy.admission.coordinator.AdmissionController` and a
+:class:`~kvproxy.dynamo.control.Dynamo`, with the same config types, wired the same
+way (a finished close ends the session's admission residency and its Dynamo state).
+Only the HTTP edges are replaced:
 
 - the controller's ``_scrape(url)`` returns the lab engine's ``/metrics`` text
   (rendered by the simulator's metrics code), so kvproxy's real metric parsing,
@@ -18,8 +19,12 @@ residency). Only the HTTP edges are replaced:
   without the socket: the same pure pipeline (:func:`kvproxy.proxy.pipeline.plan_request`:
   identity, injection, admission class and routing key, priority), then the proxy's
   own turn (:class:`kvproxy.proxy.turn.TurnFlow`: request tracking, admission wait,
-  send, usage report, release), with this object as its shell: the forwarded body
-  goes to the router's placement and then to the chosen engine;
+  send, usage report, release) through its Dynamo layer
+  (:class:`kvproxy.proxy.dynamo_layer.DynamoLayer`: ``nvext`` bind timers, streaming
+  sessions, speculative prefills, over the server's own
+  :class:`~kvproxy.dynamo.control.Dynamo`), with this object as their transport: the
+  forwarded body goes to the router's placement and then to the chosen engine, and
+  ``/open_session`` to the engine it names;
 - :meth:`LabProxy.close_session` is the proxy's ``POST /close_session`` dispatch.
 
 Everything HTTP-bound lives in this one module (the integrator adapts it when the
@@ -43,12 +48,17 @@ from multidict import CIMultiDict
 from kvlab.lab.engines import EngineError, LabEngine
 from kvlab.lab.faults import FAULTS, ScrapeFailed, SignalFault
 from kvlab.lab.router import Placement
+from kvlab.sim.responses import generate_body
 from kvlab.sim.scheduler import SimRequest
 from kvproxy.admission.coordinator import AdmissionController
 from kvproxy.admission.records import Decision
 from kvproxy.config import Config
-from kvproxy.proxy.pipeline import Plan, Refusal, plan_request, with_turn_headers
+from kvproxy.dynamo.control import Dynamo, Turn
+from kvproxy.dynamo.streaming import Translated
+from kvproxy.proxy.dynamo_layer import DynamoLayer
+from kvproxy.proxy.pipeline import Plan, Refusal, plan_request
 from kvproxy.proxy.refusals import Refused
+from kvproxy.proxy.relaying import Keep, observe_tail_usage
 from kvproxy.proxy.turn import ObserveUsage, TurnFlow
 from kvproxy.proxy.usage import Usage
 from kvproxy.sessions.lifecycle import SessionManager, TrackedRequest
@@ -64,12 +74,13 @@ class ProxyError(Exception):
 
 
 class _Response:
-    """An :class:`~kvproxy.fleet.client.EngineResponse`: a status, no body."""
+    """An :class:`~kvproxy.fleet.client.EngineResponse`: a status and a short text."""
 
-    __slots__ = ("status",)
+    __slots__ = ("body", "status")
 
-    def __init__(self, status: int) -> None:
+    def __init__(self, status: int, body: str = "") -> None:
         self.status = status
+        self.body = body
 
     async def __aenter__(self) -> _Response:
         return self
@@ -83,10 +94,10 @@ class _Response:
         return None
 
     async def read(self) -> bytes:
-        return b""
+        return self.body.encode()
 
     async def text(self, encoding: str | None = None, errors: str = "strict") -> str:
-        return ""
+        return self.body
 
     def raise_for_status(self) -> None:
         if self.status >= 400:
@@ -123,17 +134,26 @@ class _EngineHttp:
         url: str,
         *,
         data: Any = None,
+        json: Any = None,
         headers: Mapping[str, str] | None = None,
         timeout: aiohttp.ClientTimeout | None = None,
     ) -> AbstractAsyncContextManager[_Response]:
         self.posts += 1
+        doc = json if json is not None else orjson.loads(data) if data is not None else {}
         if url.startswith(LAB_ROUTER_URL + "/"):
             engine = self._engines[self._placement.pick(headers or {})]
-            return _routed(engine, orjson.loads(data))
+            return _routed(engine, doc)
         for base, engine in self._engines.items():
             if url.startswith(base + "/"):
                 path = url[len(base) :]
-                doc = orjson.loads(data)
+                if path == "/open_session":
+                    timeout_s = doc.get("timeout")
+                    error = engine.open_session(
+                        str(doc["session_id"]),
+                        streaming=bool(doc.get("streaming")),
+                        timeout_s=float(timeout_s) if timeout_s is not None else None,
+                    )
+                    return _Response(200) if error is None else _Response(400, error)
                 if path == "/close_session":
                     engine.close_session(str(doc["session_id"]))
                     return _Response(200)
@@ -150,12 +170,14 @@ class _EngineHttp:
 
 
 class _LabRequest:
-    """One intercepted request in the lab, as its turn carries it: the headers (the
-    planned ones added when it is sent), the body, and what admission decided."""
+    """One intercepted request in the lab, as its turn carries it: the path, the
+    headers (the planned ones added when it is sent), the body, and what admission
+    decided."""
 
-    __slots__ = ("body", "headers", "observe", "wait_s")
+    __slots__ = ("body", "headers", "observe", "path", "wait_s")
 
-    def __init__(self, headers: CIMultiDict[str], body: dict[str, Any]) -> None:
+    def __init__(self, path: str, headers: CIMultiDict[str], body: dict[str, Any]) -> None:
+        self.path = path
         self.headers = headers
         self.body = body
         self.wait_s: float | None = None  # the admission wait (None: admission did not act)
@@ -186,7 +208,8 @@ class LabProxy:
         self.identity_only = dataclasses.replace(config.session_lifecycle, enabled=True)
         self.sessions: SessionManager | None = None
         self.admission: AdmissionController | None = None
-        self._turns: TurnFlow[_LabRequest, None, SimRequest, TrackedRequest] | None = None
+        self.dynamo: Dynamo | None = None
+        self._turns: TurnFlow[_LabRequest, Turn, SimRequest, TrackedRequest] | None = None
         self.decisions: dict[str, int] = {}
         # Injected priorities (value -> requests), for the run's summary.
         self.priorities: dict[int, int] = {}
@@ -198,7 +221,7 @@ class LabProxy:
         # The engine session-mode probe reads /server_info over HTTP: the lab's
         # engines are known, so it is off.
         lifecycle_cfg = dataclasses.replace(cfg.session_lifecycle, check_engines=False)
-        self.sessions = SessionManager(
+        sessions = self.sessions = SessionManager(
             lifecycle_cfg,
             all_engines=lambda: urls,
             http=self.http,
@@ -209,7 +232,7 @@ class LabProxy:
         # the router registered them (all available: the lab's engines never fail), and
         # each engine's /server_info (read over HTTP in the proxy; known here).
         ring = (tuple(urls), tuple(urls))
-        self.admission = AdmissionController(
+        admission = self.admission = AdmissionController(
             cfg.admission,
             healthy_engines=lambda: urls,
             http=self.http,
@@ -221,13 +244,38 @@ class LabProxy:
             token_scale=cfg.server.token_scale,
             router_url=LAB_ROUTER_URL,
         )
-        self._turns = TurnFlow(self.sessions, self.admission, self)
-        await self.sessions.start()
-        await self.admission.start()
+
+        async def close(session_id: str) -> None:
+            await sessions.close(session_id, reason="bind_timeout")
+
+        def pressure(engine: str | None) -> bool:
+            if not cfg.admission.enabled:
+                return False
+            usage = admission.ledger.pressure if engine is None else admission.engine_usage(engine)
+            return usage is not None and usage >= cfg.admission.pressure_threshold
+
+        # Dynamo mirrors the router's placement from router.policy, as deployed here.
+        router = dataclasses.replace(cfg.router, policy=self.placement.policy)
+        dynamo = self.dynamo = Dynamo(
+            dataclasses.replace(cfg, router=router),
+            http=self.http,
+            router_base=LAB_ROUTER_URL,
+            ring_workers=lambda: ring,
+            close_session=close,
+            session_open=lambda sid: sessions.state(sid) == "open",
+            pressure=pressure,
+            clock=loop.time,
+        )
+        self._turns = TurnFlow(sessions, admission, DynamoLayer(dynamo, self, self))
+        await sessions.start()
+        await dynamo.start()
+        await admission.start()
 
     async def stop(self) -> None:
         if self.sessions is not None:
             await self.sessions.stop()
+        if self.dynamo is not None:
+            await self.dynamo.stop()
         if self.admission is not None:
             await self.admission.stop()
 
@@ -246,8 +294,9 @@ class LabProxy:
                 await e.stop()
 
     def _session_closed(self, session_id: str) -> None:
-        assert self.admission is not None
+        assert self.admission is not None and self.dynamo is not None
         self.admission.end_session(session_id)
+        self.dynamo.session_closed(session_id)
 
     async def _scrape(self, url: str) -> str:
         loop = asyncio.get_running_loop()
@@ -267,17 +316,17 @@ class LabProxy:
         """One intercepted request, as ``ProxyHandlers.intercepted`` handles it: the
         finished engine request and the admission wait (None: admission did not act).
 
-        The decisions are the proxy's own pure pipeline (:mod:`kvproxy.proxy.pipeline`)
-        and its turn (:mod:`kvproxy.proxy.turn`), this object the turn's shell; only the
-        Dynamo turn (engine calls over HTTP) is not run in the lab."""
+        The decisions are the proxy's own pure pipeline (:mod:`kvproxy.proxy.pipeline`),
+        its turn (:mod:`kvproxy.proxy.turn`) and its Dynamo layer
+        (:mod:`kvproxy.proxy.dynamo_layer`), this object their transport."""
         assert self._turns is not None
-        req = _LabRequest(CIMultiDict(headers), body)
+        req = _LabRequest(path, CIMultiDict(headers), body)
         plan = plan_request(self.config, path, None, req.headers, body)
         if isinstance(plan, Refusal):
             raise ProxyError(plan.status, plan.kind.value, plan.message)
         try:
             if plan.passthrough:  # as the handler forwards it: the body as received
-                done = await self.send(req, plan, None, _NONE, None)
+                done = await self.forward(req, plan, _NONE, None, None)
             else:
                 done = await self._turns.run(req, plan, path, req.headers)
         except Refused as exc:
@@ -285,14 +334,10 @@ class LabProxy:
             raise ProxyError(refusal.status, refusal.kind.value, refusal.message) from None
         return done, req.wait_s
 
-    # -- the turn's shell (kvproxy.proxy.turn.TurnShell) ------------------------------
+    # -- the turn's transport (kvproxy.proxy.dynamo_layer.Transport) -------------------
 
-    def begin_turn(self, req: _LabRequest, plan: Plan, session_id: str) -> tuple[None, Plan]:
-        """No Dynamo turn in the lab: the plan with admission's routing key."""
-        return None, with_turn_headers(plan, self.config, req.headers, _NONE)
-
-    def end_turn(self, turn: None) -> None:
-        return None
+    def received(self, req: _LabRequest) -> tuple[str, Mapping[str, str]]:
+        return req.path, req.headers
 
     def entered(self, req: _LabRequest, plan: Plan, tracked: TrackedRequest | None) -> None:
         return None  # a lab client never disconnects
@@ -304,13 +349,13 @@ class LabProxy:
         self.decisions[key] = self.decisions.get(key, 0) + 1
         req.observe = observe
 
-    async def send(
+    async def forward(
         self,
         req: _LabRequest,
         plan: Plan,
-        turn: None,
         fields: Mapping[str, Any],
         source: str | None,
+        keep: Keep | None,
     ) -> SimRequest:
         """The forwarded body to the engine the router's placement picks."""
         if source == "steering":  # eviction steered by priority, as the handler splices it
@@ -332,7 +377,38 @@ class LabProxy:
                     cached_tokens=done.cached_tokens,
                 )
             )
+        if keep is not None:
+            keep.body(_answer(done))
         return done
+
+    def answered(self, response: SimRequest) -> bool:
+        return True  # an engine's refusal is raised (ProxyError), never answered
+
+    def sent_headers(self, req: _LabRequest, plan: Plan) -> Mapping[str, str]:
+        headers = CIMultiDict(req.headers)
+        headers.update(plan.headers)
+        return headers
+
+    async def relay(
+        self, req: _LabRequest, out: bytes, headers: Mapping[str, str], streamed: bool
+    ) -> Translated[SimRequest]:
+        """A turn in streaming-session form, to the engine the router's placement picks,
+        answered whole (the lab's engines do not stream): the ordinary request follows
+        when the engine refuses or aborts it."""
+        engine = self.engines[self.placement.pick(headers)]
+        try:
+            done = await engine.generate(orjson.loads(out))
+        except EngineError:
+            return Translated(None)
+        if (done.finish_reason or {}).get("type") == "abort":
+            return Translated(None)
+        data = _answer(done)
+        assert done.out is not None
+        ids = done.out.ids(done.generated)
+        return Translated(done, True, ids, done.prompt_tokens, False, data, data)
+
+    def observe_tail(self, req: _LabRequest, tail: bytes) -> None:
+        observe_tail_usage(req.observe, tail)
 
     async def close_session(self, session_id: str) -> None:
         """``POST /close_session {"session_id"}`` sent to the proxy."""
@@ -344,3 +420,10 @@ class LabProxy:
             # close_session_passthrough: residency ends; the router answers 404.
             admission.end_session(session_id)
         # Both off: the proxy forwards the call to the router, which answers 404.
+
+
+def _answer(done: SimRequest) -> bytes:
+    """A finished request's ``/generate`` answer, as the simulator's HTTP engine writes it."""
+    assert done.out is not None
+    ids = done.out.ids(done.generated)
+    return orjson.dumps(generate_body(done, ids, done.generated, done.finish_reason, False))
