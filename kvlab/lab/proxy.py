@@ -52,16 +52,24 @@ from kvlab.sim.responses import generate_body
 from kvlab.sim.scheduler import SimRequest
 from kvproxy.admission.coordinator import AdmissionController
 from kvproxy.admission.records import Decision
-from kvproxy.config import Config
+from kvproxy.config import Config, LiveConfig
 from kvproxy.dynamo.control import Dynamo, Turn
 from kvproxy.dynamo.streaming import Translated
-from kvproxy.proxy.dynamo_layer import DynamoLayer
-from kvproxy.proxy.pipeline import Plan, Refusal, plan_request
+from kvproxy.proxy.dynamo_layer import turn_flow
+from kvproxy.proxy.pipeline import (
+    CLOSE_LIFECYCLE,
+    CLOSE_RESIDENCY,
+    Plan,
+    Refusal,
+    close_route,
+    plan_request,
+)
 from kvproxy.proxy.refusals import Refused
 from kvproxy.proxy.relaying import Keep, observe_tail_usage
 from kvproxy.proxy.turn import ObserveUsage, TurnFlow
 from kvproxy.proxy.usage import Usage
 from kvproxy.sessions.lifecycle import SessionManager, TrackedRequest
+from kvproxy.wiring import Features
 
 
 class ProxyError(Exception):
@@ -169,6 +177,25 @@ class _EngineHttp:
         raise aiohttp.ClientConnectionError(f"{url}: no HTTP reads in the lab")
 
 
+class _LabFleet:
+    """The lab's engines as the fleet sees them: all healthy, all on the router's ring."""
+
+    __slots__ = ("_ring", "_urls")
+
+    def __init__(self, urls: tuple[str, ...]) -> None:
+        self._urls = urls
+        self._ring = (urls, urls)
+
+    def all_engines(self) -> tuple[str, ...]:
+        return self._urls
+
+    def healthy_engines(self) -> tuple[str, ...]:
+        return self._urls
+
+    def ring_workers(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        return self._ring
+
+
 class _LabRequest:
     """One intercepted request in the lab, as its turn carries it: the path, the
     headers (the planned ones added when it is sent), the body, and what admission
@@ -199,13 +226,18 @@ class LabProxy:
         fault: SignalFault = FAULTS["none"],
         seed: int = 0,
     ) -> None:
-        self.config = config
+        # The proxy's config as deployed in front of the lab's router: its placement
+        # policy and URL, and no engine session-mode probe (that reads /server_info over
+        # HTTP: the lab's engines are known).
+        router = dataclasses.replace(config.router, policy=placement.policy, url=LAB_ROUTER_URL)
+        lifecycle = dataclasses.replace(config.session_lifecycle, check_engines=False)
+        self.config = dataclasses.replace(config, router=router, session_lifecycle=lifecycle)
         self.fault = fault
         self._fault_rng = random.Random(seed)
         self.engines = {e.url: e for e in engines}
         self.placement = placement
         self.http = _EngineHttp(self.engines, placement)
-        self.identity_only = dataclasses.replace(config.session_lifecycle, enabled=True)
+        self.features: Features | None = None
         self.sessions: SessionManager | None = None
         self.admission: AdmissionController | None = None
         self.dynamo: Dynamo | None = None
@@ -214,70 +246,30 @@ class LabProxy:
         # Injected priorities (value -> requests), for the run's summary.
         self.priorities: dict[int, int] = {}
 
-    async def start(self) -> None:
-        loop = asyncio.get_running_loop()
-        urls = list(self.engines)
-        cfg = self.config
-        # The engine session-mode probe reads /server_info over HTTP: the lab's
-        # engines are known, so it is off.
-        lifecycle_cfg = dataclasses.replace(cfg.session_lifecycle, check_engines=False)
-        sessions = self.sessions = SessionManager(
-            lifecycle_cfg,
-            all_engines=lambda: urls,
+    def _build(self) -> Features:
+        """The features built as :mod:`kvproxy.app` builds them (:class:`kvproxy.wiring.Features`),
+        over the lab's edges: the engines as the fleet (all available: the lab's engines
+        never fail), the virtual clock, each engine's exposition and ``/server_info`` read
+        in process."""
+        clock = asyncio.get_running_loop().time
+        features = self.features = Features(
+            LiveConfig(self.config),
             http=self.http,
-            clock=loop.time,
-            on_closed=self._session_closed,
-        )
-        # As kvproxy.app wires it: the router's policy as deployed, the worker URLs as
-        # the router registered them (all available: the lab's engines never fail), and
-        # each engine's /server_info (read over HTTP in the proxy; known here).
-        ring = (tuple(urls), tuple(urls))
-        admission = self.admission = AdmissionController(
-            cfg.admission,
-            healthy_engines=lambda: urls,
-            http=self.http,
-            fetch_metrics=self._scrape,  # each engine's exposition, read in process
-            clock=loop.time,
-            router_policy=self.placement.policy,
-            workers=lambda: ring,
+            fleet=_LabFleet(tuple(self.engines)),
+            clock=clock,
+            timers=clock,
+            fetch_metrics=self._scrape,
             server_info={url: e.server_info() for url, e in self.engines.items()},
-            token_scale=cfg.server.token_scale,
-            router_url=LAB_ROUTER_URL,
         )
-
-        async def close(session_id: str) -> None:
-            await sessions.close(session_id, reason="bind_timeout")
-
-        def pressure(engine: str | None) -> bool:
-            if not cfg.admission.enabled:
-                return False
-            usage = admission.ledger.pressure if engine is None else admission.engine_usage(engine)
-            return usage is not None and usage >= cfg.admission.pressure_threshold
-
-        # Dynamo mirrors the router's placement from router.policy, as deployed here.
-        router = dataclasses.replace(cfg.router, policy=self.placement.policy)
-        dynamo = self.dynamo = Dynamo(
-            dataclasses.replace(cfg, router=router),
-            http=self.http,
-            router_base=LAB_ROUTER_URL,
-            ring_workers=lambda: ring,
-            close_session=close,
-            session_open=lambda sid: sessions.state(sid) == "open",
-            pressure=pressure,
-            clock=loop.time,
+        self.sessions, self.admission, self.dynamo = (
+            features.sessions,
+            features.admission,
+            features.dynamo,
         )
-        self._turns = TurnFlow(sessions, admission, DynamoLayer(dynamo, self, self))
-        await sessions.start()
-        await dynamo.start()
-        await admission.start()
-
-    async def stop(self) -> None:
-        if self.sessions is not None:
-            await self.sessions.stop()
-        if self.dynamo is not None:
-            await self.dynamo.stop()
-        if self.admission is not None:
-            await self.admission.stop()
+        self._turns = turn_flow(
+            features.sessions, features.admission, features.dynamo, features.live, self
+        )
+        return features
 
     @asynccontextmanager
     async def running(self) -> AsyncIterator[LabProxy]:
@@ -286,17 +278,11 @@ class LabProxy:
         for e in self.engines.values():
             e.start()
         try:
-            await self.start()
-            yield self
+            async with self._build().running():
+                yield self
         finally:
-            await self.stop()
             for e in self.engines.values():
                 await e.stop()
-
-    def _session_closed(self, session_id: str) -> None:
-        assert self.admission is not None and self.dynamo is not None
-        self.admission.end_session(session_id)
-        self.dynamo.session_closed(session_id)
 
     async def _scrape(self, url: str) -> str:
         loop = asyncio.get_running_loop()
@@ -414,12 +400,13 @@ class LabProxy:
         """``POST /close_session {"session_id"}`` sent to the proxy."""
         sessions, admission = self.sessions, self.admission
         assert sessions is not None and admission is not None
-        if self.config.session_lifecycle.enabled:
+        route = close_route(self.config)
+        if route == CLOSE_LIFECYCLE:
             await sessions.close(session_id, reason="close_session")
-        elif self.config.admission.enabled:
+        elif route == CLOSE_RESIDENCY:
             # close_session_passthrough: residency ends; the router answers 404.
             admission.end_session(session_id)
-        # Both off: the proxy forwards the call to the router, which answers 404.
+        # CLOSE_ROUTER: the proxy forwards the call to the router, which answers 404.
 
 
 def _answer(done: SimRequest) -> bytes:

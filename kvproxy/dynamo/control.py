@@ -67,7 +67,8 @@ GAUGE_HELP = {
 
 
 class DynamoHttp(Protocol):
-    """The part of ``aiohttp.ClientSession`` Dynamo calls (engine control, prefills)."""
+    """The part of ``aiohttp.ClientSession`` Dynamo calls (engine control, prefills):
+    :class:`~kvproxy.fleet.client.EngineHttp`'s, and a JSON body posted as ``json``."""
 
     def post(
         self,
@@ -76,6 +77,7 @@ class DynamoHttp(Protocol):
         data: Any = None,
         json: Any = None,
         headers: Mapping[str, str] | None = None,
+        timeout: aiohttp.ClientTimeout | None = None,
     ) -> AbstractAsyncContextManager[EngineResponse]: ...
 
     def get(

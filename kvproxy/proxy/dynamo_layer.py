@@ -49,7 +49,7 @@ from kvproxy.dynamo.prefill import StreamAnswer
 from kvproxy.proxy.pipeline import Plan, with_turn_headers
 from kvproxy.proxy.relaying import Keep
 from kvproxy.proxy.scan import validated
-from kvproxy.proxy.turn import ObserveUsage
+from kvproxy.proxy.turn import ObserveUsage, Tracked, TurnAdmission, TurnFlow, TurnSessions
 from kvproxy.sessions.identity import ROUTING_KEY_HEADER
 
 log = logging.getLogger(__name__)
@@ -57,6 +57,7 @@ log = logging.getLogger(__name__)
 R = TypeVar("R")  # the transport's request
 S = TypeVar("S")  # what sending answers (the transport's response)
 K = TypeVar("K")  # a tracked request (kvproxy.proxy.turn.Tracked)
+KT = TypeVar("KT", bound=Tracked)
 _R = TypeVar("_R", contravariant=True)
 _S = TypeVar("_S")
 _K = TypeVar("_K", contravariant=True)
@@ -260,6 +261,18 @@ class DynamoLayer(Generic[R, S, K]):
         self.dynamo.after_response(turn, plan.body, self.transport.sent_headers(req, plan))
 
 
+def turn_flow(
+    sessions: TurnSessions[KT],
+    admission: TurnAdmission,
+    dynamo: Dynamo,
+    live: Configured,
+    transport: Transport[R, S, KT],
+) -> TurnFlow[R, Turn, S, KT]:
+    """An intercepted request's turn (:class:`~kvproxy.proxy.turn.TurnFlow`) through
+    the Dynamo layer down to ``transport``: the server's and the lab's, built once."""
+    return TurnFlow(sessions, admission, DynamoLayer(dynamo, live, transport))
+
+
 class KeepAnswer:
     """The ordinary request's answer, kept on its turn for the speculative prefill; a
     streamed answer starts the prefill at its ``[DONE]`` (the router may hold the stream
@@ -286,4 +299,4 @@ class KeepAnswer:
             log.exception("speculative prefill of a streamed answer failed")
 
 
-__all__ = ["Configured", "DynamoLayer", "KeepAnswer", "Transport"]
+__all__ = ["Configured", "DynamoLayer", "KeepAnswer", "Transport", "turn_flow"]

@@ -48,13 +48,16 @@ from kvproxy.headers import forward_request_headers, forward_response_headers
 from kvproxy.paths import encoded_path, encoded_query, path_problem
 from kvproxy.plane import origin_allowed
 from kvproxy.proxy.body import BodyParts, parse_object
-from kvproxy.proxy.dynamo_layer import DynamoLayer
+from kvproxy.proxy.dynamo_layer import turn_flow
 from kvproxy.proxy.errors import ErrorType
 from kvproxy.proxy.gate import ForwardGate
 from kvproxy.proxy.metrics import ProxyMetrics
 from kvproxy.proxy.pipeline import (
+    CLOSE_LIFECYCLE,
+    CLOSE_RESIDENCY,
     Plan,
     Refusal,
+    close_route,
     close_target,
     plan_request,
     read_body,
@@ -195,8 +198,8 @@ class ProxyHandlers:
         self.shutdown = shutdown
         # The intercepted request's turn, through the Dynamo layer down to this
         # object's methods (its transport).
-        self.turns: TurnFlow[Exchange, Turn, web.StreamResponse, TrackedRequest] = TurnFlow(
-            sessions, admission, DynamoLayer(dynamo, live, self)
+        self.turns: TurnFlow[Exchange, Turn, web.StreamResponse, TrackedRequest] = turn_flow(
+            sessions, admission, dynamo, live, self
         )
         # Request body bytes held in memory now (server.max_buffered_bytes).
         self.buffered = 0
@@ -245,9 +248,10 @@ class ProxyHandlers:
             if path in INTERCEPTED_PATHS and rules.allows(path):
                 return self.intercepted(request, path, path_sid, started)
             if path == "/close_session":
-                if self.live.config.session_lifecycle.enabled:
+                route = close_route(self.live.config)
+                if route == CLOSE_LIFECYCLE:
                     return self.close_session_api(request, path_sid)
-                if self.live.config.admission.enabled:
+                if route == CLOSE_RESIDENCY:
                     return self.close_session_passthrough(request, path_sid, started)
         if rules.allows(path) or self.gate.control_plane(request, path):
             return self.passthrough(request, path, started)
