@@ -136,11 +136,12 @@ class DynamoLayer(Generic[R, S, K]):
         the turn's routing headers and program admission's routing key folded in."""
         turn: Turn | None = None
         turn_headers: Mapping[str, str] = _NO_HEADERS
-        path, headers = self.transport.received(req)
-        if not self.dynamo.quiet(session_id, plan.nvext):
-            turn, turn_headers = self.dynamo.begin(session_id, path, plan.nvext, plan.close_after)
-        elif not plan.admit:
+        quiet = self.dynamo.quiet(session_id, plan.nvext)
+        if quiet and not plan.admit:
             return None, plan  # no headers to fold in, no routing key to derive
+        path, headers = self.transport.received(req)
+        if not quiet:
+            turn, turn_headers = self.dynamo.begin(session_id, path, plan.nvext, plan.close_after)
         return turn, with_turn_headers(plan, self.live.config, headers, turn_headers)
 
     def end_turn(self, turn: Turn) -> None:
