@@ -376,7 +376,12 @@ class LabProxy:
         return headers
 
     async def relay(
-        self, req: _LabRequest, out: bytes, headers: Mapping[str, str], streamed: bool
+        self,
+        req: _LabRequest,
+        out: bytes,
+        headers: Mapping[str, str],
+        streamed: bool,
+        sid: str,
     ) -> Translated[SimRequest]:
         """A turn in streaming-session form, to the engine the router's placement picks,
         answered whole (the lab's engines do not stream): the ordinary request follows

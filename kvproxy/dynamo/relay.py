@@ -40,22 +40,24 @@ async def relay_translated(
     out: bytes,
     headers: Mapping[str, str],
     streamed: bool,
+    sid: str,
 ) -> Translated:
-    """Post ``out`` to ``url`` and relay the answer to ``request``'s client."""
+    """Post ``out``, a turn of session ``sid``, to ``url`` and relay the answer to
+    ``request``'s client."""
     if streamed:
-        return await _SseRelay(request).serve(http, url, out, headers)
-    return await _serve_json(http, url, out, headers)
+        return await _SseRelay(request, sid).serve(http, url, out, headers)
+    return await _serve_json(http, url, out, headers, sid)
 
 
 async def _serve_json(
-    http: aiohttp.ClientSession, url: str, out: bytes, headers: Mapping[str, str]
+    http: aiohttp.ClientSession, url: str, out: bytes, headers: Mapping[str, str], sid: str
 ) -> Translated:
     try:
         async with http.post(url, data=out, headers=dict(headers)) as resp:
             data = await resp.read()
             status, resp_headers = resp.status, forward_response_headers(resp.headers)
     except (aiohttp.ClientError, TimeoutError) as exc:
-        log.warning("streaming session: translated turn failed: %s", exc)
+        log.warning("streaming session %s: translated turn failed: %s", sid, exc)
         return _NOT_SERVED
     doc: Any = None
     if status == 200:
@@ -64,8 +66,9 @@ async def _serve_json(
     ids, prompt_tokens, aborted = st.read_generate_result(doc)
     if status != 200 or aborted:
         log.warning(
-            "streaming session: translated turn answered %s: %s; sent as an "
+            "streaming session %s: translated turn answered %s: %s; sent as an "
             "ordinary request instead",
+            sid,
             status,
             data[:300].decode("utf-8", "replace"),
         )
@@ -79,8 +82,9 @@ class _SseRelay:
     the ordinary request is sent instead), then relayed chunk by chunk while its
     output ids are accumulated."""
 
-    def __init__(self, request: web.Request) -> None:
+    def __init__(self, request: web.Request, sid: str) -> None:
         self.request = request
+        self.sid = sid
         self.state = StreamState()
         self.tail = b""
 
@@ -91,7 +95,7 @@ class _SseRelay:
             async with http.post(url, data=out, headers=dict(headers)) as resp:
                 return await self._relay(resp)
         except (aiohttp.ClientError, TimeoutError) as exc:
-            log.warning("streaming session: translated turn failed: %s", exc)
+            log.warning("streaming session %s: translated turn failed: %s", self.sid, exc)
             return _NOT_SERVED
 
     async def _first_event(self, resp: aiohttp.ClientResponse) -> list[bytes] | None:

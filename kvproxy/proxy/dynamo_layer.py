@@ -108,10 +108,10 @@ class Transport(Protocol[_R, _S, _K]):
         ...
 
     def relay(
-        self, req: _R, out: bytes, headers: Mapping[str, str], streamed: bool
+        self, req: _R, out: bytes, headers: Mapping[str, str], streamed: bool, sid: str
     ) -> Awaitable[st.Translated[_S]]:
-        """Send ``out``, a turn in streaming-session form, to the router's
-        ``/generate`` with ``headers``; relay its answer unless it failed before
+        """Send ``out``, a turn of session ``sid`` in streaming-session form, to the
+        router's ``/generate`` with ``headers``; relay its answer unless it failed before
         anything reached the client (``streamed``: an event stream is asked for)."""
         ...
 
@@ -225,7 +225,7 @@ class DynamoLayer(Generic[R, S, K]):
         headers = transport.sent_headers(req, plan)
         streamed = bool(body.get("stream"))
         try:
-            answer = await transport.relay(req, out, headers, streamed)
+            answer = await transport.relay(req, out, headers, streamed, turn.session_id)
         except asyncio.CancelledError:
             if streamed:  # a client gone mid-stream: the slot is given up
                 dynamo.give_up(slot, st.R_ENGINE_ERROR)

@@ -378,10 +378,10 @@ class ProxyHandlers:
         )
 
     def relay(
-        self, ex: Exchange, out: bytes, headers: Mapping[str, str], streamed: bool
+        self, ex: Exchange, out: bytes, headers: Mapping[str, str], streamed: bool, sid: str
     ) -> Awaitable[Translated[web.StreamResponse]]:
         url = self.live.router_base + "/generate"
-        return relay_translated(self.http, url, ex.request, out, headers, streamed)
+        return relay_translated(self.http, url, ex.request, out, headers, streamed, sid)
 
     def observe_tail(self, ex: Exchange, tail: bytes) -> None:
         observe_tail_usage(ex.observe_usage, tail)

@@ -131,9 +131,10 @@ class Transport:
         return {**self.pb.headers, **plan.headers}
 
     async def relay(
-        self, req: str, out: bytes, headers: Mapping[str, str], streamed: bool
+        self, req: str, out: bytes, headers: Mapping[str, str], streamed: bool, sid: str
     ) -> st.Translated[str]:
         doc = orjson.loads(out)
+        assert doc["session_params"] == {"id": sid}
         self.pb.log.append(("relay", doc["input_ids"], doc["session_params"], streamed))
         if self.pb.script.relay_raises is not None:
             raise self.pb.script.relay_raises
