@@ -53,8 +53,7 @@ from kvlab.sim.scheduler import SimRequest
 from kvproxy.admission.coordinator import AdmissionController
 from kvproxy.admission.records import Decision
 from kvproxy.config import Config, LiveConfig
-from kvproxy.dynamo.control import Dynamo, Turn
-from kvproxy.dynamo.streaming import Translated
+from kvproxy.dynamo.control import Dynamo, Translated, Turn
 from kvproxy.proxy.dynamo_layer import turn_flow
 from kvproxy.proxy.pipeline import (
     CLOSE_LIFECYCLE,

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Generic, Protocol, TypeVar
 
 import aiohttp
 import orjson
@@ -64,6 +64,26 @@ GAUGE_HELP = {
     G_PREFILL_IN_FLIGHT: "Speculative prefills in flight.",
     G_BOUND: "Sessions with a bind timeout.",
 }
+
+
+_S = TypeVar("_S")  # the relay's response
+
+
+@dataclass(frozen=True, slots=True)
+class Translated(Generic[_S]):
+    """What a turn sent in streaming-session form produced, as its relay saw it.
+
+    ``response`` None: it failed before anything reached the client (the ordinary
+    request is sent instead). ``complete`` False: it broke off mid-stream. A buffered
+    (JSON) answer's ``body`` is kept; an event stream's is not (None)."""
+
+    response: _S | None
+    complete: bool = False
+    output_ids: Any = None
+    prompt_tokens: int | None = None
+    aborted: bool = False
+    body: bytes | None = None
+    tail: bytes = b""  # the answer's last bytes: the engine's usage report
 
 
 class DynamoHttp(Protocol):
@@ -593,4 +613,4 @@ class Dynamo:
         yield from gauge_families(self.gauges(), GAUGE_HELP)
 
 
-__all__ = ["Dynamo", "DynamoHttp", "Turn"]
+__all__ = ["Dynamo", "DynamoHttp", "Translated", "Turn"]

@@ -3,7 +3,7 @@
 The server's half of :meth:`kvproxy.proxy.dynamo_layer.Transport.relay`: a turn in
 streaming-session form (only its new token ids) is posted to the router's
 ``/generate`` and its answer relayed to the client. What it produced comes back as a
-:class:`~kvproxy.dynamo.streaming.Translated`; the Dynamo layer records it (this
+:class:`~kvproxy.dynamo.control.Translated`; the Dynamo layer records it (this
 module keeps no state). An answer that fails before anything reached the client comes
 back without a response: the ordinary request is sent instead.
 """
@@ -20,17 +20,17 @@ import orjson
 from aiohttp import web
 
 from kvproxy.dynamo import streaming as st
+from kvproxy.dynamo.control import Translated
 from kvproxy.headers import forward_response_headers
 from kvproxy.sse import StreamState, parse_sse_line
 
 log = logging.getLogger(__name__)
 
-Translated = st.Translated[web.StreamResponse]
 # How much of the answer's end goes to the usage reader.
 _TAIL_BYTES = 4096
 # A streamed answer's first event must come within this many lines.
 _MAX_HEAD_LINES = 10_000
-_NOT_SERVED: Translated = st.Translated(None)
+_NOT_SERVED: Translated[web.StreamResponse] = Translated(None)
 
 
 async def relay_translated(
@@ -41,7 +41,7 @@ async def relay_translated(
     headers: Mapping[str, str],
     streamed: bool,
     sid: str,
-) -> Translated:
+) -> Translated[web.StreamResponse]:
     """Post ``out``, a turn of session ``sid``, to ``url`` and relay the answer to
     ``request``'s client."""
     if streamed:
@@ -51,7 +51,7 @@ async def relay_translated(
 
 async def _serve_json(
     http: aiohttp.ClientSession, url: str, out: bytes, headers: Mapping[str, str], sid: str
-) -> Translated:
+) -> Translated[web.StreamResponse]:
     try:
         async with http.post(url, data=out, headers=dict(headers)) as resp:
             data = await resp.read()
@@ -74,7 +74,7 @@ async def _serve_json(
         )
         return _NOT_SERVED
     response = web.Response(status=status, headers=resp_headers, body=data)
-    return st.Translated(response, True, ids, prompt_tokens, False, data, data[-_TAIL_BYTES:])
+    return Translated(response, True, ids, prompt_tokens, False, data, data[-_TAIL_BYTES:])
 
 
 class _SseRelay:
@@ -90,7 +90,7 @@ class _SseRelay:
 
     async def serve(
         self, http: aiohttp.ClientSession, url: str, out: bytes, headers: Mapping[str, str]
-    ) -> Translated:
+    ) -> Translated[web.StreamResponse]:
         try:
             async with http.post(url, data=out, headers=dict(headers)) as resp:
                 return await self._relay(resp)
@@ -115,7 +115,7 @@ class _SseRelay:
         self.state.feed_generate(first[1])
         return held
 
-    async def _relay(self, resp: aiohttp.ClientResponse) -> Translated:
+    async def _relay(self, resp: aiohttp.ClientResponse) -> Translated[web.StreamResponse]:
         if resp.status != 200:
             await resp.read()
             return _NOT_SERVED
@@ -130,12 +130,12 @@ class _SseRelay:
         except (ConnectionResetError, aiohttp.ClientError, TimeoutError):
             if self.request.transport is not None:
                 self.request.transport.abort()
-            return st.Translated(response)  # broke off: not complete
+            return Translated(response)  # broke off: not complete
         with contextlib.suppress(ConnectionResetError):
             await response.write_eof()
         state = self.state
         aborted = state.error is not None or state.finish_reason == "abort"
-        return st.Translated(
+        return Translated(
             response, True, state.output_ids, state.prompt_tokens, aborted, None, self.tail
         )
 

@@ -34,7 +34,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any
 
 # Plan kinds.
 PLAIN = "plain"  # not a streaming session: forward as usual
@@ -311,26 +311,6 @@ def read_generate_result(doc: Any) -> tuple[list[int] | None, int | None, bool]:
     return ids, pt if isinstance(pt, int) else None, aborted
 
 
-_S = TypeVar("_S")
-
-
-@dataclass(frozen=True, slots=True)
-class Translated(Generic[_S]):
-    """What a turn sent in streaming-session form produced, as its relay saw it.
-
-    ``response`` None: it failed before anything reached the client (the ordinary
-    request is sent instead). ``complete`` False: it broke off mid-stream. A buffered
-    (JSON) answer's ``body`` is kept; an event stream's is not (None)."""
-
-    response: _S | None
-    complete: bool = False
-    output_ids: Any = None
-    prompt_tokens: int | None = None
-    aborted: bool = False
-    body: bytes | None = None
-    tail: bytes = b""  # the answer's last bytes: the engine's usage report
-
-
 class SlotTable:
     """Bounded table of open streaming sessions, least recently used first."""
 
@@ -374,7 +354,6 @@ __all__ = [
     "Plan",
     "Slot",
     "SlotTable",
-    "Translated",
     "after_turn",
     "plan_turn",
     "pool_share_check",

@@ -44,7 +44,7 @@ from typing import Any, Generic, Protocol, TypeVar
 from kvproxy.admission.records import Decision
 from kvproxy.config import Config
 from kvproxy.dynamo import streaming as st
-from kvproxy.dynamo.control import Dynamo, Turn
+from kvproxy.dynamo.control import Dynamo, Translated, Turn
 from kvproxy.dynamo.prefill import StreamAnswer
 from kvproxy.proxy.pipeline import Plan, with_turn_headers
 from kvproxy.proxy.relaying import Keep
@@ -109,7 +109,7 @@ class Transport(Protocol[_R, _S, _K]):
 
     def relay(
         self, req: _R, out: bytes, headers: Mapping[str, str], streamed: bool, sid: str
-    ) -> Awaitable[st.Translated[_S]]:
+    ) -> Awaitable[Translated[_S]]:
         """Send ``out``, a turn of session ``sid`` in streaming-session form, to the
         router's ``/generate`` with ``headers``; relay its answer unless it failed before
         anything reached the client (``streamed``: an event stream is asked for)."""

@@ -41,9 +41,8 @@ from kvproxy.admission.coordinator import AdmissionController
 from kvproxy.admission.records import Decision
 from kvproxy.config import LiveConfig
 from kvproxy.credentials import bearer_matches
-from kvproxy.dynamo.control import Dynamo, Turn
+from kvproxy.dynamo.control import Dynamo, Translated, Turn
 from kvproxy.dynamo.relay import relay_translated
-from kvproxy.dynamo.streaming import Translated
 from kvproxy.headers import forward_request_headers, forward_response_headers
 from kvproxy.paths import encoded_path, encoded_query, path_problem
 from kvproxy.plane import origin_allowed

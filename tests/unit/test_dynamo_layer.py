@@ -22,7 +22,7 @@ import pytest
 from kvproxy.config import from_mapping
 from kvproxy.dynamo import control as dynamo
 from kvproxy.dynamo import streaming as st
-from kvproxy.dynamo.control import Dynamo
+from kvproxy.dynamo.control import Dynamo, Translated
 from kvproxy.dynamo.prefill import StreamAnswer
 from kvproxy.fleet.ring import HashRing
 from kvproxy.proxy.dynamo_layer import DynamoLayer
@@ -86,7 +86,7 @@ class FakeHttp:
 class Script:
     status: int = 200  # what the ordinary request answers
     keep: str = "body"  # how a 200's answer reaches `keep`: body, stream, or none
-    translated: st.Translated[str] | None = None  # what the relay produced
+    translated: Translated[str] | None = None  # what the relay produced
     relay_raises: BaseException | None = None
 
 
@@ -132,7 +132,7 @@ class Transport:
 
     async def relay(
         self, req: str, out: bytes, headers: Mapping[str, str], streamed: bool, sid: str
-    ) -> st.Translated[str]:
+    ) -> Translated[str]:
         doc = orjson.loads(out)
         assert doc["session_params"] == {"id": sid}
         self.pb.log.append(("relay", doc["input_ids"], doc["session_params"], streamed))
@@ -260,8 +260,8 @@ async def test_prefill_off_keeps_nothing() -> None:
     assert pb.log == [("forward", False)]
 
 
-def _served(body: bytes | None = None, complete: bool = True) -> st.Translated[str]:
-    return st.Translated("translated", complete, [9, 10], 4, False, body, b"tail")
+def _served(body: bytes | None = None, complete: bool = True) -> Translated[str]:
+    return Translated("translated", complete, [9, 10], 4, False, body, b"tail")
 
 
 async def test_open_claims_a_slot_relays_the_turn_and_keeps_the_context() -> None:
@@ -281,7 +281,7 @@ async def test_extend_sends_only_the_new_tokens() -> None:
     pb = Playbook(script=Script(translated=_served(orjson.dumps(ANSWER))))
     await pb.turn(_gen(OPEN))
     pb.log.clear()
-    pb.script.translated = st.Translated("again", True, [12], 7, False, b"{}", b"")
+    pb.script.translated = Translated("again", True, [12], 7, False, b"{}", b"")
     bind = {"session_control": {"session_id": "s", "action": "bind"}}
     assert await pb.turn(_gen(bind, [*IDS, 9, 10, 11])) == "again"
     assert pb.log == [("relay", [11], {"id": "s"}, False), ("observe_tail", b"")]
@@ -289,7 +289,7 @@ async def test_extend_sends_only_the_new_tokens() -> None:
 
 
 async def test_a_relay_that_failed_first_closes_the_slot_then_sends_the_ordinary_request() -> None:
-    pb = Playbook(script=Script(translated=st.Translated(None)))
+    pb = Playbook(script=Script(translated=Translated(None)))
     assert await pb.turn(_gen(OPEN)) == "ordinary 200"
     assert pb.effects() == ["engine", "relay", "engine", "forward"]
     assert pb.log[2] == ("engine", OWNER + "/close_session", "s")  # awaited before it
@@ -313,7 +313,7 @@ async def test_a_client_gone_mid_stream_gives_the_slot_up() -> None:
 
 
 async def test_a_context_mismatch_falls_back_to_the_ordinary_request() -> None:
-    wrong = st.Translated("translated", True, [9], 99, False, b"{}", b"tail")
+    wrong = Translated("translated", True, [9], 99, False, b"{}", b"tail")
     pb = Playbook(script=Script(translated=wrong))
     assert await pb.turn(_gen(OPEN)) == "ordinary 200"
     assert "observe_tail" not in pb.effects()  # the ordinary request reports the usage
