@@ -1,12 +1,12 @@
 """The application factory: one place that wires config, state, tasks and routes.
 
 Each resource lives on the application under its own typed ``web.AppKey``
-(:mod:`kvproxy.keys`; no module globals, no object holding them all). Long-lived
-resources are ``cleanup_ctx`` contexts, entered in order at start-up and left in
-reverse at shutdown: the pooled client session, the fleet refresher, the session
-manager, Dynamo (:mod:`kvproxy.dynamo`), the admission coordinator, the proxy's handlers
-(given the resources they use), then the dashboard's sampler. The operator routes
-are in :mod:`kvproxy.admin`.
+(:mod:`kvproxy.keys`; no module globals). Long-lived resources are ``cleanup_ctx``
+contexts, entered in order at start-up and left in reverse at shutdown: the pooled
+client session, the fleet refresher, the features (the session manager, Dynamo and
+the admission coordinator, built together by :class:`kvproxy.wiring.Features`, the
+builder the lab uses too), the proxy's handlers (given the resources they use), then
+the dashboard's sampler. The operator routes are in :mod:`kvproxy.admin`.
 """
 
 from __future__ import annotations
@@ -22,14 +22,13 @@ from prometheus_client.registry import Collector
 
 from kvproxy.admin import dashboard
 from kvproxy.admin.routes import add_admin_routes
-from kvproxy.admission.coordinator import AdmissionController
 from kvproxy.config import Config, LiveConfig
-from kvproxy.dynamo.control import Dynamo
 from kvproxy.fleet.registry import Fleet, legacy_warning
 from kvproxy.keys import (
     ADMISSION,
     CONFIG,
     DYNAMO,
+    FEATURES,
     FLEET,
     HTTP,
     PROXY,
@@ -43,8 +42,8 @@ from kvproxy.proxy.handlers import INTERCEPTED_PATHS, ProxyHandlers, Shutdown
 from kvproxy.proxy.metrics import ProxyMetrics
 from kvproxy.proxy.slow_clients import SlowClientGuard
 from kvproxy.proxy.upstream import create_client_session
-from kvproxy.sessions.lifecycle import SessionManager
 from kvproxy.state.redis_store import RedisStore
+from kvproxy.wiring import Features
 
 log = logging.getLogger(__name__)
 
@@ -52,14 +51,11 @@ log = logging.getLogger(__name__)
 class _FeatureCollector(Collector):
     """Exposes the features' own collectors through the app's registry."""
 
-    def __init__(
-        self, sessions: SessionManager, admission: AdmissionController, dynamo: Dynamo
-    ) -> None:
-        self._features = (sessions, admission, dynamo)
+    def __init__(self, features: Features) -> None:
+        self._features = features
 
     def collect(self) -> Iterable[Any]:
-        for feature in self._features:
-            yield from feature.collect()
+        return self._features.collect()
 
 
 # ----------------------------------------------------------------------- contexts
@@ -80,25 +76,30 @@ async def _fleet_ctx(app: web.Application) -> AsyncIterator[None]:
     await fleet.stop()
 
 
-async def _sessions_ctx(app: web.Application) -> AsyncIterator[None]:
-    def closed(session_id: str) -> None:
-        # A closed session's KV is no longer resident: admission stops counting it.
-        # Admission and Dynamo start after the sessions, so they are looked up here.
-        app[ADMISSION].end_session(session_id)
-        app[DYNAMO].session_closed(session_id)
-
-    fleet, config = app[FLEET], app[CONFIG].config
-    sessions = app[SESSIONS] = SessionManager(
-        config.session_lifecycle,
-        all_engines=fleet.all_engines,
+async def _features_ctx(app: web.Application) -> AsyncIterator[None]:
+    """The session lifecycle, Dynamo and admission, built together (:mod:`kvproxy.wiring`)
+    and started in that order."""
+    live = app[CONFIG]
+    config = live.config
+    features = app[FEATURES] = Features(
+        live,
         http=app[HTTP],
-        on_closed=closed,
+        fleet=app[FLEET],
+        # The loop's clock, bound once: on Python 3.11 each get_running_loop() is a
+        # getpid() system call, and admission reads the clock twice per request.
+        clock=asyncio.get_running_loop().time,
         store=_shared_store(config),
-        state=config.state,
     )
-    await sessions.start()
-    yield
-    await sessions.stop()
+    app[SESSIONS], app[DYNAMO], app[ADMISSION] = (
+        features.sessions,
+        features.dynamo,
+        features.admission,
+    )
+    if config.admission.enabled:
+        bytecount.load()  # the vectorised id count's import, not on the first big body
+    async with features.running():
+        app[REGISTRY].register(_FeatureCollector(features))
+        yield
 
 
 def _shared_store(config: Config) -> RedisStore | None:
@@ -109,83 +110,14 @@ def _shared_store(config: Config) -> RedisStore | None:
     return RedisStore(config.state)
 
 
-async def _dynamo_ctx(app: web.Application) -> AsyncIterator[None]:
-    live, sessions = app[CONFIG], app[SESSIONS]
-
-    async def close(session_id: str) -> None:
-        await sessions.close(session_id, reason="bind_timeout")
-
-    def session_open(session_id: str) -> bool:
-        return sessions.state(session_id) == "open"
-
-    def pressure(engine: str | None) -> bool:
-        # The session's engine's KV usage at or past the admission pressure threshold
-        # (the fleet's highest when placement is unknown); known only with admission on.
-        config = live.config.admission
-        if not config.enabled:
-            return False
-        admission = app[ADMISSION]  # starts after Dynamo
-        if engine is None:
-            usage: float | None = admission.ledger.pressure
-        else:
-            usage = admission.engine_usage(engine)
-        return usage is not None and usage >= config.pressure_threshold
-
-    def engine_kv(engine: str) -> tuple[int | None, int | None]:
-        # What program admission's scrape last read of the engine (capacity, and the
-        # KV its streaming sessions hold); nothing when it does not run.
-        program = app[ADMISSION].program if live.config.admission.enabled else None
-        eng = program.ledger.engines.get(engine.rstrip("/")) if program else None
-        if eng is None:
-            return None, None
-        return eng.max_total_num_tokens, eng.streaming_held
-
-    dynamo = app[DYNAMO] = Dynamo(
-        live.config,
-        http=app[HTTP],
-        router_base=live.router_base,
-        ring_workers=app[FLEET].ring_workers,
-        close_session=close,
-        session_open=session_open,
-        pressure=pressure,
-        engine_kv=engine_kv,
-    )
-    await dynamo.start()
-    yield
-    await dynamo.stop()
-
-
-async def _admission_ctx(app: web.Application) -> AsyncIterator[None]:
-    config, fleet = app[CONFIG].config, app[FLEET]
-    admission = app[ADMISSION] = AdmissionController(
-        config.admission,
-        healthy_engines=fleet.healthy_engines,
-        http=app[HTTP],
-        # The loop's clock, bound once: on Python 3.11 each get_running_loop() is a
-        # getpid() system call, and admission reads the clock twice per request.
-        clock=asyncio.get_running_loop().time,
-        router_policy=config.router.policy,
-        workers=fleet.ring_workers,
-        time_scale=config.server.time_scale,
-        token_scale=config.server.token_scale,
-        router_metrics_url=config.router.metrics_url,
-        router_url=config.router.url,
-    )
-    if config.admission.enabled:
-        bytecount.load()  # the vectorised id count's import, not on the first big body
-    await admission.start()
-    app[REGISTRY].register(_FeatureCollector(app[SESSIONS], admission, app[DYNAMO]))
-    yield
-    await admission.stop()
-
-
 async def _proxy_ctx(app: web.Application) -> AsyncIterator[None]:
+    features = app[FEATURES]
     app[PROXY] = ProxyHandlers(
         live=app[CONFIG],
         http=app[HTTP],
-        sessions=app[SESSIONS],
-        admission=app[ADMISSION],
-        dynamo=app[DYNAMO],
+        sessions=features.sessions,
+        admission=features.admission,
+        dynamo=features.dynamo,
         metrics=app[PROXY_METRICS],
         shutdown=app[SHUTDOWN],
     )
@@ -243,9 +175,7 @@ def create_app(config: Config, *, overrides: Mapping[str, Any] | None = None) ->
         [
             _client_ctx,
             _fleet_ctx,
-            _sessions_ctx,
-            _dynamo_ctx,
-            _admission_ctx,
+            _features_ctx,
             _proxy_ctx,
             dashboard.timeline_ctx,
         ]

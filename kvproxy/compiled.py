@@ -64,6 +64,7 @@ MODULES: tuple[str, ...] = (
     "kvproxy.proxy.upstream",
     "kvproxy.proxy.responses",
     "kvproxy.dynamo.relay",
+    "kvproxy.proxy.dynamo_layer",
     "kvproxy.proxy.handlers",
 )
 

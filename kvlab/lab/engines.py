@@ -140,6 +140,23 @@ class LabEngine:
         if self._wake is not None:
             self._wake.set()
 
+    def open_session(
+        self, session_id: str, *, streaming: bool, timeout_s: float | None
+    ) -> str | None:
+        """``POST /open_session``: None when opened, else the engine's error message."""
+        try:
+            self.sched.open_session(
+                session_id,
+                asyncio.get_running_loop().time(),
+                streaming=streaming,
+                timeout_s=timeout_s,
+            )
+        except SimError as exc:
+            return exc.message
+        if self._wake is not None:
+            self._wake.set()  # the loop recomputes the idle-timeout deadline
+        return None
+
     def close_session(self, session_id: str) -> None:
         """``POST /close_session``."""
         self.sched.close_session(session_id, asyncio.get_running_loop().time())

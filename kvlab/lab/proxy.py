@@ -1,11 +1,12 @@
-"""kvproxy in the lab: the server's own session and admission objects, without HTTP.
+"""kvproxy in the lab: the server's own session, admission and Dynamo objects, without HTTP.
 
-The adapter between the lab's clients and engines. It builds the same two objects
-the proxy's app factory builds (``kvproxy.app``): a
-:class:`~kvproxy.sessions.lifecycle.SessionManager` and an
-:class:`~kvproxy.admission.coordinator.AdmissionController`, with the same config
-types, wired the same way (a finished close ends the session's admission
-residency). Only the HTTP edges are replaced:
+The adapter between the lab's clients and engines. It builds the same objects the
+proxy's app factory builds (``kvproxy.app``): a
+:class:`~kvproxy.sessions.lifecycle.SessionManager`, an
+:class:`~kvproxy.admission.coordinator.AdmissionController` and a
+:class:`~kvproxy.dynamo.control.Dynamo`, with the same config types, wired the same
+way (a finished close ends the session's admission residency and its Dynamo state).
+Only the HTTP edges are replaced:
 
 - the controller's ``_scrape(url)`` returns the lab engine's ``/metrics`` text
   (rendered by the simulator's metrics code), so kvproxy's real metric parsing,
@@ -18,8 +19,12 @@ residency). Only the HTTP edges are replaced:
   without the socket: the same pure pipeline (:func:`kvproxy.proxy.pipeline.plan_request`:
   identity, injection, admission class and routing key, priority), then the proxy's
   own turn (:class:`kvproxy.proxy.turn.TurnFlow`: request tracking, admission wait,
-  send, usage report, release), with this object as its shell: the forwarded body
-  goes to the router's placement and then to the chosen engine;
+  send, usage report, release) through its Dynamo layer
+  (:class:`kvproxy.proxy.dynamo_layer.DynamoLayer`: ``nvext`` bind timers, streaming
+  sessions, speculative prefills, over the server's own
+  :class:`~kvproxy.dynamo.control.Dynamo`), with this object as their transport: the
+  forwarded body goes to the router's placement and then to the chosen engine, and
+  ``/open_session`` to the engine it names;
 - :meth:`LabProxy.close_session` is the proxy's ``POST /close_session`` dispatch.
 
 Everything HTTP-bound lives in this one module (the integrator adapts it when the
@@ -43,15 +48,27 @@ from multidict import CIMultiDict
 from kvlab.lab.engines import EngineError, LabEngine
 from kvlab.lab.faults import FAULTS, ScrapeFailed, SignalFault
 from kvlab.lab.router import Placement
+from kvlab.sim.responses import generate_body
 from kvlab.sim.scheduler import SimRequest
 from kvproxy.admission.coordinator import AdmissionController
 from kvproxy.admission.records import Decision
-from kvproxy.config import Config
-from kvproxy.proxy.pipeline import Plan, Refusal, plan_request, with_turn_headers
+from kvproxy.config import Config, LiveConfig
+from kvproxy.dynamo.control import Dynamo, Translated, Turn
+from kvproxy.proxy.dynamo_layer import turn_flow
+from kvproxy.proxy.pipeline import (
+    CLOSE_LIFECYCLE,
+    CLOSE_RESIDENCY,
+    Plan,
+    Refusal,
+    close_route,
+    plan_request,
+)
 from kvproxy.proxy.refusals import Refused
+from kvproxy.proxy.relaying import Keep, observe_tail_usage
 from kvproxy.proxy.turn import ObserveUsage, TurnFlow
 from kvproxy.proxy.usage import Usage
 from kvproxy.sessions.lifecycle import SessionManager, TrackedRequest
+from kvproxy.wiring import Features
 
 
 class ProxyError(Exception):
@@ -64,12 +81,13 @@ class ProxyError(Exception):
 
 
 class _Response:
-    """An :class:`~kvproxy.fleet.client.EngineResponse`: a status, no body."""
+    """An :class:`~kvproxy.fleet.client.EngineResponse`: a status and a short text."""
 
-    __slots__ = ("status",)
+    __slots__ = ("body", "status")
 
-    def __init__(self, status: int) -> None:
+    def __init__(self, status: int, body: str = "") -> None:
         self.status = status
+        self.body = body
 
     async def __aenter__(self) -> _Response:
         return self
@@ -83,10 +101,10 @@ class _Response:
         return None
 
     async def read(self) -> bytes:
-        return b""
+        return self.body.encode()
 
     async def text(self, encoding: str | None = None, errors: str = "strict") -> str:
-        return ""
+        return self.body
 
     def raise_for_status(self) -> None:
         if self.status >= 400:
@@ -123,17 +141,26 @@ class _EngineHttp:
         url: str,
         *,
         data: Any = None,
+        json: Any = None,
         headers: Mapping[str, str] | None = None,
         timeout: aiohttp.ClientTimeout | None = None,
     ) -> AbstractAsyncContextManager[_Response]:
         self.posts += 1
+        doc = json if json is not None else orjson.loads(data) if data is not None else {}
         if url.startswith(LAB_ROUTER_URL + "/"):
             engine = self._engines[self._placement.pick(headers or {})]
-            return _routed(engine, orjson.loads(data))
+            return _routed(engine, doc)
         for base, engine in self._engines.items():
             if url.startswith(base + "/"):
                 path = url[len(base) :]
-                doc = orjson.loads(data)
+                if path == "/open_session":
+                    timeout_s = doc.get("timeout")
+                    error = engine.open_session(
+                        str(doc["session_id"]),
+                        streaming=bool(doc.get("streaming")),
+                        timeout_s=float(timeout_s) if timeout_s is not None else None,
+                    )
+                    return _Response(200) if error is None else _Response(400, error)
                 if path == "/close_session":
                     engine.close_session(str(doc["session_id"]))
                     return _Response(200)
@@ -149,13 +176,34 @@ class _EngineHttp:
         raise aiohttp.ClientConnectionError(f"{url}: no HTTP reads in the lab")
 
 
+class _LabFleet:
+    """The lab's engines as the fleet sees them: all healthy, all on the router's ring."""
+
+    __slots__ = ("_ring", "_urls")
+
+    def __init__(self, urls: tuple[str, ...]) -> None:
+        self._urls = urls
+        self._ring = (urls, urls)
+
+    def all_engines(self) -> tuple[str, ...]:
+        return self._urls
+
+    def healthy_engines(self) -> tuple[str, ...]:
+        return self._urls
+
+    def ring_workers(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        return self._ring
+
+
 class _LabRequest:
-    """One intercepted request in the lab, as its turn carries it: the headers (the
-    planned ones added when it is sent), the body, and what admission decided."""
+    """One intercepted request in the lab, as its turn carries it: the path, the
+    headers (the planned ones added when it is sent), the body, and what admission
+    decided."""
 
-    __slots__ = ("body", "headers", "observe", "wait_s")
+    __slots__ = ("body", "headers", "observe", "path", "wait_s")
 
-    def __init__(self, headers: CIMultiDict[str], body: dict[str, Any]) -> None:
+    def __init__(self, path: str, headers: CIMultiDict[str], body: dict[str, Any]) -> None:
+        self.path = path
         self.headers = headers
         self.body = body
         self.wait_s: float | None = None  # the admission wait (None: admission did not act)
@@ -177,59 +225,50 @@ class LabProxy:
         fault: SignalFault = FAULTS["none"],
         seed: int = 0,
     ) -> None:
-        self.config = config
+        # The proxy's config as deployed in front of the lab's router: its placement
+        # policy and URL, and no engine session-mode probe (that reads /server_info over
+        # HTTP: the lab's engines are known).
+        router = dataclasses.replace(config.router, policy=placement.policy, url=LAB_ROUTER_URL)
+        lifecycle = dataclasses.replace(config.session_lifecycle, check_engines=False)
+        self.config = dataclasses.replace(config, router=router, session_lifecycle=lifecycle)
         self.fault = fault
         self._fault_rng = random.Random(seed)
         self.engines = {e.url: e for e in engines}
         self.placement = placement
         self.http = _EngineHttp(self.engines, placement)
-        self.identity_only = dataclasses.replace(config.session_lifecycle, enabled=True)
+        self.features: Features | None = None
         self.sessions: SessionManager | None = None
         self.admission: AdmissionController | None = None
-        self._turns: TurnFlow[_LabRequest, None, SimRequest, TrackedRequest] | None = None
+        self.dynamo: Dynamo | None = None
+        self._turns: TurnFlow[_LabRequest, Turn, SimRequest, TrackedRequest] | None = None
         self.decisions: dict[str, int] = {}
         # Injected priorities (value -> requests), for the run's summary.
         self.priorities: dict[int, int] = {}
 
-    async def start(self) -> None:
-        loop = asyncio.get_running_loop()
-        urls = list(self.engines)
-        cfg = self.config
-        # The engine session-mode probe reads /server_info over HTTP: the lab's
-        # engines are known, so it is off.
-        lifecycle_cfg = dataclasses.replace(cfg.session_lifecycle, check_engines=False)
-        self.sessions = SessionManager(
-            lifecycle_cfg,
-            all_engines=lambda: urls,
+    def _build(self) -> Features:
+        """The features built as :mod:`kvproxy.app` builds them (:class:`kvproxy.wiring.Features`),
+        over the lab's edges: the engines as the fleet (all available: the lab's engines
+        never fail), the virtual clock, each engine's exposition and ``/server_info`` read
+        in process."""
+        clock = asyncio.get_running_loop().time
+        features = self.features = Features(
+            LiveConfig(self.config),
             http=self.http,
-            clock=loop.time,
-            on_closed=self._session_closed,
-        )
-        # As kvproxy.app wires it: the router's policy as deployed, the worker URLs as
-        # the router registered them (all available: the lab's engines never fail), and
-        # each engine's /server_info (read over HTTP in the proxy; known here).
-        ring = (tuple(urls), tuple(urls))
-        self.admission = AdmissionController(
-            cfg.admission,
-            healthy_engines=lambda: urls,
-            http=self.http,
-            fetch_metrics=self._scrape,  # each engine's exposition, read in process
-            clock=loop.time,
-            router_policy=self.placement.policy,
-            workers=lambda: ring,
+            fleet=_LabFleet(tuple(self.engines)),
+            clock=clock,
+            timers=clock,
+            fetch_metrics=self._scrape,
             server_info={url: e.server_info() for url, e in self.engines.items()},
-            token_scale=cfg.server.token_scale,
-            router_url=LAB_ROUTER_URL,
         )
-        self._turns = TurnFlow(self.sessions, self.admission, self)
-        await self.sessions.start()
-        await self.admission.start()
-
-    async def stop(self) -> None:
-        if self.sessions is not None:
-            await self.sessions.stop()
-        if self.admission is not None:
-            await self.admission.stop()
+        self.sessions, self.admission, self.dynamo = (
+            features.sessions,
+            features.admission,
+            features.dynamo,
+        )
+        self._turns = turn_flow(
+            features.sessions, features.admission, features.dynamo, features.live, self
+        )
+        return features
 
     @asynccontextmanager
     async def running(self) -> AsyncIterator[LabProxy]:
@@ -238,16 +277,11 @@ class LabProxy:
         for e in self.engines.values():
             e.start()
         try:
-            await self.start()
-            yield self
+            async with self._build().running():
+                yield self
         finally:
-            await self.stop()
             for e in self.engines.values():
                 await e.stop()
-
-    def _session_closed(self, session_id: str) -> None:
-        assert self.admission is not None
-        self.admission.end_session(session_id)
 
     async def _scrape(self, url: str) -> str:
         loop = asyncio.get_running_loop()
@@ -267,17 +301,17 @@ class LabProxy:
         """One intercepted request, as ``ProxyHandlers.intercepted`` handles it: the
         finished engine request and the admission wait (None: admission did not act).
 
-        The decisions are the proxy's own pure pipeline (:mod:`kvproxy.proxy.pipeline`)
-        and its turn (:mod:`kvproxy.proxy.turn`), this object the turn's shell; only the
-        Dynamo turn (engine calls over HTTP) is not run in the lab."""
+        The decisions are the proxy's own pure pipeline (:mod:`kvproxy.proxy.pipeline`),
+        its turn (:mod:`kvproxy.proxy.turn`) and its Dynamo layer
+        (:mod:`kvproxy.proxy.dynamo_layer`), this object their transport."""
         assert self._turns is not None
-        req = _LabRequest(CIMultiDict(headers), body)
+        req = _LabRequest(path, CIMultiDict(headers), body)
         plan = plan_request(self.config, path, None, req.headers, body)
         if isinstance(plan, Refusal):
             raise ProxyError(plan.status, plan.kind.value, plan.message)
         try:
             if plan.passthrough:  # as the handler forwards it: the body as received
-                done = await self.send(req, plan, None, _NONE, None)
+                done = await self.forward(req, plan, _NONE, None, None)
             else:
                 done = await self._turns.run(req, plan, path, req.headers)
         except Refused as exc:
@@ -285,14 +319,10 @@ class LabProxy:
             raise ProxyError(refusal.status, refusal.kind.value, refusal.message) from None
         return done, req.wait_s
 
-    # -- the turn's shell (kvproxy.proxy.turn.TurnShell) ------------------------------
+    # -- the turn's transport (kvproxy.proxy.dynamo_layer.Transport) -------------------
 
-    def begin_turn(self, req: _LabRequest, plan: Plan, session_id: str) -> tuple[None, Plan]:
-        """No Dynamo turn in the lab: the plan with admission's routing key."""
-        return None, with_turn_headers(plan, self.config, req.headers, _NONE)
-
-    def end_turn(self, turn: None) -> None:
-        return None
+    def received(self, req: _LabRequest) -> tuple[str, Mapping[str, str]]:
+        return req.path, req.headers
 
     def entered(self, req: _LabRequest, plan: Plan, tracked: TrackedRequest | None) -> None:
         return None  # a lab client never disconnects
@@ -304,13 +334,13 @@ class LabProxy:
         self.decisions[key] = self.decisions.get(key, 0) + 1
         req.observe = observe
 
-    async def send(
+    async def forward(
         self,
         req: _LabRequest,
         plan: Plan,
-        turn: None,
         fields: Mapping[str, Any],
         source: str | None,
+        keep: Keep | None,
     ) -> SimRequest:
         """The forwarded body to the engine the router's placement picks."""
         if source == "steering":  # eviction steered by priority, as the handler splices it
@@ -332,15 +362,59 @@ class LabProxy:
                     cached_tokens=done.cached_tokens,
                 )
             )
+        if keep is not None:
+            keep.body(_answer(done))
         return done
+
+    def answered(self, response: SimRequest) -> bool:
+        return True  # an engine's refusal is raised (ProxyError), never answered
+
+    def sent_headers(self, req: _LabRequest, plan: Plan) -> Mapping[str, str]:
+        headers = CIMultiDict(req.headers)
+        headers.update(plan.headers)
+        return headers
+
+    async def relay(
+        self,
+        req: _LabRequest,
+        out: bytes,
+        headers: Mapping[str, str],
+        streamed: bool,
+        sid: str,
+    ) -> Translated[SimRequest]:
+        """A turn in streaming-session form, to the engine the router's placement picks,
+        answered whole (the lab's engines do not stream): the ordinary request follows
+        when the engine refuses or aborts it."""
+        engine = self.engines[self.placement.pick(headers)]
+        try:
+            done = await engine.generate(orjson.loads(out))
+        except EngineError:
+            return Translated(None)
+        if (done.finish_reason or {}).get("type") == "abort":
+            return Translated(None)
+        data = _answer(done)
+        assert done.out is not None
+        ids = done.out.ids(done.generated)
+        return Translated(done, True, ids, done.prompt_tokens, False, data, data)
+
+    def observe_tail(self, req: _LabRequest, tail: bytes) -> None:
+        observe_tail_usage(req.observe, tail)
 
     async def close_session(self, session_id: str) -> None:
         """``POST /close_session {"session_id"}`` sent to the proxy."""
         sessions, admission = self.sessions, self.admission
         assert sessions is not None and admission is not None
-        if self.config.session_lifecycle.enabled:
+        route = close_route(self.config)
+        if route == CLOSE_LIFECYCLE:
             await sessions.close(session_id, reason="close_session")
-        elif self.config.admission.enabled:
+        elif route == CLOSE_RESIDENCY:
             # close_session_passthrough: residency ends; the router answers 404.
             admission.end_session(session_id)
-        # Both off: the proxy forwards the call to the router, which answers 404.
+        # CLOSE_ROUTER: the proxy forwards the call to the router, which answers 404.
+
+
+def _answer(done: SimRequest) -> bytes:
+    """A finished request's ``/generate`` answer, as the simulator's HTTP engine writes it."""
+    assert done.out is not None
+    ids = done.out.ids(done.generated)
+    return orjson.dumps(generate_body(done, ids, done.generated, done.finish_reason, False))

@@ -6,5 +6,6 @@ Pure rules: :mod:`nvext` (the ``nvext`` block read and mapped: ``agent_hints``,
 :mod:`streaming` (``open``: streaming-session slots and their translation),
 :mod:`prefill` (the speculative prefill's request). Shells: :mod:`control`
 (:class:`~kvproxy.dynamo.control.Dynamo`, the application's ``app[DYNAMO]``: timers,
-engine calls, counters) and :mod:`relay` (the HTTP relay of translated turns).
+slots, engine calls, counters) and :mod:`relay` (the server's HTTP relay of translated
+turns). A turn's decisions are :mod:`kvproxy.proxy.dynamo_layer`.
 """

@@ -13,8 +13,9 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterator, Mapping
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, Protocol, TypeVar
 
 import aiohttp
 import orjson
@@ -25,6 +26,7 @@ from kvproxy.dynamo import streaming as st
 from kvproxy.dynamo.binding import BindTimers
 from kvproxy.dynamo.nvext import Nvext
 from kvproxy.dynamo.prefill import StreamAnswer, prefill_body
+from kvproxy.fleet.client import EngineResponse
 from kvproxy.fleet.engine_metrics import parse_engine_metrics
 from kvproxy.fleet.placement import Placement
 from kvproxy.observability import WindowedCounters, counter_families, gauge_families
@@ -62,6 +64,45 @@ GAUGE_HELP = {
     G_PREFILL_IN_FLIGHT: "Speculative prefills in flight.",
     G_BOUND: "Sessions with a bind timeout.",
 }
+
+
+_S = TypeVar("_S")  # the relay's response
+
+
+@dataclass(frozen=True, slots=True)
+class Translated(Generic[_S]):
+    """What a turn sent in streaming-session form produced, as its relay saw it.
+
+    ``response`` None: it failed before anything reached the client (the ordinary
+    request is sent instead). ``complete`` False: it broke off mid-stream. A buffered
+    (JSON) answer's ``body`` is kept; an event stream's is not (None)."""
+
+    response: _S | None
+    complete: bool = False
+    output_ids: Any = None
+    prompt_tokens: int | None = None
+    aborted: bool = False
+    body: bytes | None = None
+    tail: bytes = b""  # the answer's last bytes: the engine's usage report
+
+
+class DynamoHttp(Protocol):
+    """The part of ``aiohttp.ClientSession`` Dynamo calls (engine control, prefills):
+    :class:`~kvproxy.fleet.client.EngineHttp`'s, and a JSON body posted as ``json``."""
+
+    def post(
+        self,
+        url: str,
+        *,
+        data: Any = None,
+        json: Any = None,
+        headers: Mapping[str, str] | None = None,
+        timeout: aiohttp.ClientTimeout | None = None,
+    ) -> AbstractAsyncContextManager[EngineResponse]: ...
+
+    def get(
+        self, url: str, *, timeout: aiohttp.ClientTimeout | None = None
+    ) -> AbstractAsyncContextManager[EngineResponse]: ...
 
 
 @dataclass(slots=True)
@@ -105,7 +146,7 @@ class Dynamo:
         self,
         config: Config,
         *,
-        http: aiohttp.ClientSession,
+        http: DynamoHttp,
         router_base: str,
         ring_workers: Callable[[], tuple[tuple[str, ...], tuple[str, ...]]],
         close_session: Callable[[str], Any],
@@ -117,9 +158,6 @@ class Dynamo:
         self.config = config
         self._http = http
         self._router = router_base
-        # For the proxy's relay of translated turns (kvproxy.dynamo.relay).
-        self.http = http
-        self.router_base = router_base
         self._ring_workers = ring_workers
         self._close_session = close_session
         self._session_open = session_open
@@ -385,8 +423,9 @@ class Dynamo:
             log.warning("streaming session %s: /open_session on %s failed: %s", sid, engine, exc)
         return False
 
-    # The translated turn itself is relayed by the proxy (kvproxy.dynamo.relay),
-    # through these three steps: claim the slot, build the body, record the outcome.
+    # The translated turn itself is relayed by the proxy's transport (the Dynamo layer,
+    # kvproxy.proxy.dynamo_layer), through these steps: claim the slot, build the body,
+    # record the outcome (finish_turn, or the slot given up).
     async def claim_slot(self, turn: Turn, body: Mapping[str, Any]) -> st.Slot | None:
         """The turn's streaming slot, opened on its engine (OPEN) or the session's
         (EXTEND), marked in flight, within the engine's pool share; None: send the
@@ -574,4 +613,4 @@ class Dynamo:
         yield from gauge_families(self.gauges(), GAUGE_HELP)
 
 
-__all__ = ["Dynamo", "Turn"]
+__all__ = ["Dynamo", "DynamoHttp", "Translated", "Turn"]

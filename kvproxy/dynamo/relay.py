@@ -1,18 +1,18 @@
-"""The relay of translated streaming-session turns (Dynamo ``session_control`` open).
+"""The HTTP relay of translated streaming-session turns (Dynamo ``session_control`` open).
 
-The shell around :class:`kvproxy.dynamo.control.Dynamo`: Dynamo
-decides and keeps the slots (pure tables in :mod:`kvproxy.dynamo.streaming`); this
-module does the HTTP. A turn is sent to the router in streaming-session form (only its
-new token ids); an answer that fails before anything reached the client means the
-ordinary request is sent instead (:func:`serve_streaming` returns None).
+The server's half of :meth:`kvproxy.proxy.dynamo_layer.Transport.relay`: a turn in
+streaming-session form (only its new token ids) is posted to the router's
+``/generate`` and its answer relayed to the client. What it produced comes back as a
+:class:`~kvproxy.dynamo.control.Translated`; the Dynamo layer records it (this
+module keeps no state). An answer that fails before anything reached the client comes
+back without a response: the ordinary request is sent instead.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import aiohttp
@@ -20,60 +20,45 @@ import orjson
 from aiohttp import web
 
 from kvproxy.dynamo import streaming as st
-from kvproxy.dynamo.control import Dynamo, Turn
+from kvproxy.dynamo.control import Translated
 from kvproxy.headers import forward_response_headers
 from kvproxy.sse import StreamState, parse_sse_line
 
 log = logging.getLogger(__name__)
 
-ObserveTail = Callable[[bytes], None]
 # How much of the answer's end goes to the usage reader.
 _TAIL_BYTES = 4096
 # A streamed answer's first event must come within this many lines.
 _MAX_HEAD_LINES = 10_000
+_NOT_SERVED: Translated[web.StreamResponse] = Translated(None)
 
 
-async def serve_streaming(
-    dynamo: Dynamo,
+async def relay_translated(
+    http: aiohttp.ClientSession,
+    url: str,
     request: web.Request,
-    turn: Turn,
-    body: Mapping[str, Any],
-    fields: Mapping[str, Any],
+    out: bytes,
     headers: Mapping[str, str],
-    observe_tail: ObserveTail | None,
-) -> web.StreamResponse | None:
-    """Send a turn in streaming-session form; None: send the ordinary request
-    instead (the slot, if any, is closed: nothing reached the client)."""
-    slot = await dynamo.claim_slot(turn, body)
-    if slot is None:
-        return None
-    out = dynamo.translated_body(turn, body, fields)
-    if body.get("stream"):
-        relay = _SseRelay(dynamo, request, turn, slot, body)
-        return await relay.serve(out, headers, observe_tail)
-    return await _serve_json(dynamo, turn, slot, body, out, headers, observe_tail)
+    streamed: bool,
+    sid: str,
+) -> Translated[web.StreamResponse]:
+    """Post ``out``, a turn of session ``sid``, to ``url`` and relay the answer to
+    ``request``'s client."""
+    if streamed:
+        return await _SseRelay(request, sid).serve(http, url, out, headers)
+    return await _serve_json(http, url, out, headers, sid)
 
 
 async def _serve_json(
-    dynamo: Dynamo,
-    turn: Turn,
-    slot: st.Slot,
-    body: Mapping[str, Any],
-    out: bytes,
-    headers: Mapping[str, str],
-    observe_tail: ObserveTail | None,
-) -> web.StreamResponse | None:
-    sid = turn.session_id
+    http: aiohttp.ClientSession, url: str, out: bytes, headers: Mapping[str, str], sid: str
+) -> Translated[web.StreamResponse]:
     try:
-        async with dynamo.http.post(
-            dynamo.router_base + "/generate", data=out, headers=dict(headers)
-        ) as resp:
+        async with http.post(url, data=out, headers=dict(headers)) as resp:
             data = await resp.read()
             status, resp_headers = resp.status, forward_response_headers(resp.headers)
     except (aiohttp.ClientError, TimeoutError) as exc:
         log.warning("streaming session %s: translated turn failed: %s", sid, exc)
-        await dynamo.give_up_first(slot, st.R_ENGINE_ERROR)
-        return None
+        return _NOT_SERVED
     doc: Any = None
     if status == 200:
         with contextlib.suppress(orjson.JSONDecodeError):
@@ -87,72 +72,31 @@ async def _serve_json(
             status,
             data[:300].decode("utf-8", "replace"),
         )
-        await dynamo.give_up_first(slot, st.R_ENGINE_ERROR)
-        return None
-    if not dynamo.finish_turn(turn, slot, body["input_ids"], ids, prompt_tokens, False):
-        return None
-    if observe_tail is not None:
-        observe_tail(data[-_TAIL_BYTES:])
-    turn.response = data
-    return web.Response(status=status, headers=resp_headers, body=data)
+        return _NOT_SERVED
+    response = web.Response(status=status, headers=resp_headers, body=data)
+    return Translated(response, True, ids, prompt_tokens, False, data, data[-_TAIL_BYTES:])
 
 
 class _SseRelay:
     """A streamed translated turn: held until its first event (an error there means
     the ordinary request is sent instead), then relayed chunk by chunk while its
-    output ids are accumulated for the slot."""
+    output ids are accumulated."""
 
-    def __init__(
-        self,
-        dynamo: Dynamo,
-        request: web.Request,
-        turn: Turn,
-        slot: st.Slot,
-        body: Mapping[str, Any],
-    ) -> None:
-        self.dynamo = dynamo
+    def __init__(self, request: web.Request, sid: str) -> None:
         self.request = request
-        self.turn = turn
-        self.slot = slot
-        self.body = body
+        self.sid = sid
         self.state = StreamState()
         self.tail = b""
-        self.broken = False
 
     async def serve(
-        self, out: bytes, headers: Mapping[str, str], observe_tail: ObserveTail | None
-    ) -> web.StreamResponse | None:
-        dynamo = self.dynamo
+        self, http: aiohttp.ClientSession, url: str, out: bytes, headers: Mapping[str, str]
+    ) -> Translated[web.StreamResponse]:
         try:
-            async with dynamo.http.post(
-                dynamo.router_base + "/generate", data=out, headers=dict(headers)
-            ) as resp:
-                response = await self._relay(resp)
-        except asyncio.CancelledError:
-            dynamo.give_up(self.slot, st.R_ENGINE_ERROR)
-            raise
+            async with http.post(url, data=out, headers=dict(headers)) as resp:
+                return await self._relay(resp)
         except (aiohttp.ClientError, TimeoutError) as exc:
-            log.warning(
-                "streaming session %s: translated turn failed: %s", self.turn.session_id, exc
-            )
-            await dynamo.give_up_first(self.slot, st.R_ENGINE_ERROR)
-            return None
-        if response is None or self.broken:
-            return response
-        if observe_tail is not None:
-            observe_tail(self.tail)
-        state = self.state
-        aborted = state.error is not None or state.finish_reason == "abort"
-        # Already relayed: a slot given up just stops the session being a streaming one.
-        dynamo.finish_turn(
-            self.turn,
-            self.slot,
-            self.body["input_ids"],
-            state.output_ids,
-            state.prompt_tokens,
-            aborted,
-        )
-        return response
+            log.warning("streaming session %s: translated turn failed: %s", self.sid, exc)
+            return _NOT_SERVED
 
     async def _first_event(self, resp: aiohttp.ClientResponse) -> list[bytes] | None:
         """The lines up to the first event, or None when it is missing or an error."""
@@ -171,29 +115,29 @@ class _SseRelay:
         self.state.feed_generate(first[1])
         return held
 
-    async def _relay(self, resp: aiohttp.ClientResponse) -> web.StreamResponse | None:
+    async def _relay(self, resp: aiohttp.ClientResponse) -> Translated[web.StreamResponse]:
         if resp.status != 200:
             await resp.read()
-            await self.dynamo.give_up_first(self.slot, st.R_ENGINE_ERROR)
-            return None
+            return _NOT_SERVED
         held = await self._first_event(resp)
         if held is None:
-            await self.dynamo.give_up_first(self.slot, st.R_ENGINE_ERROR)
-            return None
+            return _NOT_SERVED
         response = web.StreamResponse(status=200, headers=forward_response_headers(resp.headers))
         await response.prepare(self.request)
         await response.write(b"".join(held))
         try:
             await self._pump(resp, response)
         except (ConnectionResetError, aiohttp.ClientError, TimeoutError):
-            self.broken = True
-            self.dynamo.give_up(self.slot, st.R_ENGINE_ERROR)
             if self.request.transport is not None:
                 self.request.transport.abort()
-            return response
+            return Translated(response)  # broke off: not complete
         with contextlib.suppress(ConnectionResetError):
             await response.write_eof()
-        return response
+        state = self.state
+        aborted = state.error is not None or state.finish_reason == "abort"
+        return Translated(
+            response, True, state.output_ids, state.prompt_tokens, aborted, None, self.tail
+        )
 
     async def _pump(self, resp: aiohttp.ClientResponse, response: web.StreamResponse) -> None:
         pending = b""
@@ -208,4 +152,4 @@ class _SseRelay:
                     self.state.feed_generate(ev[1])
 
 
-__all__ = ["serve_streaming"]
+__all__ = ["relay_translated"]

@@ -6,11 +6,13 @@ form), then it goes to ``router.url`` unchanged if ``router.forward_paths`` has 
 intercepted LLM endpoints. Those are decided by
 :func:`kvproxy.proxy.pipeline.plan_request` (pure) and the plan is carried out by
 :class:`kvproxy.proxy.turn.TurnFlow` (the order: count the injection, open the Dynamo
-turn, track the request, wait for admission, send, release), with this module as its
-shell: :class:`ProxyHandlers` opens the Dynamo turn, says what a client disconnect
-aborts, puts the admission decision's headers on the response, and sends one
-:class:`Attempt` upstream, the planned fields spliced into the raw bytes, the response
-streamed back chunk by chunk; its usage (read from the tail) goes to admission.
+turn, track the request, wait for admission, send, release) through the Dynamo layer
+(:class:`kvproxy.proxy.dynamo_layer.DynamoLayer`, the Dynamo turn's decisions), with
+this module as their transport: :class:`ProxyHandlers` says what a client disconnect
+aborts, puts the admission decision's headers on the response, sends one
+:class:`Exchange` upstream, the planned fields spliced into the raw bytes, the response
+streamed back chunk by chunk (its usage, read from the tail, goes to admission), and
+relays a Dynamo turn in streaming-session form (:mod:`kvproxy.dynamo.relay`).
 
 With both features off the body is not even parsed: the bytes forwarded are the
 bytes received. Refusals are raised as :class:`~kvproxy.proxy.refusals.Refused`;
@@ -39,40 +41,40 @@ from kvproxy.admission.coordinator import AdmissionController
 from kvproxy.admission.records import Decision
 from kvproxy.config import LiveConfig
 from kvproxy.credentials import bearer_matches
-from kvproxy.dynamo import streaming
-from kvproxy.dynamo.control import Dynamo, Turn
-from kvproxy.dynamo.prefill import StreamAnswer
-from kvproxy.dynamo.relay import serve_streaming
+from kvproxy.dynamo.control import Dynamo, Translated, Turn
+from kvproxy.dynamo.relay import relay_translated
 from kvproxy.headers import forward_request_headers, forward_response_headers
 from kvproxy.paths import encoded_path, encoded_query, path_problem
 from kvproxy.plane import origin_allowed
 from kvproxy.proxy.body import BodyParts, parse_object
+from kvproxy.proxy.dynamo_layer import turn_flow
 from kvproxy.proxy.errors import ErrorType
 from kvproxy.proxy.gate import ForwardGate
 from kvproxy.proxy.metrics import ProxyMetrics
 from kvproxy.proxy.pipeline import (
+    CLOSE_LIFECYCLE,
+    CLOSE_RESIDENCY,
     Plan,
     Refusal,
+    close_route,
     close_target,
     plan_request,
     read_body,
     render_body,
-    with_turn_headers,
 )
 from kvproxy.proxy.refusals import Refused, json_body, refusal_response
 from kvproxy.proxy.relaying import (
     RESPONSE_BUFFER_LIMIT,
+    Keep,
     observe_streamed,
+    observe_tail_usage,
     payload,
-    tail_observer,
     usage_readers,
 )
 from kvproxy.proxy.responses import error_response
-from kvproxy.proxy.scan import validated
 from kvproxy.proxy.turn import ObserveUsage, TurnFlow
 from kvproxy.proxy.usage import usage_from_body
 from kvproxy.sessions.identity import (
-    ROUTING_KEY_HEADER,
     InvalidSessionId,
     split_session_path,
     validate_session_id,
@@ -85,58 +87,41 @@ INTERCEPTED_PATHS = frozenset({"/generate", "/v1/chat/completions", "/v1/complet
 # Bodies up to this size are read whole before forwarding; larger ones are streamed.
 _BUFFER_LIMIT = 256 * 1024
 
-ObserveBody = Callable[[bytes], None]
-ObserveStream = Callable[[StreamAnswer], None]
-
 # The last event of an SGLang or OpenAI-compatible stream. Once it has been relayed the
 # engine has finished the request: a client hanging up afterwards aborts nothing.
 _SSE_DONE = b"data: [DONE]\n\n"
 _DONE_LEN = len(_SSE_DONE)
 _SSE = "text/event-stream"
-_NO_HEADERS: Mapping[str, str] = {}  # shared, never written
 
 
-class Attempt:
-    """One upstream attempt: what to send, and what to do with what comes back."""
+class Exchange:
+    """One request on its way upstream: what was received, what the turn's notifications
+    said (what a client disconnect aborts, admission's decision and usage observer),
+    and whether its whole response was relayed."""
 
     __slots__ = (
-        "body",
         "complete",
-        "extra_headers",
-        "observe_body",
-        "observe_stream",
         "observe_usage",
         "on_disconnect",
         "path",
+        "raw",
         "request",
         "response_headers",
-        "sent_headers",
         "started",
         "waited",
     )
 
     def __init__(
-        self,
-        request: web.Request,
-        path: str,
-        body: bytes | BodyParts | aiohttp.StreamReader | None,
-        started: float,
-        extra_headers: Mapping[str, str] | None = None,
+        self, request: web.Request, path: str, started: float, raw: bytes | None = None
     ) -> None:
         self.request = request
         self.path = path
-        self.body = body
         self.started = started
-        self.extra_headers = extra_headers
+        self.raw = raw  # an intercepted request's body as received
         self.waited = 0.0  # seconds spent in the admission queue (not proxy overhead)
         self.response_headers: Mapping[str, str] | None = None
-        # The request headers forwarded (set by ProxyHandlers.forward).
-        self.sent_headers: CIMultiDict[str] | None = None
         self.on_disconnect: Callable[[], None] | None = None
         self.observe_usage: ObserveUsage | None = None
-        self.observe_body: ObserveBody | None = None
-        # A streamed (SSE) answer, accumulated only where this is set (the prefill hint).
-        self.observe_stream: ObserveStream | None = None
         self.complete = False  # the whole response (through [DONE]) was relayed
 
     def disconnected(self) -> None:
@@ -210,9 +195,10 @@ class ProxyHandlers:
         self.dynamo = dynamo
         self.metrics = metrics
         self.shutdown = shutdown
-        # The intercepted request's turn, carried out by this object's methods.
-        self.turns: TurnFlow[Attempt, Turn, web.StreamResponse, TrackedRequest] = TurnFlow(
-            sessions, admission, self
+        # The intercepted request's turn, through the Dynamo layer down to this
+        # object's methods (its transport).
+        self.turns: TurnFlow[Exchange, Turn, web.StreamResponse, TrackedRequest] = turn_flow(
+            sessions, admission, dynamo, live, self
         )
         # Request body bytes held in memory now (server.max_buffered_bytes).
         self.buffered = 0
@@ -261,9 +247,10 @@ class ProxyHandlers:
             if path in INTERCEPTED_PATHS and rules.allows(path):
                 return self.intercepted(request, path, path_sid, started)
             if path == "/close_session":
-                if self.live.config.session_lifecycle.enabled:
+                route = close_route(self.live.config)
+                if route == CLOSE_LIFECYCLE:
                     return self.close_session_api(request, path_sid)
-                if self.live.config.admission.enabled:
+                if route == CLOSE_RESIDENCY:
                     return self.close_session_passthrough(request, path_sid, started)
         if rules.allows(path) or self.gate.control_plane(request, path):
             return self.passthrough(request, path, started)
@@ -281,11 +268,13 @@ class ProxyHandlers:
         if length is not None and length > max_body:
             raise _too_large(max_body)
         if not request.body_exists:
-            return await self.forward(Attempt(request, path, None, started))
+            return await self.send_upstream(Exchange(request, path, started), None)
         if length is not None and length > _BUFFER_LIMIT:
             # Stream it; Content-Length is kept.
             extra = {"Content-Length": str(length)}
-            return await self.forward(Attempt(request, path, request.content, started, extra))
+            return await self.send_upstream(
+                Exchange(request, path, started), request.content, extra
+            )
         held = self._hold(length or 0)
         try:
             try:
@@ -294,7 +283,7 @@ class ProxyHandlers:
                 raise _too_large(max_body) from None
             if length is None:
                 held = self._hold(len(body))
-            return await self.forward(Attempt(request, path, body, started))
+            return await self.send_upstream(Exchange(request, path, started), body)
         finally:
             self.buffered -= held
 
@@ -336,158 +325,89 @@ class ProxyHandlers:
     ) -> Awaitable[web.StreamResponse]:
         cfg = self.live.config
         if not (cfg.session_lifecycle.enabled or cfg.admission.enabled):
-            return self.forward(Attempt(request, path, raw, started))
+            return self.send_upstream(Exchange(request, path, started), raw)
         # Read only what a decision needs: token-id arrays are not built.
         body = read_body(cfg, path, raw)
         plan = plan_request(cfg, path, path_sid, request.headers, body)
         if isinstance(plan, Refusal):
             raise Refused.of(plan)
         if plan.passthrough:  # not a JSON object: the bytes as received
-            return self.forward(Attempt(request, path, raw, started))
-        attempt = Attempt(request, path, raw, started)
-        return self.turns.run(attempt, plan, path, request.headers)
+            return self.send_upstream(Exchange(request, path, started), raw)
+        return self.turns.run(Exchange(request, path, started, raw), plan, path, request.headers)
 
-    # ------------------------------------------------------ the turn (kvproxy.proxy.turn)
-    def entered(self, attempt: Attempt, plan: Plan, tracked: TrackedRequest | None) -> None:
+    # ----------------------------- the turn's transport (kvproxy.proxy.dynamo_layer)
+    def received(self, ex: Exchange) -> tuple[str, Mapping[str, str]]:
+        return ex.path, ex.request.headers
+
+    def entered(self, ex: Exchange, plan: Plan, tracked: TrackedRequest | None) -> None:
         """What a client disconnect aborts: the tracked request, or the plan's rids."""
         if tracked is not None:
-            attempt.on_disconnect = tracked.disconnected
+            ex.on_disconnect = tracked.disconnected
         else:
-            attempt.on_disconnect = functools.partial(
-                self.sessions.abort_in_background, plan.abort_rids
-            )
+            ex.on_disconnect = functools.partial(self.sessions.abort_in_background, plan.abort_rids)
 
-    def begin_turn(self, attempt: Attempt, plan: Plan, sid: str) -> tuple[Turn | None, Plan]:
-        """The session's Dynamo turn (None when it would do nothing), and the plan with
-        the turn's routing headers and program admission's routing key folded in."""
-        turn: Turn | None = None
-        turn_headers: Mapping[str, str] = _NO_HEADERS
-        if not self.dynamo.quiet(sid, plan.nvext):
-            turn, turn_headers = self.dynamo.begin(sid, attempt.path, plan.nvext, plan.close_after)
-        elif not plan.admit:
-            return None, plan  # no headers to fold in, no routing key to derive
-        headers = attempt.request.headers
-        return turn, with_turn_headers(plan, self.live.config, headers, turn_headers)
-
-    def end_turn(self, turn: Turn) -> None:
-        self.dynamo.end(turn)
-
-    def send(
-        self,
-        attempt: Attempt,
-        plan: Plan,
-        turn: Turn | None,
-        fields: Mapping[str, Any],
-        source: str | None,
-    ) -> Awaitable[web.StreamResponse]:
-        """Forward the planned request (or serve it as a Dynamo turn). A plain function
-        returning the forward's coroutine on the common path: one coroutine fewer."""
-        if source is not None and self.live.config.session_lifecycle.enabled:
-            self.dynamo.note_priority(source)
-        assert isinstance(attempt.body, bytes)
-        attempt.body = render_body(attempt.body, plan, fields)
-        attempt.extra_headers = plan.headers or None
-        if turn is not None and (self.dynamo.involved(turn) or turn.wants_body):
-            return self._send_turn(attempt, plan, turn, fields)
-        return self.forward(attempt)
-
-    def decided(self, attempt: Attempt, decision: Decision, observe: ObserveUsage | None) -> None:
+    def decided(self, ex: Exchange, decision: Decision, observe: ObserveUsage | None) -> None:
         """The admission decision's headers go on the response; ``observe`` reads its usage."""
-        attempt.waited = decision.wait_s
+        ex.waited = decision.wait_s
         if decision.action != "pass":
-            attempt.response_headers = _admission_headers(
+            ex.response_headers = _admission_headers(
                 decision.action, decision.reason, decision.wait_s
             )
-        attempt.observe_usage = observe
+        ex.observe_usage = observe
 
-    async def _send_turn(
-        self, attempt: Attempt, plan: Plan, turn: Turn, fields: Mapping[str, Any]
-    ) -> web.StreamResponse:
-        """:meth:`send` for a turn Dynamo is involved in or that keeps its
-        answer (the speculative prefill)."""
-        if self.dynamo.involved(turn):
-            # Dynamo relays it from the plan's body and fields (the bytes
-            # rendered for the ordinary request are not sent then).
-            served = await self._serve_turn(attempt, plan, turn, fields)
-            if served is not None:
-                return served
-        if turn.wants_body:
-            attempt.observe_body = turn.keep_body
-            # A streamed answer's prefill starts at its [DONE] (the router may hold the
-            # stream open a while after it): keep it, then the prefill, at once.
-            attempt.observe_stream = functools.partial(self._streamed_turn, attempt, plan, turn)
-        response = await self.forward(attempt)
-        if turn.wants_body and response.status == 200 and not turn.answered:
-            self._after_turn(attempt, plan, turn)  # the speculative prefill
-        return response
+    def forward(
+        self,
+        ex: Exchange,
+        plan: Plan,
+        fields: Mapping[str, Any],
+        source: str | None,
+        keep: Keep | None,
+    ) -> Awaitable[web.StreamResponse]:
+        """The planned request, its fields spliced into the bytes received."""
+        assert ex.raw is not None
+        body = render_body(ex.raw, plan, fields)
+        return self.send_upstream(ex, body, plan.headers or None, keep)
 
-    def _streamed_turn(
-        self, attempt: Attempt, plan: Plan, turn: Turn, answer: StreamAnswer
-    ) -> None:
-        """A streamed answer is complete (called from within the relay, which goes on)."""
-        turn.keep_stream(answer)
-        try:
-            self._after_turn(attempt, plan, turn)
-        except Exception:  # the client's stream must not break on a failed prefill
-            log.exception("speculative prefill of a streamed answer failed")
+    def answered(self, response: web.StreamResponse) -> bool:
+        return response.status == 200
 
-    async def _serve_turn(
-        self, attempt: Attempt, plan: Plan, turn: Turn, fields: Mapping[str, object]
-    ) -> web.StreamResponse | None:
-        """A Dynamo streaming-session turn (open / extend), relayed by Dynamo;
-        None: forward it as an ordinary request."""
-        assert plan.body is not None
-        dynamo = self.dynamo
-        key = attempt.request.headers.get(ROUTING_KEY_HEADER) or plan.headers.get(
-            ROUTING_KEY_HEADER, turn.session_id
+    def sent_headers(self, ex: Exchange, plan: Plan) -> Mapping[str, str]:
+        return forward_request_headers(
+            ex.request, plan.headers or None, self.live.config.server.admin_token
         )
-        body = plan.body
-        if not validated(body):
-            return None  # a deferred token array is not JSON: the engine answers 400
-        route = dynamo.plan(turn, body, key)
-        if route.kind in (streaming.OPEN, streaming.EXTEND):
-            headers = forward_request_headers(
-                attempt.request, plan.headers or None, self.live.config.server.admin_token
-            )
-            observe_tail = tail_observer(attempt.observe_usage)
-            served = await serve_streaming(
-                dynamo, attempt.request, turn, body, dict(fields), headers, observe_tail
-            )
-            if served is not None:
-                self._after_turn(attempt, plan, turn)
-                return served
-        # The ordinary request follows: a refused slot is closed first, and idle slots on
-        # its engine are released until it fits.
-        await dynamo.settle(turn, body, key)
-        return None
 
-    def _after_turn(self, attempt: Attempt, plan: Plan, turn: Turn) -> None:
-        assert plan.body is not None
-        headers = attempt.sent_headers  # forward()'s, unless Dynamo's relay served it
-        if headers is None:
-            headers = forward_request_headers(
-                attempt.request, plan.headers or None, self.live.config.server.admin_token
-            )
-        self.dynamo.after_response(turn, plan.body, headers)
+    def relay(
+        self, ex: Exchange, out: bytes, headers: Mapping[str, str], streamed: bool, sid: str
+    ) -> Awaitable[Translated[web.StreamResponse]]:
+        url = self.live.router_base + "/generate"
+        return relay_translated(self.http, url, ex.request, out, headers, streamed, sid)
+
+    def observe_tail(self, ex: Exchange, tail: bytes) -> None:
+        observe_tail_usage(ex.observe_usage, tail)
 
     # ------------------------------------------------------------------- forward
-    async def forward(self, attempt: Attempt) -> web.StreamResponse:
-        """Send one upstream attempt and stream its response back."""
-        request = attempt.request
-        url = _upstream_url(self.live.router_base, attempt.path, request.rel_url.raw_query_string)
-        headers = attempt.sent_headers = forward_request_headers(
-            request, attempt.extra_headers, self.live.config.server.admin_token
+    async def send_upstream(
+        self,
+        ex: Exchange,
+        body: bytes | BodyParts | aiohttp.StreamReader | None,
+        extra_headers: Mapping[str, str] | None = None,
+        keep: Keep | None = None,
+    ) -> web.StreamResponse:
+        """Send one request upstream, stream its response back (a 200's kept in ``keep``)."""
+        request = ex.request
+        url = _upstream_url(self.live.router_base, ex.path, request.rel_url.raw_query_string)
+        headers = forward_request_headers(
+            request, extra_headers, self.live.config.server.admin_token
         )
-        body = payload(attempt.body)
-        sent_at = time.perf_counter()
+        sent, sent_at = payload(body), time.perf_counter()
         try:
             upstream_cm = self.http.request(
-                request.method, url, data=body, headers=headers, allow_redirects=False
+                request.method, url, data=sent, headers=headers, allow_redirects=False
             )
             upstream = await upstream_cm.__aenter__()
         except asyncio.CancelledError:
-            if attempt.on_disconnect is not None:
-                attempt.on_disconnect()
+            if ex.on_disconnect is not None:
+                ex.on_disconnect()
             raise
         except (TimeoutError, aiohttp.ServerTimeoutError):
             self.metrics.upstream_error("timeout")
@@ -501,44 +421,49 @@ class ProxyHandlers:
                 f"cannot reach the router at {self.live.router_base}: {exc}",
             ) from None
         try:
-            return await self._relay(attempt, upstream, sent_at)
+            return await self._relay(ex, upstream, sent_at, keep)
         except asyncio.CancelledError:
             # Client went away (handler cancellation): drop the upstream connection so the
             # router stops too, and tell the engines if the session feature tracks the rid.
             upstream.close()
-            attempt.disconnected()
+            ex.disconnected()
             raise
         except _ClientGone as gone:
             # The client closed its connection mid-response: a normal event, not an
             # error. aiohttp finishes a response whose peer is gone quietly.
             upstream.close()
-            attempt.disconnected()
+            ex.disconnected()
             return gone.response
         finally:
             await upstream_cm.__aexit__(None, None, None)
 
     def _relay(
-        self, attempt: Attempt, upstream: aiohttp.ClientResponse, sent_at: float
+        self,
+        ex: Exchange,
+        upstream: aiohttp.ClientResponse,
+        sent_at: float,
+        keep: Keep | None,
     ) -> Awaitable[web.StreamResponse]:
         """The response's relay: buffered (a known length up to the limit, not an event
         stream) or streamed chunk by chunk. Returns the relay's coroutine."""
         headers = forward_response_headers(upstream.headers)
-        if attempt.response_headers:
-            headers.update(attempt.response_headers)
+        if ex.response_headers:
+            headers.update(ex.response_headers)
         length = upstream.content_length
         event_stream = _SSE in upstream.headers.get("Content-Type", "")
-        overhead = sent_at - attempt.started - attempt.waited
+        overhead = sent_at - ex.started - ex.waited
         if length is not None and length <= RESPONSE_BUFFER_LIMIT and not event_stream:
-            return self._relay_buffered(attempt, upstream, headers, overhead)
-        return self._relay_streamed(attempt, upstream, headers, overhead, event_stream)
+            return self._relay_buffered(ex, upstream, headers, overhead, keep)
+        return self._relay_streamed(ex, upstream, headers, overhead, event_stream, keep)
 
     async def _relay_streamed(
         self,
-        attempt: Attempt,
+        ex: Exchange,
         upstream: aiohttp.ClientResponse,
         headers: CIMultiDict[str],
         overhead: float,
         event_stream: bool,
+        keep: Keep | None,
     ) -> web.StreamResponse:
         """Relay chunk by chunk, the usage read as the chunks pass."""
         length = upstream.content_length
@@ -546,9 +471,11 @@ class ProxyHandlers:
         response = web.StreamResponse(status=upstream.status, headers=headers)
         if length is not None:
             response.content_length = length
-        await response.prepare(attempt.request)
+        await response.prepare(ex.request)
         self.metrics.added_latency.observe(overhead + (time.perf_counter() - headers_at))
-        window, whole = usage_readers(attempt, event_stream, upstream.status == 200)
+        window, whole = usage_readers(
+            ex.path, ex.observe_usage, keep, event_stream, upstream.status == 200
+        )
         end = b""  # the stream's last bytes, to recognise its final [DONE] event
         try:
             async for chunk in upstream.content.iter_any():
@@ -558,7 +485,7 @@ class ProxyHandlers:
                 if window is not None:
                     window.feed(chunk)
                 end = chunk[-_DONE_LEN:] if len(chunk) >= _DONE_LEN else (end + chunk)[-_DONE_LEN:]
-                attempt.complete = end == _SSE_DONE
+                ex.complete = end == _SSE_DONE
         except ConnectionResetError:  # the client went away (aiohttp's reset error included)
             raise _ClientGone(response) from None
         except (TimeoutError, aiohttp.ClientError):
@@ -566,24 +493,25 @@ class ProxyHandlers:
             # router does (no terminating chunk, no [DONE]) without an error traceback.
             self.metrics.upstream_error("midstream")
             upstream.close()
-            if attempt.request.transport is not None:
-                attempt.request.transport.abort()
+            if ex.request.transport is not None:
+                ex.request.transport.abort()
             return response
-        attempt.complete = True
+        ex.complete = True
         # The client may hang up before the chunked terminator, as streaming clients
         # often do once they have read [DONE]: everything was relayed, nothing to abort.
         with contextlib.suppress(ConnectionResetError):
             await response.write_eof()
         if upstream.status == 200:
-            observe_streamed(attempt, window, whole)
+            observe_streamed(ex.observe_usage, keep, window, whole)
         return response
 
     async def _relay_buffered(
         self,
-        attempt: Attempt,
+        ex: Exchange,
         upstream: aiohttp.ClientResponse,
         headers: Mapping[str, str],
         overhead: float,
+        keep: Keep | None,
     ) -> web.StreamResponse:
         try:
             data = await upstream.read()
@@ -597,10 +525,10 @@ class ProxyHandlers:
         response = web.Response(status=upstream.status, headers=headers, body=data)
         self.metrics.added_latency.observe(overhead + (time.perf_counter() - read_at))
         if upstream.status == 200:
-            if attempt.observe_usage is not None:
-                attempt.observe_usage(usage_from_body(data))
-            if attempt.observe_body is not None:
-                attempt.observe_body(data)
+            if ex.observe_usage is not None:
+                ex.observe_usage(usage_from_body(data))
+            if keep is not None:
+                keep.body(data)
         return response
 
     # ------------------------------------------------------------- session close
@@ -647,7 +575,7 @@ class ProxyHandlers:
         sid = sid if isinstance(sid, str) else path_sid
         if sid is not None:
             self.admission.end_session(sid)
-        return await self.forward(Attempt(request, "/close_session", raw, started))
+        return await self.send_upstream(Exchange(request, "/close_session", started), raw)
 
     async def close_session_admin(self, request: web.Request) -> web.Response:
         """``POST /kvproxy/sessions/{session_id}/close``."""
@@ -690,4 +618,4 @@ def _url_of_path(router_base: str, path: str) -> URL:
     return URL(router_base + encoded_path(path), encoded=True)
 
 
-__all__ = ["INTERCEPTED_PATHS", "Attempt", "ProxyHandlers", "Shutdown"]
+__all__ = ["INTERCEPTED_PATHS", "Exchange", "ProxyHandlers", "Shutdown"]

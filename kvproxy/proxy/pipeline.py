@@ -384,6 +384,23 @@ def render_body(raw: bytes, plan: Plan, fields: Mapping[str, Any]) -> bytes | Bo
     return inject_fields(raw, fields)
 
 
+# Who serves a client's POST /close_session (close_route).
+CLOSE_LIFECYCLE: Final = "lifecycle"  # kvproxy: the session's close sequence (SGLang's API)
+CLOSE_RESIDENCY: Final = "residency"  # admission's residency ends; the router answers
+CLOSE_ROUTER: Final = "router"  # the router alone, like any other path
+
+
+def close_route(config: Config) -> str:
+    """Who serves ``POST /close_session`` with ``config``: the session lifecycle when it
+    is on, else admission (its residency ends, then the request goes to the router as it
+    came), else the router alone."""
+    if config.session_lifecycle.enabled:
+        return CLOSE_LIFECYCLE
+    if config.admission.enabled:
+        return CLOSE_RESIDENCY
+    return CLOSE_ROUTER
+
+
 def close_target(raw: bytes, path_sid: str | None) -> str | Refusal:
     """The session a ``/close_session`` call names (body, else the path's), or why not."""
     sid: object = None
@@ -412,10 +429,14 @@ def close_target(raw: bytes, path_sid: str | None) -> str | Refusal:
 
 
 __all__ = [
+    "CLOSE_LIFECYCLE",
+    "CLOSE_RESIDENCY",
+    "CLOSE_ROUTER",
     "PARTS_MIN_BYTES",
     "PASS_THROUGH",
     "Plan",
     "Refusal",
+    "close_route",
     "close_target",
     "final_fields",
     "plan_request",

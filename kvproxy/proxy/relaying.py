@@ -6,7 +6,6 @@ speculative prefill, and how an attempt's body is handed to the client session.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Protocol
 
 import aiohttp
@@ -19,13 +18,12 @@ from kvproxy.proxy.upstream import PartsPayload
 from kvproxy.proxy.usage import StreamedBodyUsage, TailWindow, search_usage
 
 
-class Attempt(Protocol):
-    """What the relay reads of an upstream attempt (:class:`kvproxy.proxy.handlers.Attempt`)."""
+class Keep(Protocol):
+    """Where a 200's answer is kept (:class:`kvproxy.proxy.dynamo_layer.Keep`)."""
 
-    path: str
-    observe_usage: ObserveUsage | None
-    observe_body: Callable[[bytes], None] | None
-    observe_stream: Callable[[StreamAnswer], None] | None
+    def body(self, data: bytes) -> None: ...
+
+    def stream(self, answer: StreamAnswer) -> None: ...
 
 
 # Non-streaming upstream responses up to this size are returned in one write.
@@ -56,36 +54,41 @@ class Kept:
 
 
 def usage_readers(
-    attempt: Attempt, event_stream: bool, ok: bool
+    path: str,
+    observe_usage: ObserveUsage | None,
+    keep: Keep | None,
+    event_stream: bool,
+    ok: bool,
 ) -> tuple[TailWindow | StreamedBodyUsage | None, Kept | StreamAnswer | None]:
-    """What a streamed response tells the ledger (an event stream's tail, or a JSON
-    body's counts searched as it passes, wherever they are in it), and what is kept of
-    it: a chunked JSON body whole, bounded, for ``observe_body``; an event stream's
-    answer, bounded, for ``observe_stream`` (``ok``: a 200, the only answer kept)."""
+    """What a streamed response of ``path`` tells the ledger (an event stream's tail,
+    or a JSON body's counts searched as it passes, wherever they are in it), and what is
+    kept of it: a chunked JSON body whole, bounded, for ``keep.body``; an event stream's
+    answer, bounded, for ``keep.stream`` (``ok``: a 200, the only answer kept)."""
     window: TailWindow | StreamedBodyUsage | None = None
-    if attempt.observe_usage is not None:
+    if observe_usage is not None:
         window = TailWindow() if event_stream else StreamedBodyUsage()
     whole: Kept | StreamAnswer | None = None
     if event_stream:
-        if attempt.observe_stream is not None and ok:
-            whole = StreamAnswer(attempt.path, on_done=attempt.observe_stream)
-    elif attempt.observe_body is not None:
+        if keep is not None and ok:
+            whole = StreamAnswer(path, on_done=keep.stream)
+    elif keep is not None:
         whole = Kept()
     return window, whole
 
 
 def observe_streamed(
-    attempt: Attempt,
+    observe_usage: ObserveUsage | None,
+    keep: Keep | None,
     window: TailWindow | StreamedBodyUsage | None,
     whole: Kept | StreamAnswer | None,
 ) -> None:
     """A 200 relayed to its end: its usage and what was kept go to their observers."""
-    if window is not None and attempt.observe_usage is not None:
-        attempt.observe_usage(window.usage())
+    if window is not None and observe_usage is not None:
+        observe_usage(window.usage())
     if isinstance(whole, StreamAnswer):
         whole.finish()  # observed at its [DONE] already, unless the stream had none
-    elif whole is not None and whole.data is not None and attempt.observe_body is not None:
-        attempt.observe_body(whole.data)
+    elif whole is not None and whole.data is not None and keep is not None:
+        keep.body(whole.data)
 
 
 def payload(
@@ -101,18 +104,18 @@ def payload(
     return body
 
 
-def tail_observer(observe: ObserveUsage | None) -> Callable[[bytes], None] | None:
-    """Dynamo's relay hands back the stream's last bytes."""
-    if observe is None:
-        return None
-    return lambda tail: observe(search_usage(tail))
+def observe_tail_usage(observe: ObserveUsage | None, tail: bytes) -> None:
+    """A translated answer's last bytes (Dynamo's relay) read for the usage report."""
+    if observe is not None:
+        observe(search_usage(tail))
 
 
 __all__ = [
     "RESPONSE_BUFFER_LIMIT",
+    "Keep",
     "Kept",
     "observe_streamed",
+    "observe_tail_usage",
     "payload",
-    "tail_observer",
     "usage_readers",
 ]

@@ -4,10 +4,11 @@ The proxy's handlers (:class:`kvproxy.proxy.handlers.ProxyHandlers`, over aiohtt
 the in-process lab (``LabProxy``, over simulated engines) both carry out a planned
 request (:func:`kvproxy.proxy.pipeline.plan_request`) through :meth:`TurnFlow.run`.
 The flow does no I/O of its own: the session table and the admission controller are
-called through the small protocols below, and everything that touches a socket (or
-an engine, or Dynamo) is a method of the :class:`TurnShell` that carries it out. A
-test drives it with a recording shell and scripted answers, no sockets
-(tests/unit/test_turn.py).
+called through the small protocols below, and the Dynamo turn and everything that
+touches a socket or an engine is a method of the :class:`TurnShell` that carries it
+out (:class:`kvproxy.proxy.dynamo_layer.DynamoLayer`, over the handlers' or the lab's
+transport: :func:`kvproxy.proxy.dynamo_layer.turn_flow`). A test drives it with a
+recording shell and scripted answers, no sockets (tests/unit/test_turn.py).
 
 In order (what was entered is left on every path, in reverse):
 
@@ -107,7 +108,7 @@ class TurnAdmission(Protocol):
     ) -> None: ...
 
 
-_R = TypeVar("_R", contravariant=True)  # the shell's request (the handler's Attempt)
+_R = TypeVar("_R", contravariant=True)  # the shell's request (the handler's Exchange)
 _T = TypeVar("_T")  # the shell's Dynamo turn (opaque here)
 _S = TypeVar("_S", covariant=True)  # what sending answers (the handler's response)
 _Kc = TypeVar("_Kc", bound=Tracked, contravariant=True)
