@@ -332,18 +332,20 @@ async def test_workers_share_one_port_and_close_once(
     try:
         workers = _children(proc.pid)
         assert len(workers) == 2
-        # New connections are spread over the workers by the kernel: each answers as
-        # its own replica (bounded number of tries).
+        # New connections are spread over the workers by the kernel once both listen:
+        # each answers as its own replica (polled, bounded in time and count; the
+        # second worker may still be starting when the first answers).
         replicas: set[str] = set()
-        for _ in range(200):
+
+        async def both_answered() -> bool:
             async with (
                 aiohttp.ClientSession() as fresh,
                 fresh.get(f"{proc.url}/kvproxy/health") as resp,
             ):
                 replicas.add((await resp.json())["state"]["replica"])
-            if len(replicas) == 2:
-                break
-        assert len(replicas) == 2
+            return len(replicas) == 2
+
+        await wait_until(both_answered, timeout_s=20, what="both workers answering")
         marker = new_marker()
         sids = [f"{marker}-{i}" for i in range(8)]
         async with aiohttp.ClientSession() as http:
