@@ -65,6 +65,11 @@ def outlook(**kw: float | int | None) -> Outlook:
             "expected 2.5x the room, measured exposure 0.8",
         ),
         ({"demand": 1400.0, "expected": 2300.0, "measured_exposure": 0.8}, False, "< 1.5x"),
+        (
+            {"demand": 1400.0, "expected": 3200.0, "measured_exposure": 0.8},
+            False,
+            "peaks 2x the room, but midway (2300) under 1.5x it: sessions at every stage fit",
+        ),
     ],
 )
 def test_holding_pays(change, pays, why) -> None:
@@ -91,6 +96,9 @@ def test_overflow_counts_expected_peaks_midway() -> None:
     assert overflow(outlook(), RULE) == (2400.0, True)
     assert overflow(outlook(demand=1400.0, expected=4000.0), RULE) == (2700.0, False)
     assert overflow(outlook(demand=1400.0), RULE) is None
+    # the midway total is what overflows, not the peaks alone (2300 <= 1.5 x 1600)
+    assert overflow(outlook(demand=1400.0, expected=3200.0), RULE) is None
+    assert overflow(outlook(demand=1400.0, expected=3500.0), RULE) == (2450.0, False)
 
 
 # -- confirmed or refuted ----------------------------------------------------------------

@@ -61,3 +61,21 @@ def test_a_cell_with_the_host_tier_and_another_time_scale(bench: ModuleType) -> 
     assert (back.hicache_ratio, back.hicache_write_policy) == (2.0, "write_back")
     with pytest.raises(ValueError, match="time"):
         bench.configure("w1", time_scale=0.0)
+
+
+def test_the_burst_cell_is_the_replications_step_06(bench: ModuleType) -> None:
+    """One engine on the replication's preset and pool, its 80 sessions in one burst:
+    the lab's experiment 06 (scripts/replication.py) through the real stack."""
+    with script_module("replication") as rep:
+        (exp,) = [e for e in rep.EXPERIMENTS if e.name == "06"]
+    sc = bench.configure("burst")
+    assert (sc.workload, sc.engines, sc.sessions_per_engine) == (
+        exp.workload,
+        exp.engines,
+        exp.per_engine,
+    )
+    assert sc.total_sessions == exp.per_engine  # one burst, no second wave
+    assert (sc.cost_model, sc.token_scale) == (rep.PRESET, rep.K)
+    assert sc.pool() * sc.token_scale == pytest.approx(rep.POOL, rel=0.01)  # the preset's pool
+    assert sc.describe()["working_set_over_pool"] == pytest.approx(exp.ws_over_pool, abs=0.05)
+    assert bench.headline("burst") == ("output_tokens_per_s", 1.4)
