@@ -44,7 +44,9 @@ from kvproxy.proxy.metrics import ProxyMetrics
 from kvproxy.proxy.slow_clients import SlowClientGuard
 from kvproxy.proxy.upstream import create_client_session
 from kvproxy.sessions.lifecycle import SessionManager
+from kvproxy.state.admission_sync import AdmissionSync
 from kvproxy.state.redis_store import RedisStore
+from kvproxy.state.shared import replica_name
 
 log = logging.getLogger(__name__)
 
@@ -175,8 +177,29 @@ async def _admission_ctx(app: web.Application) -> AsyncIterator[None]:
         bytecount.load()  # the vectorised id count's import, not on the first big body
     await admission.start()
     app[REGISTRY].register(_FeatureCollector(app[SESSIONS], admission, app[DYNAMO]))
+    sync = _admission_sync(config, admission)
+    if sync is not None:
+        await sync.start()
+        app[REGISTRY].register(sync)
     yield
+    if sync is not None:
+        await sync.stop()
     await admission.stop()
+
+
+def _admission_sync(config: Config, admission: AdmissionController) -> AdmissionSync | None:
+    """Program admission's ledger shared with the other replicas (state.backend: redis,
+    admission on), or None: it stays in this process."""
+    if config.state.backend != "redis" or not config.admission.enabled:
+        return None
+    return AdmissionSync(
+        config.state,
+        RedisStore(config.state),
+        admission.program,
+        replica=replica_name(),
+        drain=admission.drain_program,
+        clock=asyncio.get_running_loop().time,
+    )
 
 
 async def _proxy_ctx(app: web.Application) -> AsyncIterator[None]:

@@ -343,6 +343,11 @@ class AdmissionController:
             if self._fleet_gate.waiters:
                 self._fleet_gate.drain(self._clock())
 
+    def drain_program(self) -> None:
+        """Release the waiting turns that may go now (another replica's records changed
+        the ledger: kvproxy.state.admission_sync)."""
+        self._program_gate.drain(self._clock())
+
     @property
     def prefetching(self) -> bool:
         """Program admission is on and active, with prefetch on."""
