@@ -105,6 +105,11 @@ class Scenario:
     # Its --hicache-write-policy (one of HICACHE_WRITE_POLICIES); None: SGLang's default,
     # write_through. Only with hicache_ratio.
     hicache_write_policy: str | None = None
+    # kvproxy replicas: above 1, that many behind nginx round robin (no affinity), their
+    # state shared on a redis-server with a password (state.backend: redis).
+    replicas: int = 1
+    # Wall seconds after the run starts when the first replica is SIGKILLed (None: never).
+    kill_replica_after_s: float | None = None
 
     @property
     def concurrency(self) -> int:
@@ -490,6 +495,8 @@ class _Stack:
     engine_urls: list[str]
     proxy_url: str
     proxy_config: dict[str, Any]
+    replica_pids: tuple[int, ...] = ()
+    replica_urls: tuple[str, ...] = ()
 
 
 def _start_stack(
@@ -547,12 +554,83 @@ def _start_stack(
         time_scale=ts,
         token_scale=scenario.token_scale,
     )
+    if scenario.replicas > 1:
+        return _start_replicas(doc, scenario.replicas, router.url, engine_urls, tag=tag,
+                               out_dir=out_dir, log_dir=log_dir, track=track)  # fmt: skip
     cfg_path = out_dir / f"kvproxy-{tag}.yaml"
     _write_yaml(cfg_path, doc)
     proxy = track(
         stk.start_kvproxy(config_path=cfg_path, router_url=router.url, port=port, log_dir=log_dir)
     )
     return _Stack(engine_urls=engine_urls, proxy_url=proxy.url, proxy_config=doc)
+
+
+# The environment variable the replicas read the Redis password from (state.redis_password_env).
+REPLICAS_PASSWORD_ENV = "KVPROXY_REDIS_PASSWORD"
+
+
+def _start_replicas(
+    doc: Mapping[str, Any],
+    count: int,
+    router_url: str,
+    engine_urls: list[str],
+    *,
+    tag: str,
+    out_dir: Path,
+    log_dir: Path,
+    track: Callable[[Any], Any],
+) -> _Stack:
+    """A redis-server with a fresh password, ``count`` kvproxy replicas sharing their
+    state on it (``doc`` with ``state.backend: redis``) and nginx round robin over them."""
+    import secrets
+
+    from kvlab import stack as stk
+
+    password = secrets.token_hex(16)
+    os.environ[REPLICAS_PASSWORD_ENV] = password  # inherited by the replicas only
+    redis = track(stk.start_redis(log_dir=log_dir / "redis", password=password))
+    state = {"backend": "redis", "redis_url": redis.url, "key_prefix": f"kvproxy-{tag}:"}
+    pids: list[int] = []
+    urls: list[str] = []
+    replica_doc: dict[str, Any] = dict(doc)
+    for i in range(count):
+        port = stk.free_port()
+        replica_doc = {**doc, "server": {**doc["server"], "port": port}, "state": state}
+        cfg_path = out_dir / f"kvproxy-{tag}-r{i}.yaml"
+        _write_yaml(cfg_path, replica_doc)
+        proc = track(
+            stk.start_kvproxy(
+                config_path=cfg_path, router_url=router_url, port=port, log_dir=log_dir
+            )
+        )
+        pids.append(proc.pid)
+        urls.append(proc.url)
+    lb = track(stk.start_nginx(log_dir=log_dir, upstreams=urls))
+    return _Stack(engine_urls, lb.url, replica_doc, tuple(pids), tuple(urls))
+
+
+# What each replica's /metrics says of its admission decisions and of the shared state.
+_REPLICA_METRICS = ("agentic_kv_admission_decision_", "agentic_kv_state_")
+
+
+def replica_counters(urls: Sequence[str], timeout_s: float = 5.0) -> list[dict[str, float]]:
+    """Per replica (None-free: a dead one is an empty dict), its admission decisions and
+    shared-state counters from ``GET /metrics``."""
+    import urllib.request
+
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    out: list[dict[str, float]] = []
+    for url in urls:
+        got: dict[str, float] = {}
+        with contextlib.suppress(OSError, ValueError):
+            with opener.open(f"{url}/metrics", timeout=timeout_s) as resp:
+                text = resp.read().decode()
+            for line in text.splitlines():
+                name, _, value = line.partition(" ")
+                if name.startswith(_REPLICA_METRICS) and not name.endswith("_created"):
+                    got[name] = float(value)
+        out.append(got)
+    return out
 
 
 def _session_progress(tag: str, progress: ProgressFn | None) -> Callable[[int, int, int], None]:
@@ -625,6 +703,7 @@ def run_config(
         engine_urls = stack.engine_urls
         if lab_placement is None:
             lab_placement = scenario.lab_placement
+        killed = _arm_kill(scenario, stack, es)
         run = asyncio.run(
             run_http(
                 scenario.spec(),
@@ -643,6 +722,7 @@ def run_config(
         )
         wall = run.summary()
         infos = [_get_json(f"{u}/server_info") for u in engine_urls]
+        per_replica = replica_counters(stack.replica_urls) if stack.replica_urls else None
         summary = to_simulated(wall, ts)
         summary["first_turn_wait_p99_s"] = first_turn_wait_p99_s(run.result, ts)
         result: dict[str, Any] = {
@@ -660,11 +740,38 @@ def run_config(
             ),
             "reached_engines": reached_engines(engine_urls) if scenario.record_requests else None,
             "proxy_config": stack.proxy_config,
+            "replicas": scenario.replicas,
+            "killed_replica": killed,
+            "replica_counters": per_replica,
             "load": {"before": [round(x, 2) for x in load_before]},
             "pids": my_pids,
         }
     result["load"]["after"] = [round(x, 2) for x in os.getloadavg()]
     return result
+
+
+def _arm_kill(scenario: Scenario, stack: _Stack, es: contextlib.ExitStack) -> dict[str, Any]:
+    """With ``kill_replica_after_s``: a timer that SIGKILLs the first replica then (by
+    its PID); the dict it fills says when it fired."""
+    import threading
+
+    out: dict[str, Any] = {}
+    after = scenario.kill_replica_after_s
+    if after is None or not stack.replica_pids:
+        return out
+    pid = stack.replica_pids[0]
+    t0 = time.monotonic()
+
+    def kill() -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+            out.update(pid=pid, at_s=round(time.monotonic() - t0, 2))
+
+    timer = threading.Timer(after, kill)
+    timer.daemon = True
+    timer.start()
+    es.callback(timer.cancel)
+    return out
 
 
 def clock_overrun_share(runs: Sequence[Mapping[str, Any]]) -> float | None:

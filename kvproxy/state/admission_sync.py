@@ -349,7 +349,7 @@ class AdmissionSync:
         self._dirty.clear()
         self._waiting.clear()
         self._engaged.clear()
-        self.ledger.forget_others()
+        self.ledger.forget_others(self._clock())
         self._drain()
         self._warnings.warning(
             "store-down",

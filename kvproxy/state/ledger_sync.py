@@ -402,7 +402,7 @@ class SyncedLedger(EngineLedger):
             if isinstance(rec, SessionRec):
                 return self._apply_session(rec, now, wall)
             if isinstance(rec, Gone):
-                return self._apply_gone(rec)
+                return self._apply_gone(rec, now)
         finally:
             self._muted = False
         if isinstance(rec, Waiting):
@@ -444,17 +444,20 @@ class SyncedLedger(EngineLedger):
             if rec.state == SessionState.NEW.value or not self._newer(rec.sid, rec.at, rec.replica):
                 return False  # not admitted anywhere yet (it counts nowhere), or stale
             s = self.open(rec.sid, rec.engine, now, rec.est)
-        if isinstance(s, SyncedSession):
-            s.remote_running = sum(per.values())
-        if not self._newer(rec.sid, rec.at, rec.replica):
+        newer = self._newer(rec.sid, rec.at, rec.replica)
+        if newer and s.engine != rec.engine:
+            EngineLedger.move(self, s, rec.engine, now)
+        self._set_remote(s, sum(per.values()), now)
+        if not newer:
             return True
         m.versions[rec.sid] = (rec.at, rec.replica)
-        if s.engine != rec.engine:
-            EngineLedger.move(self, s, rec.engine, now)
         if rec.state == SessionState.ACTIVE.value:
             EngineLedger.activate(self, s)
         elif rec.state == SessionState.PAUSED.value and not s.running:
             EngineLedger.pause(self, s, now)  # (a turn of it runs here: its answer decides)
+        load = self.engine(s.engine, now).load
+        for _ in range(min(8, rec.turns - s.turns)):
+            load.answered(now)  # the engine moved on (a waiting turn's aging reads it)
         s.ctx, s.growth, s.turns = rec.ctx, rec.growth, max(s.turns, rec.turns)
         s.est = max(rec.est, s.est if s.running else 0)
         if not s.running:
@@ -462,13 +465,30 @@ class SyncedLedger(EngineLedger):
         self.sessions.move_to_end(rec.sid)
         return True
 
-    def _apply_gone(self, rec: Gone) -> bool:
+    def _set_remote(self, s: Session, count: int, now: float) -> None:
+        """``s`` has ``count`` turns running on other replicas: they count as in flight
+        on its engine too (the work-conserving floor and the busy time read the fleet's
+        turns, not this replica's share)."""
+        if not isinstance(s, SyncedSession) or count == s.remote_running:
+            return
+        load = self.engine(s.engine, now).load
+        for _ in range(min(64, abs(count - s.remote_running))):
+            if count > s.remote_running:
+                load.started(now)
+            else:
+                load.ended(now)
+        s.remote_running = count
+
+    def _apply_gone(self, rec: Gone, now: float) -> bool:
         if not self._newer(rec.sid, rec.at, rec.replica):
             return False
         self.mirror.versions[rec.sid] = (rec.at, rec.replica)
         self.mirror.running.pop(rec.sid, None)
         s = self.sessions.get(rec.sid)
-        if s is None or s.running:
+        if s is None:
+            return False
+        self._set_remote(s, 0, now)
+        if s.running:
             return False  # (a turn of it runs here: it stays until that turn's answer)
         EngineLedger.drop(self, rec.sid)
         return True
@@ -481,7 +501,7 @@ class SyncedLedger(EngineLedger):
         m = self.mirror
         dead = [r for r, at in m.heard.items() if now - at > ttl_s]
         for r in dead:
-            self._recount(m.forget(r))
+            self._recount(m.forget(r), now)
         for ticket in [t for t, w in m.waiters.items() if w.bound <= now]:
             del m.waiters[ticket]
         if len(m.versions) > 4 * max(1, self.p.max_sessions):
@@ -489,13 +509,13 @@ class SyncedLedger(EngineLedger):
                 del m.versions[sid]
         return dead
 
-    def forget_others(self) -> None:
+    def forget_others(self, now: float) -> None:
         """The channel is lost: nothing another replica claims counts any more (their
         sessions stay here, decaying and expiring as idle ones do)."""
-        self._recount(self.mirror.forget(None))
+        self._recount(self.mirror.forget(None), now)
 
-    def _recount(self, sids: Iterable[str]) -> None:
+    def _recount(self, sids: Iterable[str], now: float) -> None:
         for sid in sids:
             s = self.sessions.get(sid)
-            if isinstance(s, SyncedSession):
-                s.remote_running = self.mirror.remote_running(sid)
+            if s is not None:
+                self._set_remote(s, self.mirror.remote_running(sid), now)

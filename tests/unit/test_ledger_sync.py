@@ -185,11 +185,26 @@ def test_a_turn_running_elsewhere_keeps_its_session_busy_until_that_replica_is_g
     a.send_to(b)
     s = b.core.ledger.get("s")
     assert s is not None and s.busy and s.idle_s(b.now + 50) == 0.0
+    # The turn is in flight on the engine for b's work-conserving floor too.
+    assert b.core.ledger.engine(E1).load.inflight == 1
     clock.now += 4
     assert b.sync.ledger.expire_replicas(b.now, CFG.replica_ttl_s) == []
     clock.now += 2  # a silent for 6 s > replica_ttl_s 5
     assert b.sync.ledger.expire_replicas(b.now, CFG.replica_ttl_s) == ["a"]
     assert not s.busy
+    assert b.core.ledger.engine(E1).load.inflight == 0
+
+
+def test_an_answer_elsewhere_ends_the_turn_in_flight_and_moves_the_engine_on() -> None:
+    a, b, clock = pair()
+    a.turn("t1", "s", 100)
+    a.send_to(b)
+    load = b.core.ledger.engine(E1).load
+    answers = load.answers
+    clock.now += 1
+    a.answer("t1", prompt=100)
+    a.send_to(b)
+    assert load.inflight == 0 and load.answers == answers + 1
 
 
 @pytest.mark.parametrize(
