@@ -562,7 +562,7 @@ def _start_stack(
     proxy = track(
         stk.start_kvproxy(config_path=cfg_path, router_url=router.url, port=port, log_dir=log_dir)
     )
-    return _Stack(engine_urls=engine_urls, proxy_url=proxy.url, proxy_config=doc)
+    return _Stack(engine_urls, proxy.url, doc, replica_urls=(proxy.url,))
 
 
 # The environment variable the replicas read the Redis password from (state.redis_password_env).
@@ -722,7 +722,7 @@ def run_config(
         )
         wall = run.summary()
         infos = [_get_json(f"{u}/server_info") for u in engine_urls]
-        per_replica = replica_counters(stack.replica_urls) if stack.replica_urls else None
+        per_replica = replica_counters(stack.replica_urls)
         summary = to_simulated(wall, ts)
         summary["first_turn_wait_p99_s"] = first_turn_wait_p99_s(run.result, ts)
         result: dict[str, Any] = {

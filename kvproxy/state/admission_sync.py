@@ -126,7 +126,7 @@ class AdmissionSync:
         self._drain = drain
         self._clock = clock
         self._wall = wall
-        self._dirty: set[str] = set()
+        self._dirty: dict[str, float] = {}  # session -> wall time of its last change
         self._waiting: dict[str, str] = {}  # ticket -> engine, as sent
         self._engaged: dict[str, bool] = {}  # engine -> as sent
         self._hello = False  # say hello (and send the whole view) on the next pass
@@ -158,7 +158,9 @@ class AdmissionSync:
         return led
 
     def _changed(self, sid: str) -> None:
-        self._dirty.add(sid)
+        # Stamped now: a record of another replica's older change no longer applies here.
+        at = self._dirty[sid] = self._wall()
+        self.ledger.mirror.versions[sid] = (at, self.replica)
         if len(self._dirty) == 1:
             self._wake.set()
 
@@ -204,10 +206,13 @@ class AdmissionSync:
         if full:
             self._waiting.clear()
             self._engaged.clear()
-            mine = [sid for sid in led.sessions if led.mirror.versions.get(sid, (0.0, me))[1] == me]
-            self._dirty.update(mine)
-        dirty, self._dirty = self._dirty, set()
-        recs.extend(led.record(sid, now, wall) for sid in dirty)
+            # The sessions whose latest record is this replica's, stamped as they were.
+            for sid in led.sessions:
+                at, by = led.mirror.versions.get(sid, (wall, me))
+                if by == me:
+                    self._dirty.setdefault(sid, at)
+        dirty, self._dirty = self._dirty, {}
+        recs.extend(led.record(sid, now, wall, at) for sid, at in dirty.items())
         recs.extend(self._waiter_records(now, wall))
         for url in list(led.engines):
             engaged = led.locally_engaged(url)

@@ -19,8 +19,10 @@ that sent it and the wall time it was taken:
   ``B`` beat (alive; a replica not heard for ``replica_ttl_s`` is gone: its running
   turns, waiters and engagement stop counting).
 
-Session fields are last-writer-wins on (wall time, replica); a sender's running count
-and its waiters are its own and always applied (one channel keeps a sender's order).
+A session's state, engine and idle time are last-writer-wins on (wall time of the
+change, replica); its context and growth come from the record that saw the most
+answers; a sender's running count and its waiters are its own and always applied (one
+channel keeps a sender's order).
 :class:`SyncedLedger` is the ledger with the others folded in: it tells its shell which
 sessions changed here (``on_change``), folds the others' records in (:meth:`SyncedLedger.apply`),
 counts their running turns as busy, holds an engine another replica engaged, and keeps
@@ -378,15 +380,23 @@ class SyncedLedger(EngineLedger):
 
     # -- records ------------------------------------------------------------------
 
-    def record(self, sid: str, now: float, wall: float) -> SessionRec | Gone:
-        """The session as this replica holds it now (Gone: not here)."""
+    def record(
+        self, sid: str, now: float, wall: float, at: float | None = None
+    ) -> SessionRec | Gone:
+        """The session as this replica holds it now (Gone: not here), stamped ``at``:
+        the wall time of the change it carries (default ``wall``). Stamped with the
+        change, not with the send, a record never outranks another replica's later
+        change that had not arrived yet when it was sent."""
         me = self.mirror.replica
+        at = wall if at is None else at
+        seen = self.mirror.versions.get(sid)
+        if seen is None or (at, me) > seen:
+            self.mirror.versions[sid] = (at, me)
         s = self.sessions.get(sid)
         if s is None or s.state is SessionState.CLOSED:
-            return Gone(me, wall, sid)
-        self.mirror.versions[sid] = (wall, me)
+            return Gone(me, at, sid)
         return SessionRec(
-            me, wall, sid, s.engine, s.state.value, s.ctx, s.growth, s.est, s.turns,
+            me, at, sid, s.engine, s.state.value, s.ctx, s.growth, s.est, s.turns,
             s.running, to_wall(s.since, now, wall),
         )  # fmt: skip
 
@@ -448,6 +458,13 @@ class SyncedLedger(EngineLedger):
         if newer and s.engine != rec.engine:
             EngineLedger.move(self, s, rec.engine, now)
         self._set_remote(s, sum(per.values()), now)
+        # A session's context grows with its turns: the record that saw more answers
+        # has the newer one, whenever it was sent.
+        if rec.turns > s.turns or (rec.turns == s.turns and newer):
+            load = self.engine(s.engine, now).load
+            for _ in range(min(8, rec.turns - s.turns)):
+                load.answered(now)  # the engine moved on (a waiting turn's aging reads it)
+            s.ctx, s.growth, s.turns = rec.ctx, rec.growth, rec.turns
         if not newer:
             return True
         m.versions[rec.sid] = (rec.at, rec.replica)
@@ -455,10 +472,6 @@ class SyncedLedger(EngineLedger):
             EngineLedger.activate(self, s)
         elif rec.state == SessionState.PAUSED.value and not s.running:
             EngineLedger.pause(self, s, now)  # (a turn of it runs here: its answer decides)
-        load = self.engine(s.engine, now).load
-        for _ in range(min(8, rec.turns - s.turns)):
-            load.answered(now)  # the engine moved on (a waiting turn's aging reads it)
-        s.ctx, s.growth, s.turns = rec.ctx, rec.growth, max(s.turns, rec.turns)
         s.est = max(rec.est, s.est if s.running else 0)
         if not s.running:
             s.since = to_local(rec.since, now, wall)

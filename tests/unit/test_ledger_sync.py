@@ -333,3 +333,25 @@ def test_a_clear_of_the_program_is_followed() -> None:
     assert isinstance(a.core.ledger, SyncedLedger)
     a.send_to(b)
     assert b.core.ledger.get("s") is not None
+
+
+def test_a_record_sent_late_does_not_undo_a_later_change_elsewhere() -> None:
+    a, b, clock = pair()
+    a.turn("t1", "s", 100)
+    clock.now += 1
+    a.answer("t1", prompt=100)
+    a.send_to(b)
+    clock.now += 1
+    b.turn("t2", "s", 200)  # b's turn of s ends at T1 ...
+    clock.now += 1
+    b.answer("t2", prompt=200)
+    clock.now += 1
+    s = a.core.ledger.get("s")
+    assert s is not None
+    a.core.ledger.pause(s, a.now)  # ... a pauses s at T2 > T1 (b's turn unseen yet)
+    clock.now += 1
+    b.send_to(a)  # sent at T3, stamped T1: older than a's pause
+    assert s.state is SessionState.PAUSED
+    a.send_to(b)
+    got = b.core.ledger.get("s")
+    assert got is not None and got.state is SessionState.PAUSED and got.ctx == 200
