@@ -35,8 +35,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, fields
+from zlib import crc32
 
-from kvproxy.admission.engine_ledger import EngineLedger, Session, SessionState
+from kvproxy.admission.engagement import Load
+from kvproxy.admission.engine_ledger import Engine, EngineLedger, Session, SessionState
 from kvproxy.admission.params import ProgramParams
 
 # Field separator and record separator of the wire format (ids never hold either:
@@ -192,6 +194,23 @@ class SyncedSession(Session):
         return 0.0 if self.running or self.remote_running else max(0.0, now - self.since)
 
 
+def _always() -> bool:
+    return True
+
+
+@dataclass(slots=True)
+class SyncedLoad(Load):
+    """An engine's load on a replica that pauses its sessions only while it leads the
+    engine (``pauser``): with several replicas, one pauses for the fleet (each ticking
+    on its own would pause at N times the rate), and the others apply its pauses."""
+
+    pauser: Callable[[], bool] = _always
+
+    @property
+    def pauses_undone(self) -> bool:
+        return bool(Load.pauses_undone.fget(self)) or not self.pauser()  # type: ignore[attr-defined]
+
+
 @dataclass(slots=True)
 class RemoteWaiter:
     replica: str
@@ -286,6 +305,8 @@ class SyncedLedger(EngineLedger):
         if mirror is not None:
             new.mirror = mirror
         new.engines, new.family, new.peaks = old.engines, old.family, old.peaks
+        for url, eng in new.engines.items():
+            new._own_load(url, eng)
         names = [f.name for f in fields(Session)]
         for sid, s in old.sessions.items():
             new.sessions[sid] = (
@@ -294,6 +315,31 @@ class SyncedLedger(EngineLedger):
                 else SyncedSession(**{n: getattr(s, n) for n in names})
             )
         return new
+
+    def engine(self, url: str, now: float = 0.0) -> Engine:
+        eng = self.engines.get(url)
+        if eng is None:
+            eng = super().engine(url, now)
+            self._own_load(url, eng)
+        return eng
+
+    def _own_load(self, url: str, eng: Engine) -> None:
+        if not isinstance(eng.load, SyncedLoad):
+            load = eng.load
+            eng.load = SyncedLoad(
+                **{f.name: getattr(load, f.name) for f in fields(Load)},
+                pauser=lambda: self.leads(url),
+            )
+
+    def leads(self, url: str) -> bool:
+        """Whether this replica pauses ``url``'s sessions for the fleet: the replica
+        whose hash with the engine is highest among those heard within the TTL
+        (every replica computes the same one from the same beats; alone, itself)."""
+        me = self.mirror.replica
+        if not self.mirror.heard:
+            return True
+        mine = crc32(f"{url}|{me}".encode())
+        return all(crc32(f"{url}|{r}".encode()) < mine or r == me for r in self.mirror.heard)
 
     def _changed(self, sid: str) -> None:
         if self.on_change is not None and not self._muted:
