@@ -610,7 +610,11 @@ def _start_replicas(
 
 
 # What each replica's /metrics says of its admission decisions and of the shared state.
-_REPLICA_METRICS = ("agentic_kv_admission_decision_", "agentic_kv_admission_event_", "agentic_kv_state_")
+_REPLICA_METRICS = (
+    "agentic_kv_admission_decision_",
+    "agentic_kv_admission_event_",
+    "agentic_kv_state_",
+)
 
 
 def replica_counters(urls: Sequence[str], timeout_s: float = 5.0) -> list[dict[str, float]]:

@@ -128,7 +128,7 @@ class AdmissionSync:
         self._wall = wall
         self._dirty: dict[str, float] = {}  # session -> wall time of its last change
         self._waiting: dict[str, str] = {}  # ticket -> engine, as sent
-        self._engaged: dict[str, bool] = {}  # engine -> as sent
+        self._engaged: dict[str, tuple[bool, int]] = {}  # engine -> as sent
         self._hello = False  # say hello (and send the whole view) on the next pass
         self._full = False  # send the whole view on the next pass
         self._wake = asyncio.Event()
@@ -214,11 +214,11 @@ class AdmissionSync:
         dirty, self._dirty = self._dirty, {}
         recs.extend(led.record(sid, now, wall, at) for sid, at in dirty.items())
         recs.extend(self._waiter_records(now, wall))
-        for url in list(led.engines):
-            engaged = led.locally_engaged(url)
-            if self._engaged.get(url) != engaged:
-                self._engaged[url] = engaged
-                recs.append(Engaged(me, wall, url, engaged))
+        for url, eng in list(led.engines.items()):
+            sent = (led.locally_engaged(url), eng.shared_prefix)
+            if self._engaged.get(url) != sent:
+                self._engaged[url] = sent
+                recs.append(Engaged(me, wall, url, *sent))
         return recs
 
     def _waiter_records(self, now: float, wall: float) -> Iterator[Rec]:

@@ -14,7 +14,8 @@ that sent it and the wall time it was taken:
 - ``X`` a session left the sender's ledger (closed, expired);
 - ``W`` / ``D`` a new session's first turn started / stopped waiting on the sender
   (its engine, when it was queued, the latest it can still be waiting);
-- ``E`` whether the sender's engagement holds work on an engine;
+- ``E`` whether the sender's engagement holds work on an engine, and the largest prefix
+  a first turn found cached there (its credit: every replica counts the largest);
 - ``H`` hello (a replica joined or rejoined: the others send it their whole view) and
   ``B`` beat (alive; a replica not heard for ``replica_ttl_s`` is gone: its running
   turns, waiters and engagement stop counting).
@@ -92,6 +93,7 @@ class Engaged:
     at: float
     engine: str
     engaged: bool
+    shared_prefix: int = 0  # the largest prefix a first turn found cached there
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,7 +133,7 @@ def encode(rec: Rec) -> str:
     elif isinstance(rec, Left):
         rest = ("D", rec.ticket)
     elif isinstance(rec, Engaged):
-        rest = ("E", rec.engine, "1" if rec.engaged else "0")
+        rest = ("E", rec.engine, "1" if rec.engaged else "0", str(rec.shared_prefix))
     else:
         rest = ("B" if rec.beat else "H",)
     return SEP.join((rest[0], *head, *rest[1:]))
@@ -161,8 +163,8 @@ def decode(line: str) -> Rec | None:
             return Waiting(replica, at, a[0], a[1], float(a[2]), float(a[3]))
         if kind == "D" and len(a) == 1:
             return Left(replica, at, a[0])
-        if kind == "E" and len(a) == 2:
-            return Engaged(replica, at, a[0], a[1] == "1")
+        if kind == "E" and len(a) == 3:
+            return Engaged(replica, at, a[0], a[1] == "1", int(a[2]))
         if kind in ("H", "B") and not a:
             return Hello(replica, at, beat=kind == "B")
     except ValueError:
@@ -474,6 +476,8 @@ class SyncedLedger(EngineLedger):
         if isinstance(rec, Engaged):
             reps = m.engaged.setdefault(rec.engine, set())
             before = bool(reps)
+            eng = self.engine(rec.engine, now)
+            eng.shared_prefix = max(eng.shared_prefix, rec.shared_prefix)
             if rec.engaged:
                 reps.add(rec.replica)
             else:

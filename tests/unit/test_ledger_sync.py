@@ -127,7 +127,7 @@ def pair(params: ProgramParams = P) -> tuple[Replica, Replica, Clock]:
         Gone("r2", 3.0, "s-1"),
         Waiting("r1", 4.0, "t-9", E1, 3.5, 130.0),
         Left("r1", 5.0, "t-9"),
-        Engaged("r2", 6.0, E1, True),
+        Engaged("r2", 6.0, E1, True, 640),
         Engaged("r2", 6.5, E1, False),
         Hello("r3", 7.0),
         Hello("r3", 7.5, beat=True),
@@ -141,7 +141,7 @@ def test_every_record_survives_its_line(rec) -> None:
 @pytest.mark.parametrize(
     "line",
     ["", "S\tr\t1", "S\tr\tx\ts\te\tactive\t1\t0\t0\t0\t0\t0", "Z\tr\t1\ts",
-     "S\tr\t1\ts\te\tclosed\t1\t0\t0\t0\t0\t0", "E\tr\t1", "H\tr\t1\textra"],
+     "S\tr\t1\ts\te\tclosed\t1\t0\t0\t0\t0\t0", "E\tr\t1", "E\tr\t1\te\t1", "H\tr\t1\textra"],
 )  # fmt: skip
 def test_a_malformed_line_is_no_record(line: str) -> None:
     assert decode(line) is None
@@ -308,8 +308,10 @@ def test_an_engine_another_replica_engaged_holds_here_too() -> None:
     a.send_to(b)
     assert b.core.ledger.engaged(E1)
     a.core.ledger.engine(E1).engagement.engaged = False
+    a.core.ledger.engine(E1).shared_prefix = 300  # (its first turns' cached prefix)
     a.send_to(b)
     assert not b.core.ledger.engaged(E1)
+    assert b.core.ledger.engine(E1).shared_prefix == 300
 
 
 def test_a_hello_makes_the_others_send_their_whole_view() -> None:
@@ -355,3 +357,16 @@ def test_a_record_sent_late_does_not_undo_a_later_change_elsewhere() -> None:
     a.send_to(b)
     got = b.core.ledger.get("s")
     assert got is not None and got.state is SessionState.PAUSED and got.ctx == 200
+
+
+@pytest.mark.parametrize("engine", [E1, "http://e2:1", "http://e3:1", "http://e4:1"])
+def test_one_replica_pauses_an_engine_for_the_fleet_and_alone_each_does(engine: str) -> None:
+    a, b, _ = pair()
+    assert a.sync.ledger.leads(engine) and b.sync.ledger.leads(engine)  # alone: itself
+    a.send_to(b)
+    b.send_to(a)
+    leaders = [r.sync.ledger.leads(engine) for r in (a, b)]
+    assert sorted(leaders) == [False, True]
+    follower = (a, b)[leaders.index(False)]
+    # The tick's pause reads it: a follower holds its pauses back.
+    assert follower.core.ledger.engine(engine).load.pauses_undone
