@@ -43,8 +43,8 @@ from kvproxy.proxy.handlers import INTERCEPTED_PATHS, ProxyHandlers, Shutdown
 from kvproxy.proxy.metrics import ProxyMetrics
 from kvproxy.proxy.slow_clients import SlowClientGuard
 from kvproxy.proxy.upstream import create_client_session
+from kvproxy.replication.sync import AdmissionSync
 from kvproxy.sessions.lifecycle import SessionManager
-from kvproxy.state.admission_sync import AdmissionSync
 from kvproxy.state.redis_store import RedisStore
 from kvproxy.state.shared import replica_name
 

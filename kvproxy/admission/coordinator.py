@@ -345,7 +345,7 @@ class AdmissionController:
 
     def drain_program(self) -> None:
         """Release the waiting turns that may go now (another replica's records changed
-        the ledger: kvproxy.state.admission_sync)."""
+        the ledger: kvproxy.replication.sync)."""
         self._program_gate.drain(self._clock())
 
     @property

@@ -21,8 +21,8 @@ from kvproxy.admission.decisions import Outcome
 from kvproxy.admission.params import ProgramParams
 from kvproxy.admission.program import ProgramCore
 from kvproxy.config import StateConfig
-from kvproxy.state import admission_sync
-from kvproxy.state.admission_sync import AdmissionSync
+from kvproxy.replication import sync as admission_sync
+from kvproxy.replication.sync import AdmissionSync
 from kvproxy.state.redis_store import RedisStore
 from tests.helpers import wait_until
 from tests.integration.conftest import RedisServer

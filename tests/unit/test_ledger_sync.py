@@ -1,5 +1,5 @@
-"""Program admission's ledger replicated between replicas (kvproxy.state.ledger_sync and
-the records kvproxy.state.admission_sync sends): tables with injected clocks, two
+"""Program admission's ledger replicated between replicas (kvproxy.replication.ledger and
+the records kvproxy.replication.sync sends): tables with injected clocks, two
 replicas' cores side by side, the records carried between them as text."""
 
 from __future__ import annotations
@@ -13,8 +13,7 @@ from kvproxy.admission.engine_ledger import SessionState
 from kvproxy.admission.params import ProgramParams
 from kvproxy.admission.program import ProgramCore
 from kvproxy.config import StateConfig
-from kvproxy.state.admission_sync import AdmissionSync
-from kvproxy.state.ledger_sync import (
+from kvproxy.replication.ledger import (
     Engaged,
     Gone,
     Hello,
@@ -27,6 +26,7 @@ from kvproxy.state.ledger_sync import (
     encode,
     encode_batch,
 )
+from kvproxy.replication.sync import AdmissionSync
 
 E1 = "http://e1:1"
 # Capacity 1000, gate off below 750, target 900 (as tests/unit/test_admission_program.py).

@@ -1,5 +1,5 @@
 """Program admission's ledger shared between replicas: the asyncio shell that sends this
-replica's records and folds the others' in (:mod:`kvproxy.state.ledger_sync` is the
+replica's records and folds the others' in (:mod:`kvproxy.replication.ledger` is the
 pure part; docs/design.md, "Shared admission state").
 
 - The request path only marks sessions changed (:class:`SyncedLedger` calls back; no
@@ -38,7 +38,7 @@ from kvproxy.observability import (
     counter_families,
     gauge_families,
 )
-from kvproxy.state.ledger_sync import (
+from kvproxy.replication.ledger import (
     Engaged,
     Hello,
     Left,
