@@ -236,7 +236,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="S",
         help="with --replicas 2 or more: SIGKILL the first replica S wall seconds into "
-        "each run (its sessions go on through the others)",
+        "each run (its sessions go on through the others; the clients send a turn that "
+        "failed again, up to twice)",
     )
     parser.add_argument("--json-only", action="store_true", help="skip the PNG chart")
 
@@ -281,7 +282,12 @@ def scenario_from_args(args: argparse.Namespace) -> Scenario:
         raise ValueError("--replicas must be in 1..8")
     if kill is not None and (replicas < 2 or kill <= 0):
         raise ValueError("--kill-replica-after needs --replicas 2 or more and S > 0")
-    scenario = dataclasses.replace(scenario, replicas=replicas, kill_replica_after_s=kill)
+    # A replica killed mid-run: its clients send the turns it held again (nginx sends
+    # them to a survivor), as clients in front of several replicas do.
+    retries = 0 if kill is None else 2
+    scenario = dataclasses.replace(
+        scenario, replicas=replicas, kill_replica_after_s=kill, client_retries=retries
+    )
     scenario.check()
     return scenario
 

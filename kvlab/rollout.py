@@ -110,6 +110,8 @@ class Scenario:
     replicas: int = 1
     # Wall seconds after the run starts when the first replica is SIGKILLed (None: never).
     kill_replica_after_s: float | None = None
+    # Times the clients send a turn again after an error (not after a timeout).
+    client_retries: int = 0
 
     @property
     def concurrency(self) -> int:
@@ -722,6 +724,7 @@ def run_config(
                 run_timeout_s=scenario.run_timeout_sim_s * ts,
                 routing_key=lab_routing_keys(engine_urls) if lab_placement else None,
                 tool_hints=variant.prefetch,
+                retries=scenario.client_retries,
             )
         )
         wall = run.summary()
@@ -746,6 +749,7 @@ def run_config(
             "proxy_config": stack.proxy_config,
             "replicas": scenario.replicas,
             "killed_replica": killed,
+            "retried_turns": run.retried_turns,
             "replica_counters": per_replica,
             "load": {"before": [round(x, 2) for x in load_before]},
             "pids": my_pids,
