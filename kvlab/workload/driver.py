@@ -342,17 +342,20 @@ class HttpTransport:
         if wire_identity(session_id, self.subagent_identity)[0] != session_id:
             return  # a subagent sharing its lead's id leaves it open
         status: int | None = None
-        try:
-            async with self.http.post(
-                f"{self.base}/close_session",
-                data=orjson.dumps({"session_id": session_id}),
-                headers=self._headers(session_id),
-                timeout=self.timeout,
-            ) as resp:
-                await resp.read()
-                status = resp.status
-        except (aiohttp.ClientError, TimeoutError):
-            status = None
+        for _ in range(1 + self.retries):  # (sent again after an error, as a turn is)
+            try:
+                async with self.http.post(
+                    f"{self.base}/close_session",
+                    data=orjson.dumps({"session_id": session_id}),
+                    headers=self._headers(session_id),
+                    timeout=self.timeout,
+                ) as resp:
+                    await resp.read()
+                    status = resp.status
+            except (aiohttp.ClientError, TimeoutError):
+                status = None
+            if status is not None and status < 500:
+                break
         if len(self.close_status) < MAX_CLOSE_RECORDS:
             self.close_status[session_id] = status
 
