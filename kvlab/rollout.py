@@ -591,7 +591,17 @@ def _start_replicas(
     password = secrets.token_hex(16)
     os.environ[REPLICAS_PASSWORD_ENV] = password  # inherited by the replicas only
     redis = track(stk.start_redis(log_dir=log_dir / "redis", password=password))
-    state = {"backend": "redis", "redis_url": redis.url, "key_prefix": f"kvproxy-{tag}:"}
+    # A dead replica is noticed within replica_ttl_s of wall time, which a compressed run
+    # stretches by 1 / time scale (5 s at 0.1 would be 50 simulated seconds): 1 s here,
+    # beats 4 a second, as the multi-replica tests run them.
+    state = {
+        "backend": "redis",
+        "redis_url": redis.url,
+        "key_prefix": f"kvproxy-{tag}:",
+        "replica_ttl_s": 1.0,
+        "sweep_interval_s": 0.25,
+        "retry_interval_s": 0.25,
+    }
     pids: list[int] = []
     urls: list[str] = []
     replica_doc: dict[str, Any] = dict(doc)
