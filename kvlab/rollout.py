@@ -739,7 +739,6 @@ def run_config(
         )
         wall = run.summary()
         infos = [_get_json(f"{u}/server_info") for u in engine_urls]
-        per_replica = replica_counters(stack.replica_urls)
         summary = to_simulated(wall, ts)
         summary["first_turn_wait_p99_s"] = first_turn_wait_p99_s(run.result, ts)
         result: dict[str, Any] = {
@@ -757,15 +756,25 @@ def run_config(
             ),
             "reached_engines": reached_engines(engine_urls) if scenario.record_requests else None,
             "proxy_config": stack.proxy_config,
-            "replicas": scenario.replicas,
-            "killed_replica": killed,
-            "retried_turns": run.retried_turns,
-            "replica_counters": per_replica,
+            **_replica_facts(scenario, stack, killed, run.retried_turns),
             "load": {"before": [round(x, 2) for x in load_before]},
             "pids": my_pids,
         }
     result["load"]["after"] = [round(x, 2) for x in os.getloadavg()]
     return result
+
+
+def _replica_facts(
+    scenario: Scenario, stack: _Stack, killed: dict[str, Any], retried: int
+) -> dict[str, Any]:
+    """What a run says of its replicas: how many, the one killed, the turns the
+    clients resent, each replica's admission and shared-state counters."""
+    return {
+        "replicas": scenario.replicas,
+        "killed_replica": killed,
+        "retried_turns": retried,
+        "replica_counters": replica_counters(stack.replica_urls),
+    }
 
 
 def _arm_kill(scenario: Scenario, stack: _Stack, es: contextlib.ExitStack) -> dict[str, Any]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Iterable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry
@@ -43,10 +43,12 @@ from kvproxy.proxy.handlers import INTERCEPTED_PATHS, ProxyHandlers, Shutdown
 from kvproxy.proxy.metrics import ProxyMetrics
 from kvproxy.proxy.slow_clients import SlowClientGuard
 from kvproxy.proxy.upstream import create_client_session
-from kvproxy.replication.sync import AdmissionSync
 from kvproxy.sessions.lifecycle import SessionManager
 from kvproxy.state.redis_store import RedisStore
 from kvproxy.state.shared import replica_name
+
+if TYPE_CHECKING:
+    from kvproxy.replication.sync import AdmissionSync
 
 log = logging.getLogger(__name__)
 
@@ -192,6 +194,8 @@ def _admission_sync(config: Config, admission: AdmissionController) -> Admission
     admission on), or None: it stays in this process."""
     if config.state.backend != "redis" or not config.admission.enabled:
         return None
+    from kvproxy.replication.sync import AdmissionSync  # (only where it is shared)
+
     return AdmissionSync(
         config.state,
         RedisStore(config.state),

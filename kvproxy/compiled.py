@@ -41,6 +41,7 @@ MODULES: tuple[str, ...] = (
     "kvproxy.admission.ledger",
     "kvproxy.admission.fleet_queue",
     "kvproxy.admission.engine_ledger",
+    "kvproxy.replication.ledger",  # (subclasses engine_ledger's classes: compiled with them)
     "kvproxy.admission.program",
     "kvproxy.admission.learning",
     "kvproxy.admission.waiters",

@@ -41,6 +41,7 @@ from zlib import crc32
 from kvproxy.admission.engagement import Load
 from kvproxy.admission.engine_ledger import Engine, EngineLedger, Session, SessionState
 from kvproxy.admission.params import ProgramParams
+from kvproxy.replication.load import SyncedLoad
 
 # Field separator and record separator of the wire format (ids never hold either:
 # they are header values or URL path segments).
@@ -194,23 +195,6 @@ class SyncedSession(Session):
 
     def idle_s(self, now: float) -> float:
         return 0.0 if self.running or self.remote_running else max(0.0, now - self.since)
-
-
-def _always() -> bool:
-    return True
-
-
-@dataclass(slots=True)
-class SyncedLoad(Load):
-    """An engine's load on a replica that pauses its sessions only while it leads the
-    engine (``pauser``): with several replicas, one pauses for the fleet (each ticking
-    on its own would pause at N times the rate), and the others apply its pauses."""
-
-    pauser: Callable[[], bool] = _always
-
-    @property
-    def pauses_undone(self) -> bool:
-        return bool(Load.pauses_undone.fget(self)) or not self.pauser()  # type: ignore[attr-defined]
 
 
 @dataclass(slots=True)
