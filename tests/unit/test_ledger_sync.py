@@ -230,6 +230,44 @@ def test_a_pause_or_a_close_on_one_replica_reaches_the_other(what: str, state) -
     assert b.core.ledger.undecayed(E1) == 0
 
 
+# A record's state as the receiver's session takes it (through SESSION_TRANSITIONS): the
+# session unknown here (opened NEW), then ACTIVE or PAUSED here, or running here.
+@pytest.mark.parametrize(
+    ("here", "sent", "after"),
+    [
+        (None, "paused", SessionState.PAUSED),  # admitted, then paused, on the sender
+        (None, "active", SessionState.ACTIVE),
+        ("active", "paused", SessionState.PAUSED),
+        ("paused", "paused", SessionState.PAUSED),  # already paused: nothing more
+        ("paused", "active", SessionState.ACTIVE),
+        ("active", "new", SessionState.ACTIVE),  # a session is not un-admitted
+        ("running", "paused", SessionState.ACTIVE),  # its turn here decides
+    ],
+)
+def test_a_records_state_goes_through_the_sessions_transitions(
+    here: str | None, sent: str, after: SessionState
+) -> None:
+    led = SyncedLedger(P, "a")
+    led.observe_engine(E1, 0.0, max_total_num_tokens=1000)
+    if here is not None:
+        s = led.open("s", E1, 1.0, 100)
+        led.activate(s)
+        if here == "paused":
+            led.pause(s, 1.0)
+        elif here == "running":
+            led.turn_started(s, 1.0, 100)
+    freed = led.engine(E1).freed_tokens
+    rec = SessionRec("b", 10.0, "s", E1, sent, 400, 0.0, 0, 1, 0, 9.0)
+    assert led.apply(rec, 10.0, 10.0)
+    s = led.get("s")
+    assert s is not None and s.state is after
+    assert (s.sid in led.engine(E1).sessions) is (after is SessionState.ACTIVE)
+    paused_now = after is SessionState.PAUSED and here != "paused"
+    assert (
+        led.engine(E1).freed_tokens > freed if paused_now else led.engine(E1).freed_tokens == freed
+    )
+
+
 def test_an_older_record_does_not_undo_a_newer_one() -> None:
     a, b, clock = pair()
     a.turn("t1", "s", 100)
