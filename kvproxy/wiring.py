@@ -75,8 +75,8 @@ class Features:
         engines); ``clock``: the event loop's (admission's decisions); ``timers``: the
         session table's and Dynamo's timers; ``store``: the session table shared with
         other replicas; ``admission_store``: the channel program admission's ledger is
-        shared on (None: this process's alone); ``fetch_metrics`` and ``server_info``: how admission reads the
-        engines (None: over ``http``)."""
+        shared on with them (None: this process's alone); ``fetch_metrics`` and
+        ``server_info``: how admission reads the engines (None: over ``http``)."""
         self.live = live
         config = live.config
         self.sessions = SessionManager(
