@@ -14,8 +14,9 @@ pure part; docs/design.md, "Shared admission state").
 - Every store call is bounded by ``state.op_timeout_s``. On a timeout or an error the
   replica falls back: one WARNING (then at most one per 30 s), counters, nothing the
   others claimed counts any more, and its own ledger decides alone. Every
-  ``state.retry_interval_s`` it tries again; when the store answers it says hello (the
-  others send it their sessions) and sends its own.
+  ``state.retry_interval_s`` (and at each beat, as a failed send leaves the channel
+  open) it tries again; when the store answers it says hello (the others send it their
+  sessions) and sends its own.
 """
 
 from __future__ import annotations
@@ -314,7 +315,11 @@ class AdmissionSync:
             self._counters.inc(ERRORS)
             log.debug("shared admission: the store is still unavailable (%s)", exc)
             return
+        if self._up:  # (the listener and the beat both try: the first one rejoined)
+            return
         self._up = True
+        self._hello = True  # the others send their whole view, and this replica its own
+        self._wake.set()
         self._counters.inc(REJOINS)
         log.info("shared admission: the store answers again; this replica rejoined it")
 
@@ -329,8 +334,13 @@ class AdmissionSync:
                 log.exception("shared admission: the beat failed")
 
     async def beat(self) -> list[str]:
-        """Say this replica is alive; forget the replicas gone quiet. Returns them."""
+        """Say this replica is alive; forget the replicas gone quiet. Returns them.
+        Fallen back after a send failed (a publish past ``op_timeout_s``) while the
+        channel stayed open, it first tries to rejoin: the listener, still receiving,
+        would never notice."""
         self._install()
+        if not self._up:
+            await self._try_rejoin()
         gone = self.ledger.expire_replicas(self._clock(), self.cfg.replica_ttl_s)
         if gone:
             self._counters.inc(GONE, len(gone))

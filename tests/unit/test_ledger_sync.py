@@ -409,3 +409,43 @@ def test_one_replica_pauses_an_engine_for_the_fleet_and_alone_each_does(engine: 
     follower = (a, b)[leaders.index(False)]
     # The tick's pause reads it: a follower holds its pauses back.
     assert follower.core.ledger.engine(engine).load.pauses_undone
+
+
+class _FlakyChannel(_NoChannel):
+    """A channel whose publishes fail while ``down`` (a timeout on a loaded host)."""
+
+    def __init__(self) -> None:
+        self.down = True
+        self.sent: list[str] = []
+
+    async def publish(self, message: str, channel: str | None = None) -> None:
+        if self.down:
+            raise TimeoutError
+        self.sent.append(message)
+
+    async def ping(self) -> None:
+        if self.down:
+            raise TimeoutError
+
+
+async def test_a_replica_whose_send_failed_rejoins_at_its_next_beat() -> None:
+    clock = Clock()
+    core = ProgramCore(P)
+    channel = _FlakyChannel()
+    sync = AdmissionSync(
+        CFG, channel, core, replica="a", drain=lambda: None, clock=lambda: clock.now,
+        wall=clock.wall,
+    )  # fmt: skip
+    sync._up = True  # (as start() sets it; no tasks here)
+    core.request("t1", "s", E1, 100, clock.now)
+    assert not await sync.flush()  # the publish timed out: this replica falls back
+    assert not sync.up
+    await sync.beat()  # the store still does not answer
+    assert not sync.up and channel.sent == []
+    channel.down = False
+    await sync.beat()  # it answers: rejoined (the channel never failed, so only here)
+    assert sync.up
+    assert await sync.flush()
+    sent = list(decode_batch(channel.sent[-1]))
+    assert isinstance(sent[0], Hello) and not sent[0].beat  # the others send their view
+    assert any(isinstance(r, SessionRec) and r.sid == "s" for r in sent)  # and it its own
