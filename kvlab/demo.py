@@ -21,6 +21,9 @@ verdict per feature, and writes ``results.json`` and ``chart.png``.
 processes, about two minutes);
 ``kvproxy demo --quick`` is a KV-bound smoke run of the real stack (about 30 s on a host
 with 8 or more cores, where off and both run side by side; about 50 s one after the other).
+``kvproxy demo --replicas 2`` puts two kvproxy replicas behind nginx round robin (no
+affinity), their state shared on a redis-server it starts with a password
+(docs/operations.md, "Running several replicas"); ``--kill-replica-after S`` SIGKILLs one.
 
 This module is the command line and the lab tables; the machinery (scenarios, stacks,
 runs and their comparison) is :mod:`kvlab.rollout`, which ``scripts/bench_rollout.py``
@@ -218,6 +221,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the engines' --hicache-write-policy (default: SGLang's, write_through); "
         "implies --hicache",
     )
+    parser.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        metavar="N",
+        help="kvproxy replicas (default 1): above 1, N replicas behind nginx round robin "
+        "(no affinity) sharing their state on a redis-server with a password "
+        "(state.backend: redis); redis-server and nginx must be installed",
+    )
+    parser.add_argument(
+        "--kill-replica-after",
+        type=float,
+        default=None,
+        metavar="S",
+        help="with --replicas 2 or more: SIGKILL the first replica S wall seconds into "
+        "each run (its sessions go on through the others; the clients send a turn that "
+        "failed again, up to twice)",
+    )
     parser.add_argument("--json-only", action="store_true", help="skip the PNG chart")
 
 
@@ -255,8 +276,28 @@ def scenario_from_args(args: argparse.Namespace) -> Scenario:
         scenario = dataclasses.replace(scenario, time_scale=args.time_scale)
     if args.hicache or args.hicache_write_policy is not None:
         scenario = with_host_tier(scenario, args.hicache_write_policy)
+    replicas = getattr(args, "replicas", 1)
+    kill = getattr(args, "kill_replica_after", None)
+    if not 1 <= replicas <= 8:
+        raise ValueError("--replicas must be in 1..8")
+    if kill is not None and (replicas < 2 or kill <= 0):
+        raise ValueError("--kill-replica-after needs --replicas 2 or more and S > 0")
+    # A replica killed mid-run: its clients send the turns it held again (nginx sends
+    # them to a survivor), as clients in front of several replicas do.
+    retries = 0 if kill is None else 2
+    scenario = dataclasses.replace(
+        scenario, replicas=replicas, kill_replica_after_s=kill, client_retries=retries
+    )
     scenario.check()
     return scenario
+
+
+def _replicas_text(scenario: Scenario) -> str:
+    if scenario.replicas <= 1:
+        return ""
+    kill = scenario.kill_replica_after_s
+    killed = "" if kill is None else f", one SIGKILLed after {kill:g} s"
+    return f"; {scenario.replicas} kvproxy replicas behind nginx round robin on Redis{killed}"
 
 
 def _report(
@@ -313,7 +354,7 @@ def run(args: argparse.Namespace) -> int:
         f"{scenario.engines} x {scenario.cost_model} (K={scenario.token_scale}, "
         f"{d['pool_tokens_per_engine']:,} KV tokens each), {scenario.concurrency} live sessions, "
         f"{scenario.total_sessions} per run; live working set {d['working_set_over_pool']}x "
-        f"the pool{hicache}; smg {scenario.router_policy}; time scale {scenario.time_scale:g}; "
+        f"the pool{hicache}; smg {scenario.router_policy}{_replicas_text(scenario)}; time scale {scenario.time_scale:g}; "
         f"{', '.join(v.name for v in variants)} x seeds {seeds}"
         f"{' side by side' if side_by_side else ''}; load "
         f"{os.getloadavg()[0]:.2f}; output in {out_dir}"

@@ -105,6 +105,13 @@ class Scenario:
     # Its --hicache-write-policy (one of HICACHE_WRITE_POLICIES); None: SGLang's default,
     # write_through. Only with hicache_ratio.
     hicache_write_policy: str | None = None
+    # kvproxy replicas: above 1, that many behind nginx round robin (no affinity), their
+    # state shared on a redis-server with a password (state.backend: redis).
+    replicas: int = 1
+    # Wall seconds after the run starts when the first replica is SIGKILLed (None: never).
+    kill_replica_after_s: float | None = None
+    # Times the clients send a turn again after an error (not after a timeout).
+    client_retries: int = 0
 
     @property
     def concurrency(self) -> int:
@@ -490,6 +497,8 @@ class _Stack:
     engine_urls: list[str]
     proxy_url: str
     proxy_config: dict[str, Any]
+    replica_pids: tuple[int, ...] = ()
+    replica_urls: tuple[str, ...] = ()
 
 
 def _start_stack(
@@ -547,12 +556,20 @@ def _start_stack(
         time_scale=ts,
         token_scale=scenario.token_scale,
     )
+    if scenario.replicas > 1:
+        from kvlab import replicas
+
+        lb_url, replica_doc, pids, urls = replicas.start(
+            doc, scenario.replicas, router.url, tag=tag, out_dir=out_dir, log_dir=log_dir,
+            track=track,
+        )  # fmt: skip
+        return _Stack(engine_urls, lb_url, replica_doc, pids, urls)
     cfg_path = out_dir / f"kvproxy-{tag}.yaml"
     _write_yaml(cfg_path, doc)
     proxy = track(
         stk.start_kvproxy(config_path=cfg_path, router_url=router.url, port=port, log_dir=log_dir)
     )
-    return _Stack(engine_urls=engine_urls, proxy_url=proxy.url, proxy_config=doc)
+    return _Stack(engine_urls, proxy.url, doc, replica_urls=(proxy.url,))
 
 
 def _session_progress(tag: str, progress: ProgressFn | None) -> Callable[[int, int, int], None]:
@@ -593,6 +610,7 @@ def run_config(
     """
     import asyncio
 
+    from kvlab import replicas
     from kvlab import stack as stk
     from kvlab.workload.driver import run_http
 
@@ -625,6 +643,7 @@ def run_config(
         engine_urls = stack.engine_urls
         if lab_placement is None:
             lab_placement = scenario.lab_placement
+        killed = replicas.arm_kill(scenario.kill_replica_after_s, stack.replica_pids, es)
         run = asyncio.run(
             run_http(
                 scenario.spec(),
@@ -639,6 +658,7 @@ def run_config(
                 run_timeout_s=scenario.run_timeout_sim_s * ts,
                 routing_key=lab_routing_keys(engine_urls) if lab_placement else None,
                 tool_hints=variant.prefetch,
+                retries=scenario.client_retries,
             )
         )
         wall = run.summary()
@@ -660,6 +680,7 @@ def run_config(
             ),
             "reached_engines": reached_engines(engine_urls) if scenario.record_requests else None,
             "proxy_config": stack.proxy_config,
+            **replicas.facts(scenario.replicas, killed, run.retried_turns, stack.replica_urls),
             "load": {"before": [round(x, 2) for x in load_before]},
             "pids": my_pids,
         }

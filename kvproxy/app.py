@@ -5,7 +5,8 @@ Each resource lives on the application under its own typed ``web.AppKey``
 contexts, entered in order at start-up and left in reverse at shutdown: the pooled
 client session, the fleet refresher, the features (the session manager, Dynamo and
 the admission coordinator, built together by :class:`kvproxy.wiring.Features`, the
-builder the lab uses too), the proxy's handlers (given the resources they use), then
+builder the lab uses too; with ``state.backend: redis``, admission's ledger shared with
+the other replicas), the proxy's handlers (given the resources they use), then
 the dashboard's sampler. The operator routes are in :mod:`kvproxy.admin`.
 """
 
@@ -89,6 +90,7 @@ async def _features_ctx(app: web.Application) -> AsyncIterator[None]:
         # getpid() system call, and admission reads the clock twice per request.
         clock=asyncio.get_running_loop().time,
         store=_shared_store(config),
+        admission_store=_admission_store(config),
     )
     app[SESSIONS], app[DYNAMO], app[ADMISSION] = (
         features.sessions,
@@ -106,6 +108,15 @@ def _shared_store(config: Config) -> RedisStore | None:
     """The store the session lifecycle shares with other replicas (state.backend:
     redis), or None: the state stays in this process."""
     if config.state.backend != "redis" or not config.session_lifecycle.enabled:
+        return None
+    return RedisStore(config.state)
+
+
+def _admission_store(config: Config) -> RedisStore | None:
+    """The store program admission shares its ledger through with the other replicas
+    (state.backend: redis, admission on: :mod:`kvproxy.replication`), or None: it stays
+    in this process."""
+    if config.state.backend != "redis" or not config.admission.enabled:
         return None
     return RedisStore(config.state)
 

@@ -43,6 +43,7 @@ MODULES: tuple[str, ...] = (
     "kvproxy.admission.fleet.queue",
     "kvproxy.admission.program.session",
     "kvproxy.admission.program.ledger",
+    "kvproxy.replication.ledger",  # (subclasses the program ledger's and session's classes)
     "kvproxy.admission.program.core",
     "kvproxy.admission.learning",
     "kvproxy.admission.waiters",

@@ -59,7 +59,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=1,
         metavar="N",
         help="worker processes sharing the port (SO_REUSEPORT; default 1). Above 1 the "
-        "session lifecycle needs state.backend: redis; admission state stays per worker",
+        "session lifecycle needs state.backend: redis, which shares program admission's "
+        "ledger too",
     )
     parser.add_argument(
         "--router-url", metavar="URL", help=f"router base URL (router.url; default {_R.url})"
@@ -239,10 +240,18 @@ def workers_check(cfg: Config, workers: int) -> tuple[str | None, str | None]:
             "state.backend: redis (docs/operations.md, Running several replicas)",
             None,
         )
-    if cfg.admission.enabled:
+    if cfg.admission.enabled and cfg.state.backend != "redis":
         return None, (
             "admission state is per worker: each one bounds the engines from the share of "
-            "the traffic it sees"
+            "the traffic it sees (state.backend: redis shares it)"
+        )
+    if cfg.admission.enabled and (cfg.admission.mode, cfg.admission.ledger) != (
+        "program",
+        "engine",
+    ):
+        return None, (
+            "fleet-wide admission (leases) is per worker: only program admission's "
+            "per-engine ledger is shared"
         )
     return None, None
 

@@ -18,8 +18,12 @@ constructed with everything it needs and none looks another up later:
   whether the session is open and whether its engine is under KV pressure (admission's
   readings: :meth:`Features.pressure`, :func:`admission_engine_kv`).
 
-They start in the order sessions, Dynamo, admission, and stop in reverse
-(:meth:`Features.running`).
+Given a store for it (``admission_store``), program admission's ledger is shared with
+the other replicas (:class:`~kvproxy.replication.sync.AdmissionSync`, built here with
+the coordinator it drains: another replica's records may let a waiting turn go).
+
+They start in the order sessions, Dynamo, admission, its replication, and stop in
+reverse (:meth:`Features.running`).
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from prometheus_client.core import Metric
 
@@ -35,7 +39,10 @@ from kvproxy.admission.coordinator import AdmissionController
 from kvproxy.config import LiveConfig
 from kvproxy.dynamo.control import Dynamo, DynamoHttp
 from kvproxy.sessions.lifecycle import SessionManager
-from kvproxy.state.shared import Store
+from kvproxy.state.shared import Store, replica_name
+
+if TYPE_CHECKING:
+    from kvproxy.replication.sync import AdmissionSync, Channel
 
 
 class FleetView(Protocol):
@@ -60,14 +67,16 @@ class Features:
         clock: Callable[[], float],
         timers: Callable[[], float] = time.monotonic,
         store: Store | None = None,
+        admission_store: Channel | None = None,
         fetch_metrics: Callable[[str], Awaitable[str]] | None = None,
         server_info: Mapping[str, Mapping[str, Any]] | None = None,
     ) -> None:
         """``http``: the control plane's client (aiohttp's session, or the lab's
         engines); ``clock``: the event loop's (admission's decisions); ``timers``: the
         session table's and Dynamo's timers; ``store``: the session table shared with
-        other replicas; ``fetch_metrics`` and ``server_info``: how admission reads the
-        engines (None: over ``http``)."""
+        other replicas; ``admission_store``: the channel program admission's ledger is
+        shared on with them (None: this process's alone); ``fetch_metrics`` and
+        ``server_info``: how admission reads the engines (None: over ``http``)."""
         self.live = live
         config = live.config
         self.sessions = SessionManager(
@@ -103,6 +112,11 @@ class Features:
             token_scale=config.server.token_scale,
             router_metrics_url=config.router.metrics_url,
             router_url=config.router.url,
+        )
+        self.replication = (
+            None
+            if admission_store is None
+            else _replication(live, admission_store, self.admission, clock)
         )
 
     # -- how the features call one another ----------------------------------------------
@@ -140,10 +154,17 @@ class Features:
     # -- lifecycle ---------------------------------------------------------------------
     @asynccontextmanager
     async def running(self) -> AsyncIterator[Features]:
-        """Started in order (sessions, Dynamo, admission) and stopped in reverse, those
-        that started also when a later one fails to."""
+        """Started in order (sessions, Dynamo, admission, its replication) and stopped
+        in reverse, those that started also when a later one fails to."""
+        features: list[SessionManager | Dynamo | AdmissionController | AdmissionSync] = [
+            self.sessions,
+            self.dynamo,
+            self.admission,
+        ]
+        if self.replication is not None:
+            features.append(self.replication)
         async with AsyncExitStack() as stack:
-            for feature in (self.sessions, self.dynamo, self.admission):
+            for feature in features:
                 await feature.start()
                 stack.push_async_callback(feature.stop)
             yield self
@@ -153,6 +174,28 @@ class Features:
         yield from self.sessions.collect()
         yield from self.admission.collect()
         yield from self.dynamo.collect()
+        if self.replication is not None:
+            yield from self.replication.collect()
+
+
+def _replication(
+    live: LiveConfig,
+    store: Channel,
+    admission: AdmissionController,
+    clock: Callable[[], float],
+) -> AdmissionSync:
+    """Program admission's ledger shared with the other replicas on ``store``; it drains
+    the program gate when their records may let a waiting turn go."""
+    from kvproxy.replication.sync import AdmissionSync  # (only where it is shared)
+
+    return AdmissionSync(
+        live.config.state,
+        store,
+        admission.program,
+        replica=replica_name(),
+        drain=admission.drain_program,
+        clock=clock,
+    )
 
 
 def admission_engine_kv(

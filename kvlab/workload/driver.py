@@ -178,6 +178,7 @@ class HttpTransport:
         session_control_scope: str = "all",
         routing_key: Callable[[str], str] | None = None,
         subagent_identity: str = "own",
+        retries: int = 0,
     ) -> None:
         nvext_for(
             "probe",
@@ -202,6 +203,8 @@ class HttpTransport:
         self.routing_key = routing_key
         self.subagent_identity = subagent_identity
         self._hint_timeout = aiohttp.ClientTimeout(total=5.0)
+        self.retries = retries
+        self.retried = 0  # turns sent again after an error
         self._started: set[str] = set()
         # session id -> HTTP status of its /close_session (None: no answer).
         self.close_status: dict[str, int | None] = {}
@@ -250,16 +253,21 @@ class HttpTransport:
         loop = asyncio.get_running_loop()
         start = loop.time()
         headers, body, stream = self._turn_request(session_id, input_ids, max_new_tokens, final)
-        state = StreamState()
-        reply = _Reply(start)
-        try:
-            error = await self._post_turn(headers, body, stream, state, reply)
-        except TimeoutError:
-            error = "timeout"
-        except aiohttp.ClientError as exc:
-            error = f"client_error: {type(exc).__name__} {exc}"
-        if error is None:
-            error = _stream_failure(state)
+        for attempt in range(1 + self.retries):
+            state = StreamState()
+            reply = _Reply(start)
+            try:
+                error = await self._post_turn(headers, body, stream, state, reply)
+            except TimeoutError:
+                error = "timeout"
+            except aiohttp.ClientError as exc:
+                error = f"client_error: {type(exc).__name__} {exc}"
+            if error is None:
+                error = _stream_failure(state)
+            # A client that retries sends the turn again after an error (not a timeout).
+            if error is None or error == "timeout" or attempt == self.retries:
+                break
+            self.retried += 1
         latency = loop.time() - start
         if error is not None:
             return reply.failed(len(input_ids), latency, error)
@@ -334,17 +342,20 @@ class HttpTransport:
         if wire_identity(session_id, self.subagent_identity)[0] != session_id:
             return  # a subagent sharing its lead's id leaves it open
         status: int | None = None
-        try:
-            async with self.http.post(
-                f"{self.base}/close_session",
-                data=orjson.dumps({"session_id": session_id}),
-                headers=self._headers(session_id),
-                timeout=self.timeout,
-            ) as resp:
-                await resp.read()
-                status = resp.status
-        except (aiohttp.ClientError, TimeoutError):
-            status = None
+        for _ in range(1 + self.retries):  # (sent again after an error, as a turn is)
+            try:
+                async with self.http.post(
+                    f"{self.base}/close_session",
+                    data=orjson.dumps({"session_id": session_id}),
+                    headers=self._headers(session_id),
+                    timeout=self.timeout,
+                ) as resp:
+                    await resp.read()
+                    status = resp.status
+            except (aiohttp.ClientError, TimeoutError):
+                status = None
+            if status is not None and status < 500:
+                break
         if len(self.close_status) < MAX_CLOSE_RECORDS:
             self.close_status[session_id] = status
 
@@ -403,6 +414,7 @@ class HttpRun:
     close_status: dict[str, int | None] = field(default_factory=dict)
     # The tool hints' answers (--tool-hints): HTTP status (0: none) -> count.
     tool_hint_status: dict[int, int] = field(default_factory=dict)
+    retried_turns: int = 0  # turns sent again after an error (run_http's retries)
 
     @property
     def engine_delta(self) -> dict[str, float]:
@@ -480,11 +492,13 @@ async def run_http(
     session_control_scope: str = "all",
     routing_key: Callable[[str], str] | None = None,
     tool_hints: bool = False,
+    retries: int = 0,
 ) -> HttpRun:
     """Run ``spec`` against ``base_url`` over HTTP. ``engine_urls`` are scraped
     (``/metrics``) before and after; ``read_stats`` reads ``{base}/kvproxy/stats``;
     ``routing_key`` maps a session id to its ``X-SMG-Routing-Key`` (default: the id);
-    ``tool_hints``: tell kvproxy each tool call's length as it starts (its prefetch)."""
+    ``tool_hints``: tell kvproxy each tool call's length as it starts (its prefetch);
+    ``retries``: times a turn is sent again after an error (not after a timeout)."""
     base = base_url.rstrip("/")
     loop = asyncio.get_running_loop()
     connector = aiohttp.TCPConnector(limit=max(16, 2 * concurrency + 8))
@@ -505,6 +519,7 @@ async def run_http(
             session_control_scope=session_control_scope,
             routing_key=routing_key,
             subagent_identity=spec.subagent_identity,
+            retries=retries,
         )
         start = loop.time()
         run.result = await run_workload(
@@ -520,6 +535,7 @@ async def run_http(
         )
         run.wall_s = loop.time() - start
         run.close_status = transport.close_status
+        run.retried_turns = transport.retried
         run.tool_hint_status = transport.tool_hint_status
         run.engines_after = await scrape_engines(http, engine_urls)
         if read_stats:

@@ -176,6 +176,11 @@ class AdmissionController(ProgramControls):
             if self._gates[mode].end_session(session_id, self._clock()):
                 self._counters.inc(C_SESSION_ENDED)
 
+    def drain_program(self) -> None:
+        """Release the program gate's waiting turns that may go now (another replica's
+        records changed the ledger: :mod:`kvproxy.replication.sync`)."""
+        self._gates[Mode.PROGRAM].drain(self._clock())
+
     def learns_from(self, req: AdmissionRequest) -> bool:
         """Whether the engine's usage report for ``req`` (decided) teaches anything."""
         return self._cfg.enabled and self._p.learning.learns_from(req)

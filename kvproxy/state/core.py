@@ -6,7 +6,8 @@ The state several replicas share (``state.backend: redis``) is, per session:
 
 - its last activity (``last``) and, per replica, how many of its requests that replica
   has in flight (a replica's counts stop counting once its heartbeat has expired);
-- whether a final turn has been seen (``owed``: the replica that owes the close);
+- whether a final turn has been seen or a close claimed (``owed``: the replica that
+  owes the close);
 - its close: a *claim* (the replica that is closing it, expiring with that replica's
   heartbeat unless renewed) and then a *tombstone* (``closed``) for ``closed_ttl_s``.
 
@@ -71,7 +72,9 @@ class Restore:
 @dataclass(frozen=True, slots=True)
 class Claim:
     """``replica`` wants to close ``session_id``. Answers True when it now owns the
-    close (exactly one caller does until the claim expires or becomes a tombstone)."""
+    close (exactly one caller does until the claim expires or becomes a tombstone),
+    and then owes it: should it die before finishing, the sweep finds the session due
+    once the claim has expired with it."""
 
     session_id: str
     replica: str
@@ -242,6 +245,10 @@ class MemoryStore:
         if self._close_of(op.session_id, op.now) is not None:
             return False
         self._close[op.session_id] = (op.replica, op.now + op.ttl_s)
+        sess = self._session(op.session_id, op.now)
+        if sess is not None:  # the claimer owes the close (due if it dies unfinished)
+            sess.owed = op.replica
+            self._owed.add(op.session_id)
         return True
 
     def finish(self, op: Finish) -> None:

@@ -97,17 +97,21 @@ class RedisStore:
                 raise StoreUnavailable(f"batch answered {len(reply)} of {count} operations")
         return [decode(op, reply) for op, reply in zip(ops, raw, strict=True)]
 
-    async def publish(self, message: str) -> None:
+    async def publish(self, message: str, channel: str | None = None) -> None:
+        """PUBLISH ``message`` on ``channel`` (default: the lifecycle's events)."""
         try:
-            await self._client.publish(self.channel, message)
+            await self._client.publish(channel or self.channel, message)
         except Exception as exc:
             raise StoreUnavailable(_describe(exc)) from exc
 
-    async def messages(self) -> AsyncIterator[str]:
-        """The channel's messages until the connection fails (then StoreUnavailable)."""
+    async def messages(self, channel: str | None = None) -> AsyncIterator[str]:
+        """``channel``'s messages (default: the lifecycle's events) until the connection
+        fails (then StoreUnavailable); first an empty one once subscribed (what was
+        published before it is not received)."""
         pubsub = self._client.pubsub(ignore_subscribe_messages=True)
         try:
-            await pubsub.subscribe(self.channel)
+            await pubsub.subscribe(channel or self.channel)
+            yield ""
             while True:
                 msg = await pubsub.get_message(timeout=1.0)
                 if msg is not None and msg.get("type") == "message":

@@ -2,6 +2,8 @@
 command each, so a batch of them is one pipelined round trip), and the pure encoding
 of an operation (:mod:`kvproxy.state.core`) into a call and of a reply into its answer.
 
+A claim makes its replica owe the session's close (``owed``), as a final turn does.
+
 Keys, under ``state.key_prefix`` P: ``P s:<id>`` (hash: ``last``, ``owed``, ``n:<replica>``),
 ``P c:<id>`` (close claim or ``closed``), ``P idx`` and ``P owed`` (sorted sets of
 session ids by last activity), ``P r:<replica>`` (heartbeat), ``P l:<name>`` (lease),
@@ -128,6 +130,18 @@ for i = 2, #KEYS do
 end
 return renewed
 """,
+    # KEYS: c, s, owed. ARGV: replica, ttl_ms, sid, now. The claimer owes the close:
+    # should it die before finishing, the sweep finds the session due once the claim
+    # has expired with it.
+    "claim": """
+if not redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then return 0 end
+if redis.call('EXISTS', KEYS[2]) == 1 then
+  redis.call('HSET', KEYS[2], 'owed', ARGV[1])
+  redis.call('ZADD', KEYS[3], ARGV[4], ARGV[3])
+  redis.call('PEXPIRE', KEYS[3], math.max(redis.call('PTTL', KEYS[3]), redis.call('PTTL', KEYS[2])))
+end
+return 1
+""",
     # KEYS: l. ARGV: replica, ttl_ms
     "lease": """
 local held = redis.call('GET', KEYS[1])
@@ -218,8 +232,9 @@ def encode(op: Op, prefix: str) -> Call:
         args = (sid, op.replica, _f(op.last), op.in_flight, _ms(op.ttl_s))
         return Call("restore", keys, args)
     if isinstance(op, Claim):
-        # SET key replica NX PX ttl, as a plain command.
-        return Call(None, (f"{p}c:{op.session_id}",), (op.replica, _ms(op.ttl_s)))
+        sid = op.session_id
+        keys = (f"{p}c:{sid}", f"{p}s:{sid}", f"{p}owed")
+        return Call("claim", keys, (op.replica, _ms(op.ttl_s), sid, _f(op.now)))
     if isinstance(op, Finish):
         sid = op.session_id
         keys = (f"{p}s:{sid}", f"{p}c:{sid}", f"{p}idx", f"{p}owed")

@@ -73,8 +73,15 @@ def redis(logs: Path, redis_password: str) -> Iterator[stack.ManagedProcess]:
         yield proc
 
 
-def _config(logs: Path, redis_url: str, router_url: str, **lifecycle: Any) -> Path:
-    doc = {
+def _config(
+    logs: Path,
+    redis_url: str,
+    router_url: str,
+    *,
+    admission: dict[str, Any] | None = None,
+    **lifecycle: Any,
+) -> Path:
+    doc: dict[str, Any] = {
         "server": {"log_level": "INFO"},
         "router": {"url": router_url},
         "session_lifecycle": {"enabled": True, "check_engines": False, **lifecycle},
@@ -88,6 +95,9 @@ def _config(logs: Path, redis_url: str, router_url: str, **lifecycle: Any) -> Pa
             "retry_interval_s": 0.25,
         },
     }
+    if admission is not None:
+        doc["router"]["policy"] = "consistent_hashing"
+        doc["admission"] = {"enabled": True, **admission}
     path = logs / f"kvproxy-{new_marker()[:8]}.yaml"
     path.write_text(yaml.safe_dump(doc))
     return path
@@ -198,6 +208,56 @@ async def test_turns_alternate_replicas_and_each_close_reaches_every_engine_once
         assert set(counts.values()) == {1}, counts
     finally:
         _stop(s)
+
+
+_DECISION = "agentic_kv_admission_decision_"
+
+
+async def test_admission_counts_a_session_once_whichever_replica_its_turns_reach(
+    logs: Path,
+    engines: list[stack.ManagedProcess],
+    redis: stack.ManagedProcess,
+    http: aiohttp.ClientSession,
+) -> None:
+    """Program admission on both replicas: a session whose turns alternate replicas is
+    one new session fleet-wide (its later turns continuing on either replica), because
+    each replica's ledger has the other's records folded in."""
+    engine_urls = [e.url for e in engines]
+    with stack.start_router(engine_urls, policy="consistent_hashing", log_dir=logs) as router:
+        admission = {"engage_on_thrash": False, "poll_interval_s": 0.2, "tick_s": 0.05}
+        s = _start(logs, _config(logs, redis.url, router.url, admission=admission), router.url)
+        try:
+
+            async def peers() -> bool:
+                ms = [await _metrics(http, r.url) for r in s.replicas]
+                return all(m.get("agentic_kv_state_admission_peers") == 1 for m in ms)
+
+            await wait_until(peers, timeout_s=15, what="the replicas' admission hear each other")
+            marker = new_marker()
+            sids = [f"{marker}-{i}" for i in range(11)]  # odd: each next turn, the other one
+            for _ in range(3):
+                for sid in sids:
+                    assert await _turn(http, s.lb.url, sid) == (200, 0)
+
+            async def applied() -> bool:
+                ms = [await _metrics(http, r.url) for r in s.replicas]
+                return all(m["agentic_kv_state_admission_records_applied_total"] > 0 for m in ms)
+
+            await wait_until(applied, timeout_s=10, what="records applied on both replicas")
+            ms = [await _metrics(http, r.url) for r in s.replicas]
+            decided = sum(
+                v
+                for m in ms
+                for k, v in m.items()
+                if k.startswith(_DECISION) and k.endswith("_total")
+            )
+            going = sum(m[f"{_DECISION}continuing_forwarded_total"] for m in ms)
+            # Alone, a replica would take each session's turn after the other's for a
+            # first turn: every later turn is a continuing one here.
+            assert (decided, going) == (3 * len(sids), 2 * len(sids))
+            assert all(m["agentic_kv_state_admission_up"] == 1 for m in ms)
+        finally:
+            _stop(s)
 
 
 async def test_a_replica_killed_mid_run_loses_no_close(

@@ -64,7 +64,7 @@ SCENARIOS: dict[str, list[Step]] = {
         (0.0, lambda t: Claim("s", "B", t, TTL), True),
         (0.0, lambda t: Claim("s", "A", t, TTL), False),
         (0.0, lambda t: Begin("s", "A", t, TTL), "closing"),
-        (0.0, lambda t: Peek("s", t), {"last": 0.0, "in_flight": {}, "owed": "", "close": "B"}),
+        (0.0, lambda t: Peek("s", t), {"last": 0.0, "in_flight": {}, "owed": "B", "close": "B"}),
         (0.0, lambda t: Finish("s", "B", t, 30.0), None),
         (0.0, lambda t: Claim("s", "A", t, TTL), False),
         (0.0, lambda t: End("s", "A", t, TTL), False),
@@ -90,6 +90,19 @@ SCENARIOS: dict[str, list[Step]] = {
         (SHORT + 0.2, lambda t: Due(t, idle_timeout_s=0.1), ["x", "y"]),
         (SHORT + 0.2, lambda t: Claim("x", "B", t, TTL), True),
         (SHORT + 0.2, lambda t: Due(t, idle_timeout_s=0.1), ["y"]),
+    ],
+    "a replica that dies while closing leaves its close due": [
+        (0.0, lambda t: Heartbeat("A", t, SHORT), 0),
+        (0.0, lambda t: Heartbeat("B", t, TTL), 0),
+        (0.0, lambda t: Begin("s", "A", t, TTL), "open"),
+        (0.0, lambda t: End("s", "A", t, TTL), True),
+        (0.0, lambda t: Claim("s", "A", t, SHORT), True),
+        (0.0, lambda t: Due(t, idle_timeout_s=None), []),
+        # A dies mid fan-out: its claim and heartbeat expire, the close it owed is due.
+        (SHORT + 0.2, lambda t: Due(t, idle_timeout_s=None), ["s"]),
+        (SHORT + 0.2, lambda t: Claim("s", "B", t, TTL), True),
+        (SHORT + 0.2, lambda t: Finish("s", "B", t, 30.0), None),
+        (SHORT + 0.2, lambda t: Due(t, idle_timeout_s=None), []),
     ],
     "claims expire with their replica unless renewed": [
         (0.0, lambda t: Claim("a", "A", t, SHORT), True),

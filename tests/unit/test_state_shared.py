@@ -165,7 +165,14 @@ async def test_the_leased_sweep_closes_idle_sessions_and_remote_closes_arrive() 
         (2, {}, False, False),
         (2, {"session_lifecycle": {"enabled": True}}, True, False),
         (2, {"session_lifecycle": {"enabled": True}, "state": {"backend": "redis"}}, False, False),
-        (2, {"admission": {"enabled": True}, "state": {"backend": "redis"}}, False, True),
+        (2, {"admission": {"enabled": True}}, False, True),
+        (2, {"admission": {"enabled": True}, "state": {"backend": "redis"}}, False, False),
+        (
+            2,
+            {"admission": {"enabled": True, "ledger": "fleet"}, "state": {"backend": "redis"}},
+            False,
+            True,
+        ),
         (0, {}, True, False),
     ],
 )

@@ -3,7 +3,8 @@ another; started in order and stopped in reverse; who serves /close_session."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import asyncio
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 import aiohttp
@@ -11,6 +12,7 @@ import pytest
 
 from kvproxy.config import LiveConfig, from_mapping
 from kvproxy.proxy.pipeline import CLOSE_LIFECYCLE, CLOSE_RESIDENCY, CLOSE_ROUTER, close_route
+from kvproxy.replication.ledger import SyncedLedger
 from kvproxy.wiring import Features
 
 ENGINE = "http://127.0.0.1:1"
@@ -148,3 +150,52 @@ def test_who_serves_close_session(lifecycle: bool, admission: bool, route: str) 
         {"session_lifecycle": {"enabled": lifecycle}, "admission": {"enabled": admission}}
     )
     assert close_route(config) == route
+
+
+class QuietChannel:
+    """A channel for admission's records that says nothing (no I/O while built)."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    async def publish(self, message: str, channel: str | None = None) -> None:
+        self.calls.append("publish")
+
+    async def messages(self, channel: str | None = None) -> AsyncIterator[str]:
+        self.calls.append("messages")
+        await asyncio.Event().wait()
+        yield ""  # pragma: no cover - never reached
+
+    async def ping(self) -> None:
+        self.calls.append("ping")
+
+    async def close(self) -> None:
+        self.calls.append("close")
+
+
+async def test_with_an_admission_store_the_ledger_is_shared_and_starts_after_admission() -> None:
+    live = LiveConfig(
+        from_mapping(
+            {
+                "router": {"policy": "consistent_hashing"},
+                "admission": {"enabled": True, "mode": "program", "ledger": "engine"},
+                "state": {"backend": "redis"},
+            }
+        )
+    )
+    channel = QuietChannel()
+    features = Features(
+        live, http=NoHttp(), fleet=OneEngine(), clock=lambda: 0.0, admission_store=channel
+    )
+    assert channel.calls == []  # built, nothing sent
+    assert features.replication is not None
+    assert isinstance(features.admission.program.ledger, SyncedLedger)
+    assert _features({})[0].replication is None  # without a store: this process's alone
+    assert any(m.name.startswith("agentic_kv_state_admission") for m in features.collect())
+    log: list[str] = []
+    _recorded(features, log)
+    features.replication = Recorder(features.replication, "replication", log)  # type: ignore[assignment]
+    async with features.running():
+        assert log[-2:] == ["start admission", "start replication"]
+    assert log[4:6] == ["stop replication", "stop admission"]
+    assert channel.calls[-1] == "close"

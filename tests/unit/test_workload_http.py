@@ -8,6 +8,7 @@ import dataclasses
 import random
 import statistics
 
+import aiohttp
 import orjson
 import pytest
 from aiohttp import web
@@ -687,3 +688,26 @@ async def test_session_control_open_then_close_per_session(aiohttp_server) -> No
     )
     assert all(len(o.output_ids) == 4 and o.completion_tokens == 4 for o in outs)
     assert outs[1].cached_tokens == 3 + 4  # the previous prompt + output was found
+
+
+@pytest.mark.parametrize(("retries", "ok"), [(0, False), (1, True)])
+async def test_a_client_that_retries_sends_a_failed_turn_again(  # type: ignore[no-untyped-def]
+    aiohttp_server, retries: int, ok: bool
+) -> None:
+    engine = PrefixEngine()
+    left = [1]  # the first attempt meets a replica that died (nginx answers 502)
+
+    async def flaky(request: web.Request) -> web.StreamResponse:
+        if left[0]:
+            left[0] -= 1
+            await request.read()
+            return web.json_response({"error": "bad gateway"}, status=502)
+        return await engine.generate(request)
+
+    app = web.Application()
+    app.router.add_post("/generate", flaky)
+    server = await aiohttp_server(app, host="127.0.0.1")
+    async with aiohttp.ClientSession() as http:
+        t = HttpTransport(f"http://127.0.0.1:{server.port}", http, retries=retries)
+        out = await t.generate("s-1", [5, 6, 7], 2, final=False)
+    assert (out.error is None, t.retried, len(engine.bodies)) == (ok, retries, retries)

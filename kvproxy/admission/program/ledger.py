@@ -480,8 +480,12 @@ class EngineLedger:
     def get(self, sid: str) -> Session | None:
         return self.sessions.get(sid)
 
+    def new_session(self, sid: str, engine: str, now: float, est: int) -> Session:
+        """The record of a session opened now (a subclass's may carry more)."""
+        return Session(sid=sid, engine=engine, since=now, est=est)
+
     def open(self, sid: str, engine: str, now: float, est: int) -> Session:
-        s = Session(sid=sid, engine=engine, since=now, est=est)
+        s = self.new_session(sid, engine, now, est)
         s.children_running = self.family.running_children(sid)
         self.sessions[sid] = s
         self._child_changed(self.family.started(sid))
