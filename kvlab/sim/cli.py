@@ -247,6 +247,10 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         new_token_ratio_decay_steps=sc.new_token_ratio_decay_steps,
         retract_decode_steps=sc.retract_decode_steps,
         clip_max_new_tokens=sc.clip_max_new_tokens,
+        # The preset's mixed chunk (decode inside prefill steps): the lab's engines run
+        # it, so the HTTP engine must too, or a burst's first turns all answer at once.
+        enable_mixed_chunk=sc.enable_mixed_chunk,
+        mixed_decode_every=sc.mixed_decode_every,
         output_len_dist=args.output_len_dist,
         streaming_session_timeout_s=args.streaming_session_timeout,
         hicache=(

@@ -9,7 +9,7 @@ import pytest
 from kvlab.sim.cli import add_arguments, config_from_args
 from kvlab.sim.config import SimConfig
 from kvlab.sim.cost import CostModel
-from kvlab.sim.presets import cost_model
+from kvlab.sim.presets import cost_model, scheduler_config
 
 
 def parse(*argv: str) -> SimConfig:
@@ -37,6 +37,20 @@ def test_preset_sets_pool_chunk_prefill_and_context_scaled_by_k() -> None:
     assert cfg.clip_max_new_tokens == 256
     llama = parse("--cost-model", "llama3.1-8b-h100")
     assert (llama.max_total_tokens, llama.context_length) == (415_000, 131_072)
+
+
+def test_preset_mixed_chunk_reaches_the_http_engine() -> None:
+    """The replication's preset runs decode inside prefill steps in the lab
+    (scheduler_config); the HTTP engine built from the same flags runs it too, or a
+    burst's first turns all answer together after the last prefill."""
+    preset = "qwen3-coder-30b-a3b-fp8-h100-tp2"
+    cfg = parse("--cost-model", preset, "--token-scale", "16")
+    lab = scheduler_config(preset, 16)
+    assert lab.enable_mixed_chunk and lab.mixed_decode_every == 16
+    assert (cfg.scheduler.enable_mixed_chunk, cfg.scheduler.mixed_decode_every) == (True, 16)
+    assert not parse(
+        "--cost-model", "qwen3-8b-h100", "--token-scale", "16"
+    ).scheduler.enable_mixed_chunk
 
 
 def test_flags_override_the_preset() -> None:
