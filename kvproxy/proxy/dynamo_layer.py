@@ -23,7 +23,8 @@ A turn, in order:
       be JSON; Dynamo plans the route; an ``open`` / ``extend`` claims the slot and the
       transport relays the turn in streaming-session form (``transport.relay``); what
       it produced is recorded (:meth:`Dynamo.finish_turn`, or the slot given up), and
-      a served turn starts its speculative prefill. Not served: :meth:`Dynamo.settle`
+      a served turn starts its speculative prefill (a streamed one whose client hung
+      up after its ``[DONE]`` too: it is complete). Not served: :meth:`Dynamo.settle`
       (a refused slot's close awaited, idle slots released);
    b. the ordinary request, through ``transport.forward``, its answer kept when a
       speculative prefill is asked for (:class:`KeepAnswer`); a 200 whose streamed
