@@ -32,6 +32,10 @@ cap chosen after the fact, the bound of a schedule that only limits concurrency 
 judged with a grid file of the same cells (``--check grid.json caps.json``), the KV-bound
 cells' best cap is reported beside both.
 
+``--peer KEY=VALUE`` sets a ThunderConfig field for the peers' runs (``thunder``,
+``thunder-origin``), e.g. ``--peer decay_scope=resume`` (the public code's acting decay,
+for resume only); the JSON carries them as ``peer``.
+
 Writes ``results/regime_grid.json`` (every row) and prints the markdown tables and the
 acceptance criteria of docs/benchmarks.md ("The regime grid"): over the cells' medians,
 and under ``by_seed`` run by run, both / off paired with the same seed's off (runs below
@@ -98,6 +102,8 @@ class Job:
     tool_hints: bool = False  # both: the workload tells kvproxy each tool call's length
     # How W3's subagents name themselves (own | parent | shared; every policy alike).
     subagent_identity: str = "own"
+    # ThunderConfig fields for the peers thunder / thunder-origin (--peer).
+    peer: Mapping[str, Any] = field(default_factory=dict)
 
     def config(self) -> LabConfig:
         sc = self.fleet.scenario()
@@ -121,6 +127,7 @@ class Job:
             hicache_link_gb_s=self.hicache_link_gb_s,
             hicache_write_policy=self.hicache_write_policy,
             tool_hints=self.tool_hints,
+            peer_overrides=dict(self.peer),
         )
 
 
@@ -226,11 +233,12 @@ def jobs_for(
     policies: Sequence[str] = GRID_POLICIES,
     tool_hints: bool = False,
     subagent_identity: str = "own",
+    peer: Mapping[str, Any] | None = None,
 ) -> list[Job]:
     """The runs of ``policies`` (of off, ceiling, both and the peers; faults run with
     both) per cell and seed; ``tool_hints``: both's workload tells kvproxy its tool
     calls' lengths; ``subagent_identity``: how W3's subagents name themselves, in every
-    run."""
+    run; ``peer``: ThunderConfig fields for the peers' runs."""
     out: list[Job] = []
     h: dict[str, Any] = {
         "hicache_ratio": hicache_ratio,
@@ -242,7 +250,8 @@ def jobs_for(
         for seed in seeds:
             for name in ("off", "ceiling", *PEERS):
                 if name in policies:
-                    out.append(Job(f, name, seed=seed, **h))
+                    settings = dict(peer or {}) if name in PEERS else {}
+                    out.append(Job(f, name, seed=seed, peer=settings, **h))
             if "both" not in policies:
                 continue
             both = {"admission": admission, "tool_hints": tool_hints, **h}
@@ -675,6 +684,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="override an admission.* key for both (YAML value); repeatable",
     )
     ap.add_argument(
+        "--peer",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a ThunderConfig field for the peers thunder / thunder-origin (YAML value, "
+        "e.g. decay_scope=resume); repeatable",
+    )
+    ap.add_argument(
         "--hicache",
         action="store_true",
         help="engines of off and both run SGLang's hierarchical cache (ratio 2.0)",
@@ -769,6 +786,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     for item in args.admission:
         k, _, v = item.partition("=")
         admission[k.strip()] = yaml.safe_load(v)
+    peer = {}
+    for item in args.peer:
+        k, _, v = item.partition("=")
+        peer[k.strip()] = yaml.safe_load(v)
     faults = list(FAULT_NAMES) if args.faults == "all" else _csv(args.faults, str)
     bad = sorted(set(faults) - set(FAULT_NAMES))
     if bad:
@@ -823,6 +844,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             policies=policies,
             tool_hints=args.tool_hints,
             subagent_identity=args.subagent_identity,
+            peer=peer,
         )
     t0 = time.perf_counter()
     rows: list[dict[str, Any]] = []
@@ -838,6 +860,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "seeds": seeds,
         "admission": admission,
         **({} if not args.tool_hints else {"tool_hints": True}),
+        **({} if not peer else {"peer": peer}),
         **({} if args.caps is None else {"caps": _csv(args.caps, float)}),
         **({} if hicache_ratio is None else {"hicache_ratio": hicache_ratio}),
         **({} if link is None else {"hicache_link_gb_s": link}),

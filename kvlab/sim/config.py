@@ -108,6 +108,9 @@ class FaultConfig:
     latency_s: float = 0.0
     # Cut the TCP connection after this many SSE chunks of a streaming response.
     drop_stream_after_chunks: int | None = None
+    # Hold a streaming response open this long (wall-clock seconds) after its
+    # ``data: [DONE]`` before ending it, as a router may.
+    hold_after_done_s: float = 0.0
     # Answer every data-plane request (and /health) with HTTP 503.
     status_503: bool = False
     # Report this sglang:token_usage (and full_token_usage) in /metrics instead of the
@@ -306,6 +309,14 @@ def validate_faults(f: FaultConfig) -> None:
         raise ValueError(f"faults.latency_s must be >= 0, got {f.latency_s!r}")
     if f.drop_stream_after_chunks is not None and f.drop_stream_after_chunks < 0:
         raise ValueError("faults.drop_stream_after_chunks must be >= 0 or null")
+    if (
+        isinstance(f.hold_after_done_s, bool)
+        or not isinstance(f.hold_after_done_s, int | float)
+        or not 0 <= f.hold_after_done_s <= 60
+    ):
+        raise ValueError(
+            f"faults.hold_after_done_s must be in [0, 60], got {f.hold_after_done_s!r}"
+        )
     if f.token_usage is not None and (
         isinstance(f.token_usage, bool)
         or not isinstance(f.token_usage, int | float)

@@ -2,7 +2,7 @@
 
 :func:`stream` drives one SSE response from a request's :class:`~kvlab.sim.rank.Waiter`
 (woken by the scheduler loop on each step), applying the ``drop_stream_after_chunks``
-fault; :func:`stream_error` is SGLang's in-stream error for a request it refused.
+and ``hold_after_done_s`` faults; :func:`stream_error` is SGLang's in-stream error for a request it refused.
 """
 
 from __future__ import annotations
@@ -60,6 +60,8 @@ async def stream(
             if finished:
                 break
         await resp.write(b"data: [DONE]\n\n")
+        if st.faults.hold_after_done_s > 0:  # the stream is over, its end held back
+            await asyncio.sleep(st.faults.hold_after_done_s)
         await resp.write_eof()
     except ConnectionResetError:
         rank.cancel(w)  # the client went away mid-stream

@@ -86,6 +86,17 @@ class Translated(Generic[_S]):
     tail: bytes = b""  # the answer's last bytes: the engine's usage report
 
 
+class AnsweredThenCancelled(asyncio.CancelledError):
+    """A streamed translated turn's relay was cancelled (its client hung up) after the
+    answer's ``[DONE]`` had been relayed, while the upstream still held the stream open:
+    the answer is complete, and ``answer`` is what it produced. Raised in place of the
+    cancellation, and handled as one once the turn is recorded."""
+
+    def __init__(self, answer: Translated[Any]) -> None:
+        super().__init__("the client hung up after the answer's [DONE]")
+        self.answer = answer
+
+
 class DynamoHttp(Protocol):
     """The part of ``aiohttp.ClientSession`` Dynamo calls (engine control, prefills):
     :class:`~kvproxy.fleet.client.EngineHttp`'s, and a JSON body posted as ``json``."""
@@ -613,4 +624,4 @@ class Dynamo:
         yield from gauge_families(self.gauges(), GAUGE_HELP)
 
 
-__all__ = ["Dynamo", "DynamoHttp", "Translated", "Turn"]
+__all__ = ["AnsweredThenCancelled", "Dynamo", "DynamoHttp", "Translated", "Turn"]

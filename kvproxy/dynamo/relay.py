@@ -5,11 +5,15 @@ streaming-session form (only its new token ids) is posted to the router's
 ``/generate`` and its answer relayed to the client. What it produced comes back as a
 :class:`~kvproxy.dynamo.control.Translated`; the Dynamo layer records it (this
 module keeps no state). An answer that fails before anything reached the client comes
-back without a response: the ordinary request is sent instead.
+back without a response: the ordinary request is sent instead. A streamed answer's
+client that hangs up once it has read ``[DONE]`` (the upstream still holding the stream
+open) cancels the relay of a complete answer: that answer comes back inside the
+cancellation (:class:`~kvproxy.dynamo.control.AnsweredThenCancelled`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 from collections.abc import Mapping
@@ -20,7 +24,7 @@ import orjson
 from aiohttp import web
 
 from kvproxy.dynamo import streaming as st
-from kvproxy.dynamo.control import Translated
+from kvproxy.dynamo.control import AnsweredThenCancelled, Translated
 from kvproxy.headers import forward_response_headers
 from kvproxy.sse import StreamState, parse_sse_line
 
@@ -87,6 +91,7 @@ class _SseRelay:
         self.sid = sid
         self.state = StreamState()
         self.tail = b""
+        self.done = False  # the answer's [DONE] was relayed
 
     async def serve(
         self, http: aiohttp.ClientSession, url: str, out: bytes, headers: Mapping[str, str]
@@ -127,12 +132,22 @@ class _SseRelay:
         await response.write(b"".join(held))
         try:
             await self._pump(resp, response)
+            with contextlib.suppress(ConnectionResetError):
+                await response.write_eof()
         except (ConnectionResetError, aiohttp.ClientError, TimeoutError):
             if self.request.transport is not None:
                 self.request.transport.abort()
             return Translated(response)  # broke off: not complete
-        with contextlib.suppress(ConnectionResetError):
-            await response.write_eof()
+        except asyncio.CancelledError:
+            if not self.done:
+                raise
+            # The client hung up once it had read [DONE] (the upstream may hold the
+            # stream open a while after it): the answer is complete.
+            raise AnsweredThenCancelled(self._answer(response)) from None
+        return self._answer(response)
+
+    def _answer(self, response: web.StreamResponse) -> Translated[web.StreamResponse]:
+        """The answer relayed through its ``[DONE]`` (or its end): complete."""
         state = self.state
         aborted = state.error is not None or state.finish_reason == "abort"
         return Translated(
@@ -148,8 +163,11 @@ class _SseRelay:
             *lines, pending = pending.split(b"\n")
             for raw in lines:
                 ev = parse_sse_line(raw)
-                if ev is not None and ev[0] == "json":
-                    self.state.feed_generate(ev[1])
+                if ev is not None:
+                    if ev[0] == "json":
+                        self.state.feed_generate(ev[1])
+                    elif ev[0] == "done":
+                        self.done = True  # relayed: the answer is complete
 
 
 __all__ = ["relay_translated"]

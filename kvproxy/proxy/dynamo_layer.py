@@ -23,7 +23,8 @@ A turn, in order:
       be JSON; Dynamo plans the route; an ``open`` / ``extend`` claims the slot and the
       transport relays the turn in streaming-session form (``transport.relay``); what
       it produced is recorded (:meth:`Dynamo.finish_turn`, or the slot given up), and
-      a served turn starts its speculative prefill. Not served: :meth:`Dynamo.settle`
+      a served turn starts its speculative prefill (a streamed one whose client hung
+      up after its ``[DONE]`` too: it is complete). Not served: :meth:`Dynamo.settle`
       (a refused slot's close awaited, idle slots released);
    b. the ordinary request, through ``transport.forward``, its answer kept when a
       speculative prefill is asked for (:class:`KeepAnswer`); a 200 whose streamed
@@ -44,7 +45,7 @@ from typing import Any, Generic, Protocol, TypeVar
 from kvproxy.admission.records import Decision
 from kvproxy.config import Config
 from kvproxy.dynamo import streaming as st
-from kvproxy.dynamo.control import Dynamo, Translated, Turn
+from kvproxy.dynamo.control import AnsweredThenCancelled, Dynamo, Translated, Turn
 from kvproxy.dynamo.prefill import StreamAnswer
 from kvproxy.proxy.pipeline import Plan, with_turn_headers
 from kvproxy.proxy.relaying import Keep
@@ -226,6 +227,11 @@ class DynamoLayer(Generic[R, S, K]):
         streamed = bool(body.get("stream"))
         try:
             answer = await transport.relay(req, out, headers, streamed, turn.session_id)
+        except AnsweredThenCancelled as done:
+            # The client hung up once it had read the answer's [DONE]: the turn is
+            # complete, recorded as one; the handler's cancellation goes on.
+            self._streamed(req, turn, slot, body, headers, done.answer)
+            raise
         except asyncio.CancelledError:
             if streamed:  # a client gone mid-stream: the slot is given up
                 dynamo.give_up(slot, st.R_ENGINE_ERROR)
@@ -237,24 +243,33 @@ class DynamoLayer(Generic[R, S, K]):
             dynamo.give_up(slot, st.R_ENGINE_ERROR)
             return answer.response
         if answer.body is None:  # an event stream, relayed already
-            transport.observe_tail(req, answer.tail)
-            dynamo.finish_turn(
-                turn,
-                slot,
-                body["input_ids"],
-                answer.output_ids,
-                answer.prompt_tokens,
-                answer.aborted,
-            )
-        else:
-            if not dynamo.finish_turn(
-                turn, slot, body["input_ids"], answer.output_ids, answer.prompt_tokens, False
-            ):
-                return None
-            transport.observe_tail(req, answer.tail)
-            turn.response = answer.body
+            self._streamed(req, turn, slot, body, headers, answer)
+            return answer.response
+        if not dynamo.finish_turn(
+            turn, slot, body["input_ids"], answer.output_ids, answer.prompt_tokens, False
+        ):
+            return None
+        transport.observe_tail(req, answer.tail)
+        turn.response = answer.body
         dynamo.after_response(turn, body, headers)  # the speculative prefill
         return answer.response
+
+    def _streamed(
+        self,
+        req: R,
+        turn: Turn,
+        slot: st.Slot,
+        body: Mapping[str, Any],
+        headers: Mapping[str, str],
+        answer: Translated[Any],
+    ) -> None:
+        """A streamed turn relayed through its ``[DONE]``: its usage to admission, what
+        it produced to the slot, then its speculative prefill."""
+        self.transport.observe_tail(req, answer.tail)
+        self.dynamo.finish_turn(
+            turn, slot, body["input_ids"], answer.output_ids, answer.prompt_tokens, answer.aborted
+        )
+        self.dynamo.after_response(turn, body, headers)  # the speculative prefill
 
     def prefill(self, req: R, plan: Plan, turn: Turn) -> None:
         """The turn's speculative prefill, from its kept answer."""

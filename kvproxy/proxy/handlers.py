@@ -465,7 +465,9 @@ class ProxyHandlers:
         event_stream: bool,
         keep: Keep | None,
     ) -> web.StreamResponse:
-        """Relay chunk by chunk, the usage read as the chunks pass."""
+        """Relay chunk by chunk, the usage read as the chunks pass and a 200's reported
+        once: at its ``[DONE]`` (a client that hangs up once it has read it, the upstream
+        still open, cancels this), else at the upstream's end, before the client's."""
         length = upstream.content_length
         headers_at = time.perf_counter()
         response = web.StreamResponse(status=upstream.status, headers=headers)
@@ -473,9 +475,9 @@ class ProxyHandlers:
             response.content_length = length
         await response.prepare(ex.request)
         self.metrics.added_latency.observe(overhead + (time.perf_counter() - headers_at))
-        window, whole = usage_readers(
-            ex.path, ex.observe_usage, keep, event_stream, upstream.status == 200
-        )
+        ok = upstream.status == 200
+        window, whole = usage_readers(ex.path, ex.observe_usage, keep, event_stream, ok)
+        reported = not ok  # only a 200 is reported, once
         end = b""  # the stream's last bytes, to recognise its final [DONE] event
         try:
             async for chunk in upstream.content.iter_any():
@@ -486,24 +488,30 @@ class ProxyHandlers:
                     window.feed(chunk)
                 end = chunk[-_DONE_LEN:] if len(chunk) >= _DONE_LEN else (end + chunk)[-_DONE_LEN:]
                 ex.complete = end == _SSE_DONE
+                if ex.complete and not reported:
+                    reported = True
+                    observe_streamed(ex.observe_usage, keep, window, whole)
         except ConnectionResetError:  # the client went away (aiohttp's reset error included)
             raise _ClientGone(response) from None
         except (TimeoutError, aiohttp.ClientError):
-            # The upstream broke mid-stream. End the client's stream the same way the
-            # router does (no terminating chunk, no [DONE]) without an error traceback.
-            self.metrics.upstream_error("midstream")
-            upstream.close()
-            if ex.request.transport is not None:
-                ex.request.transport.abort()
+            self._broke_midstream(ex, upstream)
             return response
         ex.complete = True
+        if not reported:  # no [DONE] in it
+            observe_streamed(ex.observe_usage, keep, window, whole)
         # The client may hang up before the chunked terminator, as streaming clients
         # often do once they have read [DONE]: everything was relayed, nothing to abort.
         with contextlib.suppress(ConnectionResetError):
             await response.write_eof()
-        if upstream.status == 200:
-            observe_streamed(ex.observe_usage, keep, window, whole)
         return response
+
+    def _broke_midstream(self, ex: Exchange, upstream: aiohttp.ClientResponse) -> None:
+        """The upstream broke mid-stream. The client's stream ends the same way the
+        router ends it (no terminating chunk, no [DONE]), without an error traceback."""
+        self.metrics.upstream_error("midstream")
+        upstream.close()
+        if ex.request.transport is not None:
+            ex.request.transport.abort()
 
     async def _relay_buffered(
         self,

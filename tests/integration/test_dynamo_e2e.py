@@ -28,7 +28,7 @@ from kvlab.workload.wire import StreamState, parse_sse_line
 from kvproxy.dynamo import control as dynamo
 from kvproxy.keys import DYNAMO, FLEET, SESSIONS
 
-from .conftest import Proxy, StartProxy, recorded, wait_until
+from .conftest import Proxy, StartProxy, recorded, reset_faults, set_faults, wait_until
 
 MODEL = "kvproxy/sim-model"
 
@@ -560,6 +560,54 @@ async def test_streamed_turns_are_translated_too_and_generate_the_same_tokens(
     ]
     assert len(sent) == 1 and sent[0]["session_params"] == {"id": sid}
     assert sent[0]["input_ids"] == [8000]  # only the new tokens
+
+
+async def test_a_streamed_turn_hung_up_on_after_its_done_keeps_its_streaming_session(
+    proxy: Proxy, http: aiohttp.ClientSession, st_engines: list[stack.ManagedProcess]
+) -> None:
+    # The client hangs up once it has read [DONE] while the stream is still open
+    # upstream (held here): the turn is complete, its slot kept with its context.
+    sid = f"sse-hangup-{next(_ids)}"
+    owner = proxy.app[DYNAMO]._owner(sid)
+    urls = [e.url for e in st_engines]
+    prompt = [7700 + i for i in range(20)]
+    body = {**_turn(prompt, f"{sid}-t0", sid, "open", timeout=60), "stream": True}
+    hold_s = 2.0
+    await set_faults(http, urls, hold_after_done_s=hold_s)
+    state = StreamState()
+    try:
+        async with http.post(f"{proxy.url}/generate", json=body) as resp:
+            assert resp.status == 200
+            for _ in range(1000):  # a few tokens' events, then [DONE]
+                ev = parse_sse_line(await resp.content.readline())
+                if ev is not None and ev[0] == "json":
+                    state.feed_generate(ev[1])
+                if ev is not None and ev[0] == "done":
+                    break
+            else:
+                raise AssertionError("no [DONE]")
+            resp.close()  # the connection, at once
+        assert state.output_ids
+        context = (*prompt, *state.output_ids)
+
+        async def kept() -> bool:
+            slot = proxy.app[DYNAMO].slots.get(sid)
+            return slot is not None and not slot.in_flight and slot.context == context
+
+        # Past the hold: a turn recorded late, not lost, would be by then.
+        await wait_until(kept, timeout_s=hold_s + 3, what="the turn recorded on its slot")
+    finally:
+        await reset_faults(urls)
+    nxt = [*context, 1]
+    again = await stream_generate(http, proxy, _turn(nxt, f"{sid}-t1", sid))
+    assert again.prompt_tokens == len(nxt)
+    sent = [
+        orjson.loads(e["body"])
+        for e in await recorded(http, [owner])
+        if e["path"] == "/generate" and f"{sid}-t1" in e["body"]
+    ]
+    assert len(sent) == 1 and sent[0]["input_ids"] == [1]  # served from the slot
+    assert proxy.app[DYNAMO].counters.total(dynamo.STREAM_FALLBACK + "engine_error") == 0
 
 
 async def test_a_streamed_turn_the_engine_refuses_is_sent_as_the_ordinary_request(

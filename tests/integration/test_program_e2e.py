@@ -31,6 +31,7 @@ from .conftest import (
     recorded,
     reset_faults,
     set_faults,
+    sim_state,
     wait_until,
 )
 
@@ -343,6 +344,74 @@ async def test_a_paused_sessions_turn_waits_no_longer_than_its_bound(
     assert 400 <= float(r.headers[WAIT_MS]) <= 800  # bound 0.5 s, timer-driven
     for sid in (small, big):
         await close(http, p, sid)
+
+
+async def test_a_streamed_first_turn_hung_up_on_after_its_done_still_reports_its_usage(
+    proxy, ch_engines, http
+) -> None:
+    # A streaming client hangs up as soon as it has read [DONE], while the stream is
+    # still open upstream (held here; a router may, for a moment). The answer is
+    # complete: admission must learn its context, or the session's next turn finds
+    # that context cached and it is taken for the engine's shared prefix.
+    p = await proxy()
+    url = ch_engines[0].url
+    (sid,) = keys_on(p, url, 1, "hangup")
+    hold_s = 2.0
+    await set_faults(http, [e.url for e in ch_engines], hold_after_done_s=hold_s)
+    token = _SESSION_TOKENS.setdefault(sid, 10 + len(_SESSION_TOKENS))
+    body = {"input_ids": [token] * 500, "sampling_params": {"max_new_tokens": 4}, "stream": True}
+    async with http.post(f"{p.url}/generate", json=body, headers={"X-Session-ID": sid}) as resp:
+        assert resp.status == 200 and resp.headers[DECISION] == "new_admitted"
+        lines = [line async for line in _until_done(resp)]
+        assert lines[-1] == b"data: [DONE]\n"
+        resp.close()  # the connection, at once
+    sessions = p.app[ADMISSION].program.ledger.sessions
+
+    async def observed() -> bool:
+        s = sessions.get(sid)
+        return s is not None and s.turns == 1
+
+    # Past the hold: an answer not lost but only late would be observed by then.
+    await wait_until(observed, timeout_s=hold_s + 3, what="the first turn's usage observed")
+    assert sessions[sid].ctx == 504
+    # Read to its end, the hold included: reported once, not again at the end.
+    body = {**body, "input_ids": [token] * 600}
+    async with http.post(f"{p.url}/generate", json=body, headers={"X-Session-ID": sid}) as resp:
+        assert resp.status == 200 and resp.headers[DECISION] == "continuing_forwarded"
+        assert (await resp.read()).endswith(b"data: [DONE]\n\n")
+    assert sessions[sid].turns == 2 and sessions[sid].ctx == 604
+    # It found the first turn's 500 tokens cached: the session's own context, no
+    # shared prefix.
+    (row,) = (e for e in p.app[ADMISSION].health().to_json()["program_engines"] if e["url"] == url)
+    assert row["shared_prefix"] == 0
+    # Gone before [DONE]: aborted on the engine and not reported, as before.
+    body = {**body, "input_ids": [token] * 700, "sampling_params": {"max_new_tokens": 2000}}
+    async with http.post(f"{p.url}/generate", json=body, headers={"X-Session-ID": sid}) as resp:
+        assert resp.status == 200
+
+        async def aborted() -> bool:
+            state = await sim_state(http, url)
+            return not any(r.get("running") or r.get("queued") for r in state["ranks"])
+
+        assert (await resp.content.readline()).startswith(b"data: ")
+        assert not await aborted()
+        resp.close()
+
+    await wait_until(aborted, timeout_s=5, what="the engine dropping the aborted turn")
+    assert sessions[sid].turns == 2
+    await set_faults(http, [e.url for e in ch_engines], reset=True)
+    await close(http, p, sid)
+
+
+async def _until_done(resp: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
+    """The stream's lines up to its [DONE] (bounded: a few tokens' events)."""
+    for _ in range(1000):
+        line = await resp.content.readline()
+        if line.strip():
+            yield line
+        if not line or line == b"data: [DONE]\n":
+            return
+    raise AssertionError("no [DONE] in 1000 lines")
 
 
 async def test_fail_open_paths(proxy, ch_engines, http) -> None:

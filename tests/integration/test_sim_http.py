@@ -696,6 +696,7 @@ async def test_fault_knobs_at_run_time(make_client: ClientFactory) -> None:
         "metrics": "ok",
         "latency_s": 0.0,
         "drop_stream_after_chunks": None,
+        "hold_after_done_s": 0.0,
         "status_503": False,
         "token_usage": None,
     }
@@ -763,6 +764,25 @@ async def test_fault_drop_stream_mid_way(make_client: ClientFactory) -> None:
         return not (await state(client))["ranks"][0]["running"]
 
     await poll(idle)
+
+
+async def test_fault_hold_after_done_keeps_a_finished_stream_open(
+    make_client: ClientFactory,
+) -> None:
+    client = await make_client(time_scale=0.05, faults=FaultConfig(hold_after_done_s=0.3))
+    resp = await client.post(
+        "/generate",
+        json={"input_ids": [1, 2], "stream": True, "sampling_params": {"max_new_tokens": 3}},
+    )
+    assert resp.status == 200
+    done_at = None
+    async for line in resp.content:  # bounded by the stream: 3 tokens, then [DONE]
+        if line == b"data: [DONE]\n":
+            done_at = time.monotonic()
+    assert done_at is not None
+    assert time.monotonic() - done_at >= 0.3  # the end came after the hold
+    bad = await client.post("/sim/faults", json={"hold_after_done_s": -1})
+    assert bad.status == 400
 
 
 async def test_app_factory_uses_typed_state() -> None:

@@ -312,6 +312,20 @@ async def test_a_client_gone_mid_stream_gives_the_slot_up() -> None:
     assert pb.count(dynamo.STREAM_FALLBACK + st.R_ENGINE_ERROR) == 1
 
 
+async def test_a_client_gone_after_the_answers_done_records_the_turn_once() -> None:
+    # Cancelled once the answer's [DONE] was relayed (the upstream holding the stream
+    # open): the answer is complete, its usage read and its context kept, once; the
+    # cancellation goes on.
+    done = dynamo.AnsweredThenCancelled(_served())
+    pb = Playbook(script=Script(relay_raises=done))
+    with pytest.raises(asyncio.CancelledError):
+        await pb.turn(_gen(OPEN, stream=True))
+    assert pb.effects() == ["engine", "relay", "observe_tail"]  # no close, no forward
+    slot = pb.dynamo.slots.get("s")
+    assert slot is not None and slot.context == (*IDS, 9, 10) and not slot.in_flight
+    assert pb.count(dynamo.STREAM_FALLBACK + st.R_ENGINE_ERROR) == 0
+
+
 async def test_a_context_mismatch_falls_back_to_the_ordinary_request() -> None:
     wrong = Translated("translated", True, [9], 99, False, b"{}", b"tail")
     pb = Playbook(script=Script(translated=wrong))

@@ -316,6 +316,13 @@ def test_a_grid_runs_only_the_policies_asked_and_tool_hints_only_with_both(
     }
 
 
+def test_peer_settings_reach_the_peers_runs_only(grid: ModuleType) -> None:
+    fleet = grid.Fleet("subagents", "short", 4, 2.5)
+    scope = {"decay_scope": "resume"}
+    jobs = grid.jobs_for([fleet], ["none"], [0], {}, None, policies=["off", "thunder"], peer=scope)
+    assert {j.policy: j.config().peer_overrides for j in jobs} == {"off": {}, "thunder": scope}
+
+
 def test_thunder_runs_beside_both_and_is_judged_against_it(grid: ModuleType) -> None:
     fleet = grid.Fleet("swe", "long", 16, 2.5)
     jobs = grid.jobs_for([fleet], ["none"], [0], {}, None, policies=["off", "both", "thunder"])
