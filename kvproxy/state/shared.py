@@ -8,7 +8,11 @@
   on the events channel (they abort the requests of the session they hold).
 - A heartbeat task renews the replica's heartbeat and its claims, and, under a lease
   that one replica holds at a time, sweeps the sessions whose close is due (idle ones,
-  and those whose final turn ran on a replica that died).
+  and those whose final turn ran on a replica that died) and takes the requests a dead
+  replica had in flight (their rids ride on the begin and end writes), to be aborted
+  on every engine: a replica gone without closing its connections (a host lost, a
+  process hung) leaves no request computing for nobody past about two
+  ``replica_ttl_s``.
 - Every store call is bounded by ``state.op_timeout_s``. On a timeout or an error the
   replica *falls back*: one WARNING (then at most one per 30 s), what it would have
   written is dropped and counted, and its local session table goes on deciding alone
@@ -41,7 +45,18 @@ from kvproxy.observability import (
     counter_families,
     gauge_families,
 )
-from kvproxy.state.core import Begin, Claim, Due, End, Finish, Heartbeat, Lease, Op, Restore
+from kvproxy.state.core import (
+    Begin,
+    Claim,
+    Due,
+    End,
+    Finish,
+    Heartbeat,
+    Lease,
+    Op,
+    Orphans,
+    Restore,
+)
 from kvproxy.state.redis_store import StoreUnavailable, redacted_url
 
 log = logging.getLogger(__name__)
@@ -61,6 +76,7 @@ REMOTE_CLOSES = _P + "remote_closes"
 SWEEPS = _P + "sweeps"
 DUE = _P + "due_closes"
 RESTORED = _P + "restored_sessions"
+ORPHAN_ABORTS = _P + "orphan_aborts"
 
 COUNTER_HELP: dict[str, str] = {
     OPS: "State operations written to the shared store.",
@@ -75,6 +91,7 @@ COUNTER_HELP: dict[str, str] = {
     SWEEPS: "Shared idle sweeps this replica ran (under the sweep lease).",
     DUE: "Sessions the shared sweep found due (idle, or owed by a dead replica).",
     RESTORED: "Open sessions written back to the store on rejoining.",
+    ORPHAN_ABORTS: "Requests of replicas gone that this replica aborted on every engine.",
 }
 GAUGE_HELP: dict[str, str] = {
     STORE_UP: "1 while the shared store answers (0: this replica decides alone).",
@@ -86,6 +103,8 @@ MAX_QUEUED = 20_000
 MAX_BATCH = 512
 # Most open sessions written back on rejoining.
 MAX_RESTORE = 10_000
+# Most rids of one request recorded as in flight.
+MAX_REQUEST_RIDS = 16
 _WARN_INTERVAL_S = 30.0
 
 
@@ -123,6 +142,7 @@ class SharedState:
         snapshot: Callable[[float], Iterable[tuple[str, float, int]]],
         on_due: Callable[[str], None],
         on_remote_close: Callable[[str], None],
+        on_orphans: Callable[[list[str]], None] | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.cfg = cfg
@@ -134,6 +154,7 @@ class SharedState:
         self._snapshot = snapshot
         self._on_due = on_due
         self._on_remote_close = on_remote_close
+        self._on_orphans = on_orphans
         self._clock = clock
         self._queue: deque[Op] = deque()
         self._wake = asyncio.Event()
@@ -195,13 +216,18 @@ class SharedState:
         if len(self._queue) == 1:
             self._wake.set()
 
-    def begin(self, session_id: str, final: bool) -> None:
-        """A request of ``session_id`` entered this replica (``final``: its last turn)."""
-        self.submit(Begin(session_id, self.replica, self._clock(), self.cfg.session_ttl_s, final))
+    def begin(self, session_id: str, final: bool, rids: Sequence[str] = ()) -> None:
+        """A request of ``session_id`` entered this replica (``final``: its last turn;
+        ``rids``: what an abort of it names, in flight here until :meth:`end`)."""
+        ttl = self.cfg.session_ttl_s
+        rids = tuple(rids[:MAX_REQUEST_RIDS])
+        self.submit(Begin(session_id, self.replica, self._clock(), ttl, final, rids))
 
-    def end(self, session_id: str) -> None:
+    def end(self, session_id: str, rids: Sequence[str] = ()) -> None:
         """A request of ``session_id`` left this replica."""
-        self.submit(End(session_id, self.replica, self._clock(), self.cfg.session_ttl_s))
+        ttl = self.cfg.session_ttl_s
+        rids = tuple(rids[:MAX_REQUEST_RIDS])
+        self.submit(End(session_id, self.replica, self._clock(), ttl, rids))
 
     # -- closes ----------------------------------------------------------------
 
@@ -343,15 +369,27 @@ class SharedState:
                 log.exception("shared state: heartbeat failed")
 
     async def beat(self) -> list[str]:
-        """Renew the heartbeat and claims; with the sweep lease, close what is due.
+        """Renew the heartbeat and claims; with the sweep lease, close what is due and
+        abort what the replicas gone had in flight (one more round trip for both).
         Returns the sessions found due."""
         answers = await self.call(self._beat_ops())
         if answers is None or not answers[1]:
             return []
         self._counters.inc(SWEEPS)
-        found = await self.call([Due(self._clock(), self._idle_timeout_s())])
+        now = self._clock()
+        # A replica not heard for replica_ttl_s is marked gone; another replica_ttl_s
+        # later (time to beat again, e.g. rejoining after the store came back) its
+        # requests still recorded in flight are taken, each by one sweep only.
+        sweep: list[Op] = [Due(now, self._idle_timeout_s())]
+        if self._on_orphans is not None:
+            sweep.append(Orphans(now, self.cfg.replica_ttl_s))
+        found = await self.call(sweep)
         if not found:
             return []
+        orphans: list[str] = found[1] if len(found) > 1 else []
+        if orphans and self._on_orphans is not None:
+            self._counters.inc(ORPHAN_ABORTS, len(orphans))
+            self._on_orphans(orphans)
         due: list[str] = found[0]
         self._counters.inc(DUE, len(due))
         for sid in due:
