@@ -10,7 +10,7 @@ pure part; docs/design.md, "Shared admission state").
   waiting turn may now go, drains the program gate.
 - A beat task says this replica is alive every ``state.sweep_interval_s`` and forgets
   replicas not heard for ``state.replica_ttl_s`` (their running turns, waiters and
-  engagement stop counting).
+  engagement stop counting; an engine one held engaged alone is engaged here).
 - Every store call is bounded by ``state.op_timeout_s``. On a timeout or an error the
   replica falls back: one WARNING (then at most one per 30 s), counters, nothing the
   others claimed counts any more, and its own ledger decides alone. Every
@@ -65,6 +65,7 @@ FALLBACKS = _P + "fallbacks"
 REJOINS = _P + "rejoins"
 DRAINS = _P + "drains"
 GONE = _P + "replicas_gone"
+TAKEN_OVER = _P + "engagements_taken_over"
 
 COUNTER_HELP: dict[str, str] = {
     SENT: "Admission ledger records this replica sent to the others.",
@@ -75,6 +76,7 @@ COUNTER_HELP: dict[str, str] = {
     REJOINS: "Times this replica's admission rejoined the shared ledger.",
     DRAINS: "Waiting turns looked at again after another replica's records.",
     GONE: "Replicas forgotten by admission (not heard for state.replica_ttl_s).",
+    TAKEN_OVER: "Engines a forgotten replica held engaged that this replica engaged.",
 }
 GAUGE_HELP: dict[str, str] = {
     UP: "1 while the admission ledger is shared (0: this replica admits alone).",
@@ -344,6 +346,9 @@ class AdmissionSync:
         gone = self.ledger.expire_replicas(self._clock(), self.cfg.replica_ttl_s)
         if gone:
             self._counters.inc(GONE, len(gone))
+            if self.ledger.taken_over:
+                self._counters.inc(TAKEN_OVER, len(self.ledger.taken_over))
+                self._wake.set()  # (its engagement record goes out)
             self._drain()
         if self._up:
             try:
