@@ -39,12 +39,7 @@ from typing import Any, Protocol
 from prometheus_client.core import Metric
 
 from kvproxy.config import StateConfig
-from kvproxy.observability import (
-    RateLimitedLog,
-    WindowedCounters,
-    counter_families,
-    gauge_families,
-)
+from kvproxy.observability import WindowedCounters, counter_families, gauge_families
 from kvproxy.state.core import (
     Begin,
     Claim,
@@ -57,6 +52,7 @@ from kvproxy.state.core import (
     Orphans,
     Restore,
 )
+from kvproxy.state.link import StoreLink
 from kvproxy.state.redis_store import StoreUnavailable, redacted_url
 
 log = logging.getLogger(__name__)
@@ -105,7 +101,6 @@ MAX_BATCH = 512
 MAX_RESTORE = 10_000
 # Most rids of one request recorded as in flight.
 MAX_REQUEST_RIDS = 16
-_WARN_INTERVAL_S = 30.0
 
 
 class Store(Protocol):
@@ -158,20 +153,28 @@ class SharedState:
         self._clock = clock
         self._queue: deque[Op] = deque()
         self._wake = asyncio.Event()
-        self._up = False
-        self._stopping = False
-        self._tasks: list[asyncio.Task[None]] = []
         self._counters = WindowedCounters(COUNTER_HELP)
-        self._warnings = RateLimitedLog(log, _WARN_INTERVAL_S, max_keys=4)
+        self._link = StoreLink(
+            cfg,
+            store,
+            self._counters,
+            log=log,
+            errors=ERRORS,
+            fallbacks=FALLBACKS,
+            warning="shared state: the store at %s is unavailable (%s); this replica "
+            "decides alone until it answers again",
+            on_fall_back=self._drop_queued,
+            warn_keys=4,
+        )
 
     @property
     def up(self) -> bool:
         """The store answered last time: the shared state decides (not the local one)."""
-        return self._up
+        return self._link.up
 
     @property
     def started(self) -> bool:
-        return bool(self._tasks)
+        return self._link.started
 
     def now(self) -> float:
         return self._clock()
@@ -182,34 +185,27 @@ class SharedState:
         """Join (bounded: a store that does not answer leaves the replica in fallback,
         retrying), then start the writer, heartbeat and events tasks."""
         await self._try_rejoin(first=True)
-        for coro, name in (
-            (self._write_loop(), "writer"),
-            (self._beat_loop(), "heartbeat"),
-            (self._events_loop(), "events"),
-        ):
-            self._tasks.append(asyncio.create_task(coro, name=f"kvproxy-state-{name}"))
+        self._link.start(
+            [
+                (self._write_loop(), "writer"),
+                (self._beat_loop(), "heartbeat"),
+                (self._events_loop(), "events"),
+            ],
+            "kvproxy-state",
+        )
 
     async def stop(self) -> None:
         """Flush what is queued (bounded), stop the tasks (bounded), close the client."""
-        if self._up and self._queue:
+        if self.up and self._queue:
             await self._flush()
-        self._stopping = True
-        tasks, self._tasks = self._tasks, []
-        for _ in range(3):  # a cancellation a timeout swallowed is sent again
-            for task in tasks:
-                task.cancel()
-            _, pending = await asyncio.wait(tasks, timeout=1.0) if tasks else (set(), set())
-            tasks = list(pending)
-            if not tasks:
-                break
-        await self._store.close()
+        await self._link.stop()
 
     # -- the request path ------------------------------------------------------
 
     def submit(self, op: Op) -> None:
         """Queue ``op`` for the writer (no I/O). Dropped and counted while the store is
         unavailable (the rejoin writes the open sessions back) or the queue is full."""
-        if not self._up or len(self._queue) >= MAX_QUEUED:
+        if not self.up or len(self._queue) >= MAX_QUEUED:
             self._counters.inc(DROPPED)
             return
         self._queue.append(op)
@@ -235,7 +231,7 @@ class SharedState:
         """Claim the close of ``session_id`` (one bounded round trip, after what is
         queued). True: this replica fans it out (the others are told); False: another
         replica does or did; None: the store is unavailable, the caller closes anyway."""
-        if not self._up:
+        if not self.up:
             self._counters.inc(CLAIMS_UNCHECKED)
             return None
         now = self._clock()
@@ -293,30 +289,21 @@ class SharedState:
                 return
 
     def _fall_back(self, exc: BaseException) -> None:
-        self._counters.inc(ERRORS)
-        if not self._up:
-            return
-        self._up = False
-        self._counters.inc(FALLBACKS)
+        self._link.fall_back(exc)
+
+    def _drop_queued(self) -> None:
+        # (what it would have written: the rejoin writes the open sessions back)
         self._counters.inc(DROPPED, len(self._queue))
         self._queue.clear()
-        self._warnings.warning(
-            "store-down",
-            "shared state: the store at %s is unavailable (%s); this replica decides "
-            "alone until it answers again",
-            redacted_url(self.cfg.redis_url),
-            str(exc) or type(exc).__name__,
-        )
 
     async def _try_rejoin(self, *, first: bool = False) -> None:
-        try:
-            await asyncio.wait_for(self._store.ping(), max(self.cfg.op_timeout_s, 0.5))
-        except (StoreUnavailable, TimeoutError) as exc:
+        exc = await self._link.ping()
+        if exc is not None:
             if first:
-                self._up = True  # a fallback from the start: it warns once too
+                self._link.up = True  # a fallback from the start: it warns once too
             self._fall_back(exc)
             return
-        self._up = True
+        self._link.up = True
         restore = self._restore_ops()
         beat = self._beat_ops()
         if await self.call([*beat, *restore]) is None:
@@ -339,7 +326,7 @@ class SharedState:
     # -- background tasks ------------------------------------------------------
 
     async def _write_loop(self) -> None:
-        while not self._stopping:
+        while not self._link.stopping:
             await self._wake.wait()
             self._wake.clear()
             for _ in range(MAX_QUEUED // MAX_BATCH + 1):
@@ -357,8 +344,8 @@ class SharedState:
         ]
 
     async def _beat_loop(self) -> None:
-        while not self._stopping:
-            if not self._up:
+        while not self._link.stopping:
+            if not self.up:
                 await asyncio.sleep(self.cfg.retry_interval_s)
                 await self._try_rejoin()
                 continue
@@ -397,18 +384,17 @@ class SharedState:
         return due
 
     async def _events_loop(self) -> None:
-        while not self._stopping:
-            if not self._up:
-                await asyncio.sleep(self.cfg.retry_interval_s)
-                continue
-            try:
-                async for message in self._store.messages():
-                    self._on_message(message)
-            except StoreUnavailable as exc:
-                self._fall_back(exc)
-            except Exception:
-                log.exception("shared state: the events channel failed")
-                await asyncio.sleep(self.cfg.retry_interval_s)
+        async def pause() -> None:
+            await asyncio.sleep(self.cfg.retry_interval_s)
+
+        # (while down, the heartbeat task tries to rejoin)
+        await self._link.listen(
+            self._store.messages,
+            self._on_message,
+            while_down=None,
+            on_error=pause,
+            what="shared state: the events channel",
+        )
 
     def _on_message(self, message: str) -> None:
         kind, _, rest = message.partition("\t")
@@ -423,7 +409,7 @@ class SharedState:
         return dict(self._counters.total_items())
 
     def gauges(self) -> dict[str, float]:
-        return {STORE_UP: 1.0 if self._up else 0.0, QUEUED_OPS: float(len(self._queue))}
+        return {STORE_UP: 1.0 if self.up else 0.0, QUEUED_OPS: float(len(self._queue))}
 
     def collect(self) -> Iterator[Metric]:
         yield from counter_families(self._counters, COUNTER_HELP)
@@ -434,7 +420,7 @@ class SharedState:
             "backend": self.cfg.backend,
             "url": redacted_url(self.cfg.redis_url),
             "replica": self.replica,
-            "store_up": self._up,
+            "store_up": self.up,
             "queued_ops": len(self._queue),
         }
 

@@ -436,7 +436,7 @@ async def test_a_replica_whose_send_failed_rejoins_at_its_next_beat() -> None:
         CFG, channel, core, replica="a", drain=lambda: None, clock=lambda: clock.now,
         wall=clock.wall,
     )  # fmt: skip
-    sync._up = True  # (as start() sets it; no tasks here)
+    sync._link.up = True  # (as start() sets it; no tasks here)
     core.request("t1", "s", E1, 100, clock.now)
     assert not await sync.flush()  # the publish timed out: this replica falls back
     assert not sync.up
