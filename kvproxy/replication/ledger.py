@@ -18,7 +18,9 @@ that sent it and the wall time it was taken:
   a first turn found cached there (its credit: every replica counts the largest);
 - ``H`` hello (a replica joined or rejoined: the others send it their whole view) and
   ``B`` beat (alive; a replica not heard for ``replica_ttl_s`` is gone: its running
-  turns, waiters and engagement stop counting).
+  turns and waiters stop counting, and an engine it held engaged, which no other
+  replica holds, is engaged here: this replica takes it over rather than starting
+  permissive and waiting for its own windows to show the thrash again).
 
 A session's state, engine and idle time are last-writer-wins on (wall time of the
 change, replica); its context and growth come from the record that saw the most
@@ -284,6 +286,7 @@ class SyncedLedger(EngineLedger):
         self.mirror = Mirror(replica)
         self.on_change: Callable[[str], None] | None = None
         self._muted = False
+        self.taken_over: list[str] = []  # engines engaged here at the last expiry
 
     @classmethod
     def adopt(cls, old: EngineLedger, replica: str, mirror: Mirror | None = None) -> SyncedLedger:
@@ -555,11 +558,22 @@ class SyncedLedger(EngineLedger):
 
     def expire_replicas(self, now: float, ttl_s: float) -> list[str]:
         """Forget replicas not heard for ``ttl_s`` (their running turns, waiters and
-        engagement stop counting) and waiters past their bound; returns the replicas."""
+        engagement stop counting) and waiters past their bound; returns the replicas.
+        An engine a forgotten replica held engaged and no one else holds is engaged
+        here (:meth:`~kvproxy.admission.program.engagement.Engagement.take_over`); those
+        engines are left in :attr:`taken_over`."""
         m = self.mirror
         dead = [r for r, at in m.heard.items() if now - at > ttl_s]
+        self.taken_over = []
         for r in dead:
+            held = sorted(url for url, reps in m.engaged.items() if r in reps)
             self._recount(m.forget(r), now)
+            for url in held:
+                if self.p.engage_on_thrash and not self.engaged(url):
+                    eng = self.engine(url, now)
+                    if eng.engagement.take_over():
+                        eng.theta = self.p.target_start
+                        self.taken_over.append(url)
         for ticket in [t for t, w in m.waiters.items() if w.bound <= now]:
             del m.waiters[ticket]
         if len(m.versions) > 4 * max(1, self.p.max_sessions):

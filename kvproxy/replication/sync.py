@@ -10,7 +10,7 @@ pure part; docs/design.md, "Shared admission state").
   waiting turn may now go, drains the program gate.
 - A beat task says this replica is alive every ``state.sweep_interval_s`` and forgets
   replicas not heard for ``state.replica_ttl_s`` (their running turns, waiters and
-  engagement stop counting).
+  engagement stop counting; an engine one held engaged alone is engaged here).
 - Every store call is bounded by ``state.op_timeout_s``. On a timeout or an error the
   replica falls back: one WARNING (then at most one per 30 s), counters, nothing the
   others claimed counts any more, and its own ledger decides alone. Every
@@ -33,12 +33,7 @@ from prometheus_client.core import Metric
 from kvproxy.admission.program.ledger import EngineLedger
 from kvproxy.admission.program.queues import Queues
 from kvproxy.config import StateConfig
-from kvproxy.observability import (
-    RateLimitedLog,
-    WindowedCounters,
-    counter_families,
-    gauge_families,
-)
+from kvproxy.observability import WindowedCounters, counter_families, gauge_families
 from kvproxy.replication.ledger import (
     Engaged,
     Hello,
@@ -50,7 +45,8 @@ from kvproxy.replication.ledger import (
     encode_batch,
     to_wall,
 )
-from kvproxy.state.redis_store import StoreUnavailable, redacted_url
+from kvproxy.state.link import StoreLink
+from kvproxy.state.redis_store import StoreUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +61,7 @@ FALLBACKS = _P + "fallbacks"
 REJOINS = _P + "rejoins"
 DRAINS = _P + "drains"
 GONE = _P + "replicas_gone"
+TAKEN_OVER = _P + "engagements_taken_over"
 
 COUNTER_HELP: dict[str, str] = {
     SENT: "Admission ledger records this replica sent to the others.",
@@ -75,6 +72,7 @@ COUNTER_HELP: dict[str, str] = {
     REJOINS: "Times this replica's admission rejoined the shared ledger.",
     DRAINS: "Waiting turns looked at again after another replica's records.",
     GONE: "Replicas forgotten by admission (not heard for state.replica_ttl_s).",
+    TAKEN_OVER: "Engines a forgotten replica held engaged that this replica engaged.",
 }
 GAUGE_HELP: dict[str, str] = {
     UP: "1 while the admission ledger is shared (0: this replica admits alone).",
@@ -83,7 +81,6 @@ GAUGE_HELP: dict[str, str] = {
 
 # Most records in one message (a full view is sent in several).
 MAX_RECORDS = 500
-_WARN_INTERVAL_S = 30.0
 
 
 class Channel(Protocol):
@@ -133,16 +130,23 @@ class AdmissionSync:
         self._hello = False  # say hello (and send the whole view) on the next pass
         self._full = False  # send the whole view on the next pass
         self._wake = asyncio.Event()
-        self._up = False
-        self._stopping = False
-        self._tasks: list[asyncio.Task[None]] = []
         self._counters = WindowedCounters(COUNTER_HELP)
-        self._warnings = RateLimitedLog(log, _WARN_INTERVAL_S, max_keys=2)
+        self._link = StoreLink(
+            cfg,
+            store,
+            self._counters,
+            log=log,
+            errors=ERRORS,
+            fallbacks=FALLBACKS,
+            warning="shared admission: the store at %s is unavailable (%s); this replica "
+            "admits from its own ledger until it answers again",
+            on_fall_back=self._alone,
+        )
         self.ledger = self._install()
 
     @property
     def up(self) -> bool:
-        return self._up
+        return self._link.up
 
     # -- the ledger --------------------------------------------------------------
 
@@ -170,26 +174,19 @@ class AdmissionSync:
     async def start(self) -> None:
         """Start the writer, listener and beat tasks (the listener joins: a store that
         does not answer leaves this replica alone, retrying)."""
-        self._up = True  # (a store down from the start warns once, as a later fall)
-        for coro, name in (
-            (self._write_loop(), "writer"),
-            (self._listen_loop(), "listener"),
-            (self._beat_loop(), "beat"),
-        ):
-            self._tasks.append(asyncio.create_task(coro, name=f"kvproxy-admission-{name}"))
+        self._link.up = True  # (a store down from the start warns once, as a later fall)
+        self._link.start(
+            [
+                (self._write_loop(), "writer"),
+                (self._listen_loop(), "listener"),
+                (self._beat_loop(), "beat"),
+            ],
+            "kvproxy-admission",
+        )
 
     async def stop(self) -> None:
-        self._stopping = True
-        tasks, self._tasks = self._tasks, []
-        for _ in range(3):  # a cancellation a timeout swallowed is sent again
-            for task in tasks:
-                task.cancel()
-            _, pending = await asyncio.wait(tasks, timeout=1.0) if tasks else (set(), set())
-            tasks = list(pending)
-            if not tasks:
-                break
+        await self._link.stop()
         self.ledger.on_change = None
-        await self._store.close()
 
     # -- sending -----------------------------------------------------------------
 
@@ -241,7 +238,7 @@ class AdmissionSync:
 
     async def flush(self) -> bool:
         """Send what is pending (bounded); False when the store failed."""
-        if not self._up:
+        if not self.up:
             self._dirty.clear()
             return False
         recs = self.pending()
@@ -259,7 +256,7 @@ class AdmissionSync:
         return True
 
     async def _write_loop(self) -> None:
-        while not self._stopping:
+        while not self._link.stopping:
             await self._wake.wait()
             self._wake.clear()
             try:
@@ -294,30 +291,26 @@ class AdmissionSync:
         return applied
 
     async def _listen_loop(self) -> None:
-        while not self._stopping:
-            if not self._up:
-                await asyncio.sleep(self.cfg.retry_interval_s)
-                await self._try_rejoin()
-                continue
-            try:
-                async for message in self._store.messages(self.channel):
-                    self.receive(message)
-            except StoreUnavailable as exc:
-                self._fall_back(exc)
-            except Exception:
-                log.exception("shared admission: the channel failed")
-                self._fall_back(RuntimeError("listener failed"))
+        async def failed() -> None:
+            self._fall_back(RuntimeError("listener failed"))
+
+        await self._link.listen(
+            lambda: self._store.messages(self.channel),
+            self.receive,
+            while_down=self._try_rejoin,
+            on_error=failed,
+            what="shared admission: the channel",
+        )
 
     async def _try_rejoin(self) -> None:
-        try:
-            await asyncio.wait_for(self._store.ping(), max(self.cfg.op_timeout_s, 0.5))
-        except (StoreUnavailable, TimeoutError) as exc:
+        exc = await self._link.ping()
+        if exc is not None:
             self._counters.inc(ERRORS)
             log.debug("shared admission: the store is still unavailable (%s)", exc)
             return
-        if self._up:  # (the listener and the beat both try: the first one rejoined)
+        if self.up:  # (the listener and the beat both try: the first one rejoined)
             return
-        self._up = True
+        self._link.up = True
         self._hello = True  # the others send their whole view, and this replica its own
         self._wake.set()
         self._counters.inc(REJOINS)
@@ -326,7 +319,7 @@ class AdmissionSync:
     # -- liveness ----------------------------------------------------------------
 
     async def _beat_loop(self) -> None:
-        while not self._stopping:
+        while not self._link.stopping:
             await asyncio.sleep(self.cfg.sweep_interval_s)
             try:
                 await self.beat()
@@ -339,13 +332,16 @@ class AdmissionSync:
         channel stayed open, it first tries to rejoin: the listener, still receiving,
         would never notice."""
         self._install()
-        if not self._up:
+        if not self.up:
             await self._try_rejoin()
         gone = self.ledger.expire_replicas(self._clock(), self.cfg.replica_ttl_s)
         if gone:
             self._counters.inc(GONE, len(gone))
+            if self.ledger.taken_over:
+                self._counters.inc(TAKEN_OVER, len(self.ledger.taken_over))
+                self._wake.set()  # (its engagement record goes out)
             self._drain()
-        if self._up:
+        if self.up:
             try:
                 message = encode_batch([Hello(self.replica, self._wall(), beat=True)])
                 await asyncio.wait_for(
@@ -356,23 +352,15 @@ class AdmissionSync:
         return gone
 
     def _fall_back(self, exc: BaseException) -> None:
-        self._counters.inc(ERRORS)
-        if not self._up:
-            return
-        self._up = False
-        self._counters.inc(FALLBACKS)
+        self._link.fall_back(exc)
+
+    def _alone(self) -> None:
+        # Nothing another replica claims counts any more; what was to be sent is not.
         self._dirty.clear()
         self._waiting.clear()
         self._engaged.clear()
         self.ledger.forget_others(self._clock())
         self._drain()
-        self._warnings.warning(
-            "store-down",
-            "shared admission: the store at %s is unavailable (%s); this replica admits "
-            "from its own ledger until it answers again",
-            redacted_url(self.cfg.redis_url),
-            str(exc) or type(exc).__name__,
-        )
 
     # -- metrics -----------------------------------------------------------------
 
@@ -382,14 +370,14 @@ class AdmissionSync:
     def gauges(self) -> dict[str, float]:
         now, ttl = self._clock(), self.cfg.replica_ttl_s
         peers = sum(1 for at in self.ledger.mirror.heard.values() if now - at <= ttl)
-        return {UP: 1.0 if self._up else 0.0, PEERS: float(peers)}
+        return {UP: 1.0 if self.up else 0.0, PEERS: float(peers)}
 
     def collect(self) -> Iterator[Metric]:
         yield from counter_families(self._counters, COUNTER_HELP)
         yield from gauge_families(self.gauges(), GAUGE_HELP)
 
     def health(self) -> dict[str, Any]:
-        return {"replica": self.replica, "up": self._up, **self.gauges()}
+        return {"replica": self.replica, "up": self.up, **self.gauges()}
 
 
 @contextlib.asynccontextmanager

@@ -333,7 +333,7 @@ class SessionManager:
         req._forwarded = forwarded
         self._requests[begin.token] = req
         if self._shared is not None:
-            self._shared.begin(session_id, close_after)
+            self._shared.begin(session_id, close_after, rids)
         return req
 
     def leave(self, req: TrackedRequest) -> None:
@@ -343,7 +343,7 @@ class SessionManager:
         self._table.end(session_id, req.token, self._clock())
         req._left = True
         if self._shared is not None:
-            self._shared.end(session_id)
+            self._shared.end(session_id, req.abort_rids)
         finished = req._finished
         if finished is not None and not finished.done():
             finished.set_result(None)
@@ -369,6 +369,12 @@ class SessionManager:
             self._counters.inc(DISCONNECT_ABORTS)
             self._counters.inc(ABORTED_REQUESTS)
             self._spawn(self._abort(tuple(rids)), name="kvproxy-abort")
+
+    def abort_orphans(self, rids: Sequence[str]) -> None:
+        """Abort the requests a replica gone had in flight (the shared sweep took them:
+        no other replica aborts them), on every engine, in the background."""
+        if rids:
+            self._spawn(self._abort(tuple(rids)), name="kvproxy-orphan-abort")
 
     async def _abort(self, rids: Sequence[str]) -> bool:
         """POST /abort_request for every rid to every engine; True if all succeeded."""

@@ -1,11 +1,11 @@
 """The session manager's link to the state it shares with other replicas
 (``state.backend: redis``): the :class:`~kvproxy.state.shared.SharedState` it owns, and
 what that tells it back (a due session to close, another replica's close, the open
-sessions to write back after an outage)."""
+sessions to write back after an outage, the requests of a replica gone to abort)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 from kvproxy.config import SessionLifecycleConfig, StateConfig
@@ -36,6 +36,8 @@ class Manager(Protocol):
 
     def _begin_close(self, session_id: str, reason: str, *, fan_out: bool = True) -> Any: ...
 
+    def abort_orphans(self, rids: Sequence[str]) -> None: ...
+
 
 def shared_state(manager: Manager, store: Store, cfg: StateConfig) -> SharedState:
     """``manager``'s shared state on ``store``, wired to its table and close sequence."""
@@ -65,4 +67,5 @@ def shared_state(manager: Manager, store: Store, cfg: StateConfig) -> SharedStat
         snapshot=snapshot,
         on_due=close_due,
         on_remote_close=remote_close,
+        on_orphans=manager.abort_orphans,
     )

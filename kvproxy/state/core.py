@@ -11,9 +11,11 @@ The state several replicas share (``state.backend: redis``) is, per session:
 - its close: a *claim* (the replica that is closing it, expiring with that replica's
   heartbeat unless renewed) and then a *tombstone* (``closed``) for ``closed_ttl_s``.
 
-plus each replica's heartbeat and a lease for the shared idle sweep. Every key
-expires: sessions ``session_ttl_s`` after their last write, claims and heartbeats
-``replica_ttl_s`` after their last renewal, tombstones after ``closed_ttl_s``.
+plus each replica's heartbeat, a lease for the shared idle sweep, and per replica the
+rids of the requests it has in flight (so that, once it is gone, one survivor aborts
+them on the engines: :class:`Orphans`). Every key expires: sessions and in-flight rids
+``session_ttl_s`` after their last write, claims and heartbeats ``replica_ttl_s`` after
+their last renewal, tombstones after ``closed_ttl_s``.
 
 :class:`MemoryStore` runs the operations in Python; the Redis backend
 (:mod:`kvproxy.state.redis_store`) runs the same ones as Lua scripts, and
@@ -29,30 +31,40 @@ from typing import Any
 CLOSED = "closed"
 # Most sessions one sweep returns.
 SWEEP_LIMIT = 256
+# Most rids one sweep takes from the replicas gone (the rest: the next sweeps).
+ORPHAN_LIMIT = 512
+# Most in-flight rids recorded per replica (more are not recorded: not abortable).
+MAX_RIDS = 65_536
+# Most replicas with in-flight rids one sweep looks at.
+ORPHAN_REPLICAS = 64
 
 
 @dataclass(frozen=True, slots=True)
 class Begin:
     """A request of ``session_id`` entered ``replica``. Answers ``open``, ``reopened``
     (the session had been closed: it starts again) or ``closing`` (a close is
-    claimed)."""
+    claimed). Its ``rids`` (what an abort of it names) are recorded as ``replica``'s in
+    flight (whatever the answer) until its :class:`End`."""
 
     session_id: str
     replica: str
     now: float
     ttl_s: float
     final: bool = False
+    rids: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
 class End:
-    """A request of ``session_id`` left ``replica``. Answers whether the session was
-    known (a closed session is not brought back)."""
+    """A request of ``session_id`` left ``replica``; its ``rids`` are no longer in
+    flight. Answers whether the session was known (a closed session is not brought
+    back)."""
 
     session_id: str
     replica: str
     now: float
     ttl_s: float
+    rids: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,6 +140,20 @@ class Due:
 
 
 @dataclass(frozen=True, slots=True)
+class Orphans:
+    """Take the in-flight rids of the replicas gone: those whose heartbeat has been
+    missing at two sweeps at least ``grace_s`` apart (the first marks it gone, so that
+    a replica only slow to beat, or rejoining after the store came back, has
+    ``grace_s`` to beat again before its requests are aborted). Answers at most
+    ``limit`` rids (each one once: they are removed), by replica then rid; a replica
+    that beats again is unmarked. The caller aborts them on every engine."""
+
+    now: float
+    grace_s: float
+    limit: int = ORPHAN_LIMIT
+
+
+@dataclass(frozen=True, slots=True)
 class Peek:
     """What the store holds about ``session_id`` (tests, doctor): a dict with
     ``last``, ``in_flight`` (replica -> count), ``owed``, ``close`` (claim or tombstone);
@@ -137,7 +163,7 @@ class Peek:
     now: float
 
 
-Op = Begin | End | Restore | Claim | Finish | Heartbeat | Lease | Due | Peek
+Op = Begin | End | Restore | Claim | Finish | Heartbeat | Lease | Due | Orphans | Peek
 
 
 @dataclass(slots=True)
@@ -154,7 +180,7 @@ class MemoryStore:
     Expiry is checked lazily against each operation's ``now``.
     """
 
-    __slots__ = ("_close", "_leases", "_owed", "_replicas", "_sessions")
+    __slots__ = ("_close", "_gone", "_leases", "_owed", "_replicas", "_rids", "_sessions")
 
     def __init__(self) -> None:
         self._sessions: dict[str, _Session] = {}
@@ -162,6 +188,9 @@ class MemoryStore:
         self._replicas: dict[str, float] = {}  # replica -> heartbeat expires
         self._leases: dict[str, tuple[str, float]] = {}
         self._owed: set[str] = set()
+        # replica -> (its in-flight rids -> session, expires)
+        self._rids: dict[str, tuple[dict[str, str], float]] = {}
+        self._gone: dict[str, tuple[float, float]] = {}  # replica -> (marked gone at, expires)
 
     def apply(self, op: Op) -> Any:
         handler = _HANDLERS[type(op)]
@@ -192,10 +221,34 @@ class MemoryStore:
     def _live_in_flight(self, sess: _Session, now: float) -> int:
         return sum(n for r, n in sess.in_flight.items() if n > 0 and self._alive(r, now))
 
+    def _rids_of(self, replica: str, now: float) -> dict[str, str] | None:
+        got = self._rids.get(replica)
+        if got is None:
+            return None
+        if got[1] <= now or not got[0]:
+            del self._rids[replica]
+            return None
+        return got[0]
+
+    def _gone_at(self, replica: str, now: float) -> float | None:
+        got = self._gone.get(replica)
+        if got is None:
+            return None
+        if got[1] <= now:
+            del self._gone[replica]
+            return None
+        return got[0]
+
     # -- operations ------------------------------------------------------------
 
     def begin(self, op: Begin) -> str:
         now, sid = op.now, op.session_id
+        if op.rids:
+            rids = self._rids_of(op.replica, now) or {}
+            for rid in op.rids:
+                if len(rids) < MAX_RIDS:
+                    rids[rid] = sid
+            self._rids[op.replica] = (rids, now + op.ttl_s)
         close = self._close_of(sid, now)
         if close is not None and close != CLOSED:
             return "closing"
@@ -215,6 +268,11 @@ class MemoryStore:
         return answer
 
     def end(self, op: End) -> bool:
+        rids = self._rids_of(op.replica, op.now)
+        if rids is not None and op.rids:
+            for rid in op.rids:
+                rids.pop(rid, None)
+            self._rids[op.replica] = (rids, op.now + op.ttl_s)
         sess = self._session(op.session_id, op.now)
         if sess is None:
             return False
@@ -288,6 +346,36 @@ class MemoryStore:
         out.sort()
         return [sid for _, sid in out[: op.limit]]
 
+    def orphans(self, op: Orphans) -> list[str]:
+        now, out = op.now, list[str]()
+        for replica in sorted(self._rids)[:ORPHAN_REPLICAS]:
+            if len(out) >= op.limit:
+                break
+            if self._alive(replica, now):
+                self._gone.pop(replica, None)
+                continue
+            rids = self._rids_of(replica, now)
+            if rids is None:
+                self._gone.pop(replica, None)
+                continue
+            marked = self._gone_at(replica, now)
+            if marked is None:
+                self._gone[replica] = (now, now + gone_ttl_s(op.grace_s))
+                continue
+            if now - marked < op.grace_s:
+                continue
+            for rid in sorted(rids)[: op.limit - len(out)]:
+                del rids[rid]
+                out.append(rid)
+            if not rids:
+                del self._rids[replica]
+                self._gone.pop(replica, None)
+        return out
+
+    def in_flight_rids(self, replica: str, now: float) -> dict[str, str]:
+        """``replica``'s in-flight rids (tests)."""
+        return dict(self._rids_of(replica, now) or {})
+
     def peek(self, op: Peek) -> dict[str, Any]:
         out: dict[str, Any] = {}
         sess = self._session(op.session_id, op.now)
@@ -304,7 +392,13 @@ class MemoryStore:
         """Live keys, as the Redis backend would hold them (tests of expiry)."""
         sessions = sum(1 for sid in list(self._sessions) if self._session(sid, now))
         closes = sum(1 for sid in list(self._close) if self._close_of(sid, now))
-        return sessions + closes
+        rids = sum(1 for r in list(self._rids) if self._rids_of(r, now) is not None)
+        return sessions + closes + rids
+
+
+def gone_ttl_s(grace_s: float) -> float:
+    """How long a replica stays marked gone without a sweep looking at it again."""
+    return max(4.0 * grace_s, 1.0)
 
 
 _HANDLERS: dict[type, Any] = {
@@ -316,5 +410,6 @@ _HANDLERS: dict[type, Any] = {
     Heartbeat: MemoryStore.heartbeat,
     Lease: MemoryStore.lease,
     Due: MemoryStore.due,
+    Orphans: MemoryStore.orphans,
     Peek: MemoryStore.peek,
 }

@@ -7,6 +7,8 @@ A claim makes its replica owe the session's close (``owed``), as a final turn do
 Keys, under ``state.key_prefix`` P: ``P s:<id>`` (hash: ``last``, ``owed``, ``n:<replica>``),
 ``P c:<id>`` (close claim or ``closed``), ``P idx`` and ``P owed`` (sorted sets of
 session ids by last activity), ``P r:<replica>`` (heartbeat), ``P l:<name>`` (lease),
+``P f:<replica>`` (hash: its in-flight rids -> session id), ``P fr`` (sorted set of the
+replicas with in-flight rids), ``P g:<replica>`` (when a sweep first found it gone),
 channel ``P events``. Every key gets a TTL when written. Standalone Redis (the sweep's
 script reads keys it derives from the index; not for Redis Cluster).
 """
@@ -18,6 +20,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvproxy.state.core import (
+    MAX_RIDS,
+    ORPHAN_REPLICAS,
     Begin,
     Claim,
     Due,
@@ -26,8 +30,10 @@ from kvproxy.state.core import (
     Heartbeat,
     Lease,
     Op,
+    Orphans,
     Peek,
     Restore,
+    gone_ttl_s,
 )
 
 
@@ -50,10 +56,31 @@ local function touch(skey, idx, sid, now, ttl_ms)
 end
 """
 
+# A request's rids (ARGV from ``first`` on) in or out of its replica's in-flight hash.
+_RIDS = """
+local function rids_in(fkey, fr, replica, sid, now, ttl_ms, A, first)
+  if #A < first then return end
+  local n = redis.call('HLEN', fkey)
+  for i = first, #A do
+    if n < MAX_RIDS then redis.call('HSET', fkey, A[i], sid); n = n + 1 end
+  end
+  redis.call('PEXPIRE', fkey, ttl_ms)
+  redis.call('ZADD', fr, now, replica)
+  redis.call('PEXPIRE', fr, ttl_ms)
+end
+local function rids_out(fkey, ttl_ms, A, first)
+  if #A < first or redis.call('EXISTS', fkey) == 0 then return end
+  for i = first, #A do redis.call('HDEL', fkey, A[i]) end
+  redis.call('PEXPIRE', fkey, ttl_ms)
+end
+""".replace("MAX_RIDS", str(MAX_RIDS))
+
 _WRITES = (
     _TOUCH
+    + _RIDS
     + """
 local function op_begin(K, A)
+  rids_in(K[5], K[6], A[2], A[1], A[3], A[4], A, 6)
   local c = redis.call('GET', K[2])
   if c and c ~= 'closed' then return 'closing' end
   local answer = 'open'
@@ -68,6 +95,7 @@ local function op_begin(K, A)
   return answer
 end
 local function op_end(K, A)
+  rids_out(K[3], A[4], A, 5)
   if redis.call('EXISTS', K[1]) == 0 then return 0 end
   local n = redis.call('HINCRBY', K[1], 'n:' .. A[2], -1)
   if n <= 0 then redis.call('HDEL', K[1], 'n:' .. A[2]) end
@@ -111,9 +139,9 @@ while i <= #ARGV do
 end
 return out
 """,
-    # KEYS: s, c, idx, owed. ARGV: sid, replica, now, ttl_ms, final
+    # KEYS: s, c, idx, owed, f, fr. ARGV: sid, replica, now, ttl_ms, final, rids...
     "begin": _WRITES + "return op_begin(KEYS, ARGV)\n",
-    # KEYS: s, idx. ARGV: sid, replica, now, ttl_ms
+    # KEYS: s, idx, f. ARGV: sid, replica, now, ttl_ms, rids...
     "end": _WRITES + "return op_end(KEYS, ARGV)\n",
     # KEYS: s, c, idx. ARGV: sid, replica, last, in_flight, ttl_ms
     "restore": _WRITES + "return op_restore(KEYS, ARGV)\n",
@@ -190,6 +218,38 @@ local out = {}
 for i = 1, math.min(limit, #found) do out[i] = found[i][2] end
 return out
 """,
+    # KEYS: fr. ARGV: prefix, now, grace, limit, gone_ttl_ms, most replicas looked at
+    "orphans": """
+local prefix, now, grace, limit = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
+local replicas = redis.call('ZRANGE', KEYS[1], 0, -1)
+table.sort(replicas)
+local out = {}
+for i = 1, math.min(#replicas, tonumber(ARGV[6])) do
+  if #out >= limit then break end
+  local r = replicas[i]
+  local fkey, gkey = prefix .. 'f:' .. r, prefix .. 'g:' .. r
+  if redis.call('EXISTS', prefix .. 'r:' .. r) == 1 then
+    redis.call('DEL', gkey)
+  elseif redis.call('EXISTS', fkey) == 0 then
+    redis.call('ZREM', KEYS[1], r); redis.call('DEL', gkey)
+  else
+    local marked = redis.call('GET', gkey)
+    if not marked then
+      redis.call('SET', gkey, ARGV[2], 'PX', ARGV[5])
+    elseif now - tonumber(marked) >= grace then
+      local rids = redis.call('HKEYS', fkey)
+      table.sort(rids)
+      for j = 1, math.min(#rids, limit - #out) do
+        redis.call('HDEL', fkey, rids[j]); out[#out + 1] = rids[j]
+      end
+      if redis.call('EXISTS', fkey) == 0 then
+        redis.call('ZREM', KEYS[1], r); redis.call('DEL', gkey)
+      end
+    end
+  end
+end
+return out
+""",
     # KEYS: s, c
     "peek": """
 local out = redis.call('HGETALL', KEYS[1])
@@ -219,13 +279,18 @@ def encode(op: Op, prefix: str) -> Call:
     keys: tuple[str, ...]
     if isinstance(op, Begin):
         sid = op.session_id
-        keys = (f"{p}s:{sid}", f"{p}c:{sid}", f"{p}idx", f"{p}owed")
+        keys = (
+            f"{p}s:{sid}", f"{p}c:{sid}", f"{p}idx", f"{p}owed", f"{p}f:{op.replica}", f"{p}fr",
+        )  # fmt: skip
         final = "1" if op.final else "0"
-        return Call("begin", keys, (sid, op.replica, _f(op.now), _ms(op.ttl_s), final))
+        args: tuple[str | int | float, ...] = (
+            sid, op.replica, _f(op.now), _ms(op.ttl_s), final, *op.rids,
+        )  # fmt: skip
+        return Call("begin", keys, args)
     if isinstance(op, End):
         sid = op.session_id
-        keys = (f"{p}s:{sid}", f"{p}idx")
-        return Call("end", keys, (sid, op.replica, _f(op.now), _ms(op.ttl_s)))
+        keys = (f"{p}s:{sid}", f"{p}idx", f"{p}f:{op.replica}")
+        return Call("end", keys, (sid, op.replica, _f(op.now), _ms(op.ttl_s), *op.rids))
     if isinstance(op, Restore):
         sid = op.session_id
         keys = (f"{p}s:{sid}", f"{p}c:{sid}", f"{p}idx")
@@ -247,6 +312,16 @@ def encode(op: Op, prefix: str) -> Call:
     if isinstance(op, Due):
         idle = "" if op.idle_timeout_s is None else _f(op.idle_timeout_s)
         return Call("due", (f"{p}idx", f"{p}owed"), (p, _f(op.now), idle, op.limit))
+    if isinstance(op, Orphans):
+        args = (
+            p,
+            _f(op.now),
+            _f(op.grace_s),
+            op.limit,
+            _ms(gone_ttl_s(op.grace_s)),
+            ORPHAN_REPLICAS,
+        )
+        return Call("orphans", (f"{p}fr",), args)
     if isinstance(op, Peek):
         sid = op.session_id
         return Call("peek", (f"{p}s:{sid}", f"{p}c:{sid}"), ())
@@ -288,8 +363,8 @@ def decode(op: Op, raw: Any) -> Any:
         return None
     if isinstance(op, Heartbeat):
         return int(raw)
-    if isinstance(op, Due):
-        return [str(sid) for sid in raw]
+    if isinstance(op, Due | Orphans):
+        return [str(x) for x in raw]
     if isinstance(op, Peek):
         return _peek(list(raw))
     raise TypeError(f"not a state operation: {op!r}")

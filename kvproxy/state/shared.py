@@ -8,7 +8,11 @@
   on the events channel (they abort the requests of the session they hold).
 - A heartbeat task renews the replica's heartbeat and its claims, and, under a lease
   that one replica holds at a time, sweeps the sessions whose close is due (idle ones,
-  and those whose final turn ran on a replica that died).
+  and those whose final turn ran on a replica that died) and takes the requests a dead
+  replica had in flight (their rids ride on the begin and end writes), to be aborted
+  on every engine: a replica gone without closing its connections (a host lost, a
+  process hung) leaves no request computing for nobody past about two
+  ``replica_ttl_s``.
 - Every store call is bounded by ``state.op_timeout_s``. On a timeout or an error the
   replica *falls back*: one WARNING (then at most one per 30 s), what it would have
   written is dropped and counted, and its local session table goes on deciding alone
@@ -35,13 +39,20 @@ from typing import Any, Protocol
 from prometheus_client.core import Metric
 
 from kvproxy.config import StateConfig
-from kvproxy.observability import (
-    RateLimitedLog,
-    WindowedCounters,
-    counter_families,
-    gauge_families,
+from kvproxy.observability import WindowedCounters, counter_families, gauge_families
+from kvproxy.state.core import (
+    Begin,
+    Claim,
+    Due,
+    End,
+    Finish,
+    Heartbeat,
+    Lease,
+    Op,
+    Orphans,
+    Restore,
 )
-from kvproxy.state.core import Begin, Claim, Due, End, Finish, Heartbeat, Lease, Op, Restore
+from kvproxy.state.link import StoreLink
 from kvproxy.state.redis_store import StoreUnavailable, redacted_url
 
 log = logging.getLogger(__name__)
@@ -61,6 +72,7 @@ REMOTE_CLOSES = _P + "remote_closes"
 SWEEPS = _P + "sweeps"
 DUE = _P + "due_closes"
 RESTORED = _P + "restored_sessions"
+ORPHAN_ABORTS = _P + "orphan_aborts"
 
 COUNTER_HELP: dict[str, str] = {
     OPS: "State operations written to the shared store.",
@@ -75,6 +87,7 @@ COUNTER_HELP: dict[str, str] = {
     SWEEPS: "Shared idle sweeps this replica ran (under the sweep lease).",
     DUE: "Sessions the shared sweep found due (idle, or owed by a dead replica).",
     RESTORED: "Open sessions written back to the store on rejoining.",
+    ORPHAN_ABORTS: "Requests of replicas gone that this replica aborted on every engine.",
 }
 GAUGE_HELP: dict[str, str] = {
     STORE_UP: "1 while the shared store answers (0: this replica decides alone).",
@@ -86,7 +99,8 @@ MAX_QUEUED = 20_000
 MAX_BATCH = 512
 # Most open sessions written back on rejoining.
 MAX_RESTORE = 10_000
-_WARN_INTERVAL_S = 30.0
+# Most rids of one request recorded as in flight.
+MAX_REQUEST_RIDS = 16
 
 
 class Store(Protocol):
@@ -123,6 +137,7 @@ class SharedState:
         snapshot: Callable[[float], Iterable[tuple[str, float, int]]],
         on_due: Callable[[str], None],
         on_remote_close: Callable[[str], None],
+        on_orphans: Callable[[list[str]], None] | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.cfg = cfg
@@ -134,23 +149,32 @@ class SharedState:
         self._snapshot = snapshot
         self._on_due = on_due
         self._on_remote_close = on_remote_close
+        self._on_orphans = on_orphans
         self._clock = clock
         self._queue: deque[Op] = deque()
         self._wake = asyncio.Event()
-        self._up = False
-        self._stopping = False
-        self._tasks: list[asyncio.Task[None]] = []
         self._counters = WindowedCounters(COUNTER_HELP)
-        self._warnings = RateLimitedLog(log, _WARN_INTERVAL_S, max_keys=4)
+        self._link = StoreLink(
+            cfg,
+            store,
+            self._counters,
+            log=log,
+            errors=ERRORS,
+            fallbacks=FALLBACKS,
+            warning="shared state: the store at %s is unavailable (%s); this replica "
+            "decides alone until it answers again",
+            on_fall_back=self._drop_queued,
+            warn_keys=4,
+        )
 
     @property
     def up(self) -> bool:
         """The store answered last time: the shared state decides (not the local one)."""
-        return self._up
+        return self._link.up
 
     @property
     def started(self) -> bool:
-        return bool(self._tasks)
+        return self._link.started
 
     def now(self) -> float:
         return self._clock()
@@ -161,47 +185,45 @@ class SharedState:
         """Join (bounded: a store that does not answer leaves the replica in fallback,
         retrying), then start the writer, heartbeat and events tasks."""
         await self._try_rejoin(first=True)
-        for coro, name in (
-            (self._write_loop(), "writer"),
-            (self._beat_loop(), "heartbeat"),
-            (self._events_loop(), "events"),
-        ):
-            self._tasks.append(asyncio.create_task(coro, name=f"kvproxy-state-{name}"))
+        self._link.start(
+            [
+                (self._write_loop(), "writer"),
+                (self._beat_loop(), "heartbeat"),
+                (self._events_loop(), "events"),
+            ],
+            "kvproxy-state",
+        )
 
     async def stop(self) -> None:
         """Flush what is queued (bounded), stop the tasks (bounded), close the client."""
-        if self._up and self._queue:
+        if self.up and self._queue:
             await self._flush()
-        self._stopping = True
-        tasks, self._tasks = self._tasks, []
-        for _ in range(3):  # a cancellation a timeout swallowed is sent again
-            for task in tasks:
-                task.cancel()
-            _, pending = await asyncio.wait(tasks, timeout=1.0) if tasks else (set(), set())
-            tasks = list(pending)
-            if not tasks:
-                break
-        await self._store.close()
+        await self._link.stop()
 
     # -- the request path ------------------------------------------------------
 
     def submit(self, op: Op) -> None:
         """Queue ``op`` for the writer (no I/O). Dropped and counted while the store is
         unavailable (the rejoin writes the open sessions back) or the queue is full."""
-        if not self._up or len(self._queue) >= MAX_QUEUED:
+        if not self.up or len(self._queue) >= MAX_QUEUED:
             self._counters.inc(DROPPED)
             return
         self._queue.append(op)
         if len(self._queue) == 1:
             self._wake.set()
 
-    def begin(self, session_id: str, final: bool) -> None:
-        """A request of ``session_id`` entered this replica (``final``: its last turn)."""
-        self.submit(Begin(session_id, self.replica, self._clock(), self.cfg.session_ttl_s, final))
+    def begin(self, session_id: str, final: bool, rids: Sequence[str] = ()) -> None:
+        """A request of ``session_id`` entered this replica (``final``: its last turn;
+        ``rids``: what an abort of it names, in flight here until :meth:`end`)."""
+        ttl = self.cfg.session_ttl_s
+        rids = tuple(rids[:MAX_REQUEST_RIDS])
+        self.submit(Begin(session_id, self.replica, self._clock(), ttl, final, rids))
 
-    def end(self, session_id: str) -> None:
+    def end(self, session_id: str, rids: Sequence[str] = ()) -> None:
         """A request of ``session_id`` left this replica."""
-        self.submit(End(session_id, self.replica, self._clock(), self.cfg.session_ttl_s))
+        ttl = self.cfg.session_ttl_s
+        rids = tuple(rids[:MAX_REQUEST_RIDS])
+        self.submit(End(session_id, self.replica, self._clock(), ttl, rids))
 
     # -- closes ----------------------------------------------------------------
 
@@ -209,7 +231,7 @@ class SharedState:
         """Claim the close of ``session_id`` (one bounded round trip, after what is
         queued). True: this replica fans it out (the others are told); False: another
         replica does or did; None: the store is unavailable, the caller closes anyway."""
-        if not self._up:
+        if not self.up:
             self._counters.inc(CLAIMS_UNCHECKED)
             return None
         now = self._clock()
@@ -267,30 +289,21 @@ class SharedState:
                 return
 
     def _fall_back(self, exc: BaseException) -> None:
-        self._counters.inc(ERRORS)
-        if not self._up:
-            return
-        self._up = False
-        self._counters.inc(FALLBACKS)
+        self._link.fall_back(exc)
+
+    def _drop_queued(self) -> None:
+        # (what it would have written: the rejoin writes the open sessions back)
         self._counters.inc(DROPPED, len(self._queue))
         self._queue.clear()
-        self._warnings.warning(
-            "store-down",
-            "shared state: the store at %s is unavailable (%s); this replica decides "
-            "alone until it answers again",
-            redacted_url(self.cfg.redis_url),
-            str(exc) or type(exc).__name__,
-        )
 
     async def _try_rejoin(self, *, first: bool = False) -> None:
-        try:
-            await asyncio.wait_for(self._store.ping(), max(self.cfg.op_timeout_s, 0.5))
-        except (StoreUnavailable, TimeoutError) as exc:
+        exc = await self._link.ping()
+        if exc is not None:
             if first:
-                self._up = True  # a fallback from the start: it warns once too
+                self._link.up = True  # a fallback from the start: it warns once too
             self._fall_back(exc)
             return
-        self._up = True
+        self._link.up = True
         restore = self._restore_ops()
         beat = self._beat_ops()
         if await self.call([*beat, *restore]) is None:
@@ -313,7 +326,7 @@ class SharedState:
     # -- background tasks ------------------------------------------------------
 
     async def _write_loop(self) -> None:
-        while not self._stopping:
+        while not self._link.stopping:
             await self._wake.wait()
             self._wake.clear()
             for _ in range(MAX_QUEUED // MAX_BATCH + 1):
@@ -331,8 +344,8 @@ class SharedState:
         ]
 
     async def _beat_loop(self) -> None:
-        while not self._stopping:
-            if not self._up:
+        while not self._link.stopping:
+            if not self.up:
                 await asyncio.sleep(self.cfg.retry_interval_s)
                 await self._try_rejoin()
                 continue
@@ -343,15 +356,27 @@ class SharedState:
                 log.exception("shared state: heartbeat failed")
 
     async def beat(self) -> list[str]:
-        """Renew the heartbeat and claims; with the sweep lease, close what is due.
+        """Renew the heartbeat and claims; with the sweep lease, close what is due and
+        abort what the replicas gone had in flight (one more round trip for both).
         Returns the sessions found due."""
         answers = await self.call(self._beat_ops())
         if answers is None or not answers[1]:
             return []
         self._counters.inc(SWEEPS)
-        found = await self.call([Due(self._clock(), self._idle_timeout_s())])
+        now = self._clock()
+        # A replica not heard for replica_ttl_s is marked gone; another replica_ttl_s
+        # later (time to beat again, e.g. rejoining after the store came back) its
+        # requests still recorded in flight are taken, each by one sweep only.
+        sweep: list[Op] = [Due(now, self._idle_timeout_s())]
+        if self._on_orphans is not None:
+            sweep.append(Orphans(now, self.cfg.replica_ttl_s))
+        found = await self.call(sweep)
         if not found:
             return []
+        orphans: list[str] = found[1] if len(found) > 1 else []
+        if orphans and self._on_orphans is not None:
+            self._counters.inc(ORPHAN_ABORTS, len(orphans))
+            self._on_orphans(orphans)
         due: list[str] = found[0]
         self._counters.inc(DUE, len(due))
         for sid in due:
@@ -359,18 +384,17 @@ class SharedState:
         return due
 
     async def _events_loop(self) -> None:
-        while not self._stopping:
-            if not self._up:
-                await asyncio.sleep(self.cfg.retry_interval_s)
-                continue
-            try:
-                async for message in self._store.messages():
-                    self._on_message(message)
-            except StoreUnavailable as exc:
-                self._fall_back(exc)
-            except Exception:
-                log.exception("shared state: the events channel failed")
-                await asyncio.sleep(self.cfg.retry_interval_s)
+        async def pause() -> None:
+            await asyncio.sleep(self.cfg.retry_interval_s)
+
+        # (while down, the heartbeat task tries to rejoin)
+        await self._link.listen(
+            self._store.messages,
+            self._on_message,
+            while_down=None,
+            on_error=pause,
+            what="shared state: the events channel",
+        )
 
     def _on_message(self, message: str) -> None:
         kind, _, rest = message.partition("\t")
@@ -385,7 +409,7 @@ class SharedState:
         return dict(self._counters.total_items())
 
     def gauges(self) -> dict[str, float]:
-        return {STORE_UP: 1.0 if self._up else 0.0, QUEUED_OPS: float(len(self._queue))}
+        return {STORE_UP: 1.0 if self.up else 0.0, QUEUED_OPS: float(len(self._queue))}
 
     def collect(self) -> Iterator[Metric]:
         yield from counter_families(self._counters, COUNTER_HELP)
@@ -396,7 +420,7 @@ class SharedState:
             "backend": self.cfg.backend,
             "url": redacted_url(self.cfg.redis_url),
             "replica": self.replica,
-            "store_up": self._up,
+            "store_up": self.up,
             "queued_ops": len(self._queue),
         }
 

@@ -10,14 +10,18 @@ What is checked, counted on the engines' side (``GET /sim/requests``):
   survivor's shared sweep closes the idle ones, the dead replica's included), and the
   clients see errors only for the turns the dead replica had in flight;
 - Redis stopped mid-run: requests go on without waiting on the store, the replicas fall
-  back and rejoin when it returns, and no close is lost.
+  back and rejoin when it returns, and no close is lost;
+- a replica frozen (SIGSTOP: its connections stay open) with a request in flight: the
+  survivor aborts that request on every engine within about two ``replica_ttl_s``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import secrets
+import signal
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Iterator, Sequence
@@ -472,4 +476,91 @@ async def test_a_close_on_one_replica_aborts_the_request_another_holds(
         counts = await _closes(http, [e.url for e in engines], marker)
         assert sorted(counts.values()) == [1, 1]
     finally:
+        _stop(s)
+
+
+async def _engine_requests(
+    http: aiohttp.ClientSession, engines: Sequence[str], path: str, marker: str
+) -> list[dict[str, Any]]:
+    """The bodies of the requests to ``path`` the engines recorded that hold ``marker``."""
+    out: list[dict[str, Any]] = []
+    for url in engines:
+        async with http.get(f"{url}/sim/requests") as resp:
+            for entry in orjson.loads(await resp.read())["requests"]:
+                if entry["path"] == path and marker in entry["body"]:
+                    out.append({"engine": url, **orjson.loads(entry["body"])})
+    return out
+
+
+async def _aborted_on_engines(http: aiohttp.ClientSession, engines: Sequence[str]) -> float:
+    total = 0.0
+    for url in engines:
+        async with http.get(f"{url}/metrics") as resp:
+            for line in (await resp.text()).splitlines():
+                if line.startswith("sglang:num_aborted_requests_total"):
+                    total += float(line.rpartition(" ")[2])
+    return total
+
+
+async def test_a_frozen_replicas_request_is_aborted_on_the_engines_in_bounded_time(
+    logs: Path,
+    router: stack.ManagedProcess,
+    engines: list[stack.ManagedProcess],
+    redis: stack.ManagedProcess,
+    http: aiohttp.ClientSession,
+) -> None:
+    """A replica that stops without closing its connections (SIGSTOP: a hung process or
+    a lost host; a SIGKILLed one closes them and the engines abort on the disconnect):
+    its upstream request would compute to the end for nobody. The survivor's sweep
+    takes the rid the frozen replica recorded in flight and aborts it on every engine
+    within about two replica_ttl_s (1 s here)."""
+    s = _start(logs, _config(logs, redis.url, router.url), router.url)
+    holder, survivor = s.replicas
+    engine_urls = [e.url for e in engines]
+    request: asyncio.Task[Any] | None = None
+    frozen = False
+    try:
+        marker = new_marker()
+        sid = f"{marker}-frozen"
+        body = {"text": f"long {marker}", "sampling_params": {"max_new_tokens": 20000}}
+        aborted_before = await _aborted_on_engines(http, engine_urls)
+
+        async def long_turn() -> None:
+            async with http.post(
+                f"{holder.url}/generate", json=body, headers={"X-Session-ID": sid}
+            ) as resp:
+                await resp.read()
+
+        request = asyncio.create_task(long_turn())
+
+        async def forwarded() -> bool:
+            return bool(await _engine_requests(http, engine_urls, "/generate", marker))
+
+        await wait_until(forwarded, timeout_s=10, what="the long turn on an engine")
+        (sent,) = await _engine_requests(http, engine_urls, "/generate", marker)
+        rid = sent["rid"]
+        os.kill(holder.pid, signal.SIGSTOP)
+        frozen = True
+        stopped_at = time.monotonic()
+
+        async def aborted() -> bool:
+            got = await _engine_requests(http, engine_urls, "/abort_request", rid)
+            return {g["engine"] for g in got} == set(engine_urls)
+
+        # replica_ttl_s to be found gone, replica_ttl_s of grace, sweeps of 0.25 s.
+        await wait_until(aborted, timeout_s=10, what="the frozen replica's rid aborted")
+        took = time.monotonic() - stopped_at
+        assert 1.0 <= took < 6.0, took
+        assert [g["rid"] for g in await _engine_requests(http, engine_urls, "/abort_request", rid)]
+        # The engine stopped computing it: an abort, not a finish.
+        assert await _aborted_on_engines(http, engine_urls) == aborted_before + 1
+        m = await _metrics(http, survivor.url)
+        assert m["agentic_kv_state_orphan_aborts_total"] == 1
+    finally:
+        if frozen:
+            os.kill(holder.pid, signal.SIGCONT)
+        if request is not None:
+            request.cancel()
+            with contextlib.suppress(asyncio.CancelledError, aiohttp.ClientError):
+                await request
         _stop(s)

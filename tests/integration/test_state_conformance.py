@@ -29,6 +29,7 @@ from kvproxy.state.core import (
     Lease,
     MemoryStore,
     Op,
+    Orphans,
     Peek,
     Restore,
 )
@@ -120,6 +121,27 @@ SCENARIOS: dict[str, list[Step]] = {
         (SHORT + 0.6, lambda t: Lease("sweep", "B", t, SHORT), True),
         (SHORT + 0.6, lambda t: Lease("sweep", "A", t, SHORT), False),
     ],
+    "the requests of a replica gone: marked, then taken once after the grace": [
+        (0.0, lambda t: Heartbeat("A", t, SHORT), 0),
+        (0.0, lambda t: Heartbeat("B", t, TTL), 0),
+        (0.0, lambda t: Begin("s", "A", t, TTL, rids=("a2", "a1", "a3")), "open"),
+        (0.0, lambda t: Begin("s", "B", t, TTL, rids=("b1",)), "open"),
+        (0.0, lambda t: End("s", "A", t, TTL, rids=("a3",)), True),
+        (0.0, lambda t: Orphans(t, SHORT), []),  # A beats
+        (SHORT + 0.2, lambda t: Orphans(t, SHORT), []),  # A gone: marked
+        (SHORT + 0.3, lambda t: Orphans(t, SHORT), []),  # within the grace
+        (2 * SHORT + 0.3, lambda t: Orphans(t, SHORT, limit=1), ["a1"]),
+        (2 * SHORT + 0.3, lambda t: Orphans(t, SHORT), ["a2"]),
+        (2 * SHORT + 0.3, lambda t: Orphans(t, SHORT), []),  # each once; B's stay
+    ],
+    "a replica that beats again within the grace keeps its requests": [
+        (0.0, lambda t: Heartbeat("A", t, SHORT), 0),
+        (0.0, lambda t: Begin("s", "A", t, TTL, rids=("a1",)), "open"),
+        (SHORT + 0.2, lambda t: Orphans(t, 10.0), []),  # marked
+        (SHORT + 0.2, lambda t: Heartbeat("A", t, TTL), 0),  # back
+        (SHORT + 0.2, lambda t: Orphans(t + 20, 10.0), []),  # unmarked, not taken
+        (SHORT + 0.2, lambda t: Orphans(t + 40, 10.0), []),
+    ],
     "restore after an outage keeps the newest activity": [
         (0.0, lambda t: Begin("s", "A", t + 5, TTL), "open"),
         (0.0, lambda t: Restore("s", "B", t + 1, 2, t, TTL), True),
@@ -194,15 +216,19 @@ async def test_every_key_has_a_ttl_and_closed_sessions_go(redis_server: RedisSer
                 Heartbeat("A", t, 5.0),
                 Lease("sweep", "A", t, 5.0),
                 Begin("s1", "A", t, TTL, final=True),
-                Begin("s2", "A", t, TTL),
-                End("s2", "A", t, TTL),
+                Begin("s2", "A", t, TTL, rids=("r1", "r2")),
+                End("s2", "A", t, TTL, rids=("r1",)),
+                Begin("s3", "B", t - 10, TTL, rids=("r3",)),
+                End("s3", "B", t - 10, TTL),
+                Orphans(t, 1.0),
                 Claim("s1", "A", t, 5.0),
                 Finish("s1", "A", t, 30.0),
             ]
         )
         client = store._client
         keys = sorted(await client.keys(f"{prefix}*"))
-        assert keys == sorted(f"{prefix}{k}" for k in ("r:A", "l:sweep", "s:s2", "c:s1", "idx"))
+        expected = ("r:A", "l:sweep", "s:s2", "s:s3", "c:s1", "idx", "f:A", "f:B", "fr", "g:B")
+        assert keys == sorted(f"{prefix}{k}" for k in expected), keys
         for key in keys:
             assert await client.pttl(key) > 0, key
         # The closed session left nothing but its tombstone.

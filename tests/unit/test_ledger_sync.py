@@ -436,7 +436,7 @@ async def test_a_replica_whose_send_failed_rejoins_at_its_next_beat() -> None:
         CFG, channel, core, replica="a", drain=lambda: None, clock=lambda: clock.now,
         wall=clock.wall,
     )  # fmt: skip
-    sync._up = True  # (as start() sets it; no tasks here)
+    sync._link.up = True  # (as start() sets it; no tasks here)
     core.request("t1", "s", E1, 100, clock.now)
     assert not await sync.flush()  # the publish timed out: this replica falls back
     assert not sync.up
@@ -449,3 +449,42 @@ async def test_a_replica_whose_send_failed_rejoins_at_its_next_beat() -> None:
     sent = list(decode_batch(channel.sent[-1]))
     assert isinstance(sent[0], Hello) and not sent[0].beat  # the others send their view
     assert any(isinstance(r, SessionRec) and r.sid == "s" for r in sent)  # and it its own
+
+
+@pytest.mark.parametrize(
+    ("engaged_here", "backoff_here", "third_holds", "taken"),
+    [
+        (False, 0, False, True),  # the dead replica held it alone: taken over
+        (True, 0, False, False),  # engaged here already
+        (False, 2, False, False),  # backing off here after a starved release
+        (False, 0, True, False),  # another live replica still holds it
+    ],
+)
+def test_an_engine_a_gone_replica_held_engaged_is_taken_over(
+    engaged_here: bool, backoff_here: bool, third_holds: bool, taken: bool
+) -> None:
+    params = dataclasses.replace(P, engage_on_thrash=True, target_start=0.8)
+    a, b, clock = pair(params)
+    led = b.core.ledger
+    eng_b = led.engine(E1, b.now)
+    eng_b.engagement.engaged = engaged_here
+    eng_b.engagement.backoff = backoff_here
+    eng_b.theta = 0.5
+    a.core.ledger.engine(E1).engagement.engaged = True
+    a.send_to(b)
+    assert led.engaged(E1)
+    if third_holds:
+        wall = clock.wall()
+        b.sync.receive(encode_batch([Engaged("c", wall, E1, True)]))
+    clock.now += CFG.replica_ttl_s / 2
+    if third_holds:  # c beats; a does not
+        b.sync.receive(encode_batch([Hello("c", clock.wall(), beat=True)]))
+    clock.now += CFG.replica_ttl_s / 2 + 1
+    assert "a" in led.expire_replicas(b.now, CFG.replica_ttl_s)
+    assert led.taken_over == ([E1] if taken else [])
+    assert led.engaged(E1) is (taken or engaged_here or third_holds)
+    assert led.locally_engaged(E1) is (taken or engaged_here)
+    assert eng_b.theta == (0.8 if taken else 0.5)
+    # Taken over, it says so to the others (an engagement record) like its own.
+    sent = [r for r in b.sync.pending() if isinstance(r, Engaged)]
+    assert [r.engaged for r in sent] == [taken or engaged_here]

@@ -15,7 +15,7 @@ from kvproxy.config import Config, StateConfig
 from kvproxy.doctor.checks import Status
 from kvproxy.doctor.store_checks import StoreFacts, store_lines
 from kvproxy.serve import workers_check
-from kvproxy.state.core import Begin, End, MemoryStore, Op, Peek
+from kvproxy.state.core import Begin, End, Heartbeat, MemoryStore, Op, Peek
 from kvproxy.state.redis_store import StoreUnavailable, redacted_url
 from kvproxy.state.shared import SharedState
 from tests.helpers import wait_until
@@ -66,6 +66,7 @@ class Harness:
         self.due: list[str] = []
         self.remote: list[str] = []
         self.open: list[tuple[str, float, int]] = []
+        self.orphans: list[str] = []
         cfg = StateConfig(
             backend="redis", sweep_interval_s=0.02, retry_interval_s=0.02, replica_ttl_s=5.0
         )
@@ -79,6 +80,7 @@ class Harness:
             snapshot=lambda _now: list(self.open),
             on_due=self.due.append,
             on_remote_close=self.remote.append,
+            on_orphans=self.orphans.extend,
             clock=lambda: self.now,
         )
 
@@ -154,6 +156,34 @@ async def test_the_leased_sweep_closes_idle_sessions_and_remote_closes_arrive() 
             return h.remote == ["gone"]
 
         await wait_until(remote, timeout_s=5, what="the remote close")
+    finally:
+        await h.shared.stop()
+
+
+async def test_the_leased_sweep_aborts_what_a_dead_replica_had_in_flight_once() -> None:
+    h = Harness()
+    # B beat 10 s ago (its 5 s heartbeat expired) with two requests in flight, one ended.
+    h.store.mem.apply(Heartbeat("B", h.now - 10, 5.0))
+    h.store.mem.apply(Begin("s", "B", h.now - 10, 60.0, rids=("b1",)))
+    h.store.mem.apply(Begin("t", "B", h.now - 10, 60.0, rids=("b2",)))
+    h.store.mem.apply(End("t", "B", h.now - 9, 60.0, rids=("b2",)))
+    await h.shared.start()
+    try:
+        h.shared.begin("u", False, ("a1",))  # this replica's own: never taken
+        await h.shared.beat()  # (or the beat task's) B marked gone
+        assert h.orphans == []
+        h.now += 5.0  # replica_ttl_s later: B is still gone
+
+        async def taken() -> bool:
+            return h.orphans == ["b1"]
+
+        await wait_until(taken, timeout_s=5, what="B's request taken")
+        h.now += 10.0
+        await h.shared.beat()
+        await h.shared.beat()
+        assert h.orphans == ["b1"]  # once
+        assert h.shared.totals()["agentic_kv/state/orphan_aborts"] == 1
+        assert h.store.mem.in_flight_rids("A", h.now) == {"a1": "u"}
     finally:
         await h.shared.stop()
 

@@ -269,6 +269,17 @@ class Engagement:
         self.predicted, self.wrong = True, 0
         return True
 
+    def take_over(self) -> bool:
+        """Engage now: the replica that held this engine engaged for the fleet is gone
+        (kvproxy.replication.ledger): its windows showed the thrash, and this replica,
+        whose turns the dead one's clients now send here, holds on from where it was
+        (its own windows release it when the load drops). Not while this engine backs
+        off after a starved release here."""
+        if self.engaged or self.backoff > 0:
+            return False
+        self.engaged, self.hot, self.cool, self.starved = True, 0, 0, 0
+        return True
+
     def rearm(self) -> bool:
         """Engage now, on a new session the caller judged not to fit, if the engine
         is armed (released for a drop in load after it engaged; a starved release,
