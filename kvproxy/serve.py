@@ -17,6 +17,7 @@ from typing import Any
 from kvproxy import __version__, compiled, heap
 from kvproxy.config import (
     CLI_OVERRIDES,
+    ROUTER_POLICIES_MIRRORED,
     AdmissionConfig,
     Config,
     ConfigError,
@@ -252,6 +253,12 @@ def workers_check(cfg: Config, workers: int) -> tuple[str | None, str | None]:
         return None, (
             "fleet-wide admission (leases) is per worker: only program admission's "
             "per-engine ledger is shared"
+        )
+    if cfg.admission.enabled and cfg.router.policy not in ROUTER_POLICIES_MIRRORED:
+        return None, (
+            f"router.policy {cfg.router.policy!r} cannot be mirrored: program admission "
+            "accounts fleet-wide, per worker; its per-engine ledger, shared between the "
+            "workers, needs the router's consistent_hashing (router.policy)"
         )
     return None, None
 

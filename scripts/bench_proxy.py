@@ -20,6 +20,13 @@ upstream process, for these targets:
   admission-ring, both-ring
               the same with router.policy consistent_hashing (program admission
               decides per engine, as the README recommends)
+  lifecycle-redis, both-redis
+              state.backend redis (a redis-server the script starts, password-protected)
+  off-w2, both-redis-w2, admission-ring-redis[-w2], both-ring-redis[-w2]
+              served by ``kvproxy serve --workers 2`` (SO_REUSEPORT), judged against the
+              same feature set with one worker (>= 1.7x, issue #60). Program admission's
+              ledger is shared between workers only where it mirrors the ring (the
+              *-ring-redis targets); under the default policy each worker accounts alone
   off:compiled, lifecycle:compiled, ...
               any kvproxy target served by the compiled build (--compiled-python, an
               interpreter whose kvproxy is KVPROXY_COMPILE=1's build), in the same
@@ -28,7 +35,11 @@ upstream process, for these targets:
 Measurements (each reported per target, with the difference to direct):
 
   saturation    req/s with 4 KB ``input_ids`` bodies on POST /generate (wrk when
-                installed, else a Python closed-loop generator; the table says which)
+                installed: ``apt-get install wrk``; else a Python closed-loop generator,
+                itself 0.5-1 core; the table says which), 256 session ids in turn
+                (X-Session-ID); and where the host's cores went: CPU seconds per
+                second of the load generator, the upstream, redis-server, each kvproxy
+                worker, interrupts and the rest of the host, and req/s per kvproxy core
   fixed load    latency p50/p99 at 1,000 req/s open loop, timed from each request's
                 scheduled send time (queueing counts), plus the proxy's own
                 ``kvproxy_added_latency_seconds`` quantiles over the same window
@@ -50,6 +61,17 @@ The script starts every process itself (upstream, proxies, load generators) on
     python scripts/bench_proxy.py --quick --skip saturation,fixed,streams,open-streams
                                                   # QPS ladder and body sizes only
     python scripts/bench_proxy.py --profile results/profile   # also py-spy each proxy
+    python scripts/bench_proxy.py --quick --upstream-server nginx --autogroup-nice -19 \
+        --targets off,off-w2,admission-ring-redis,admission-ring-redis-w2 \
+        --skip fixed,ladder,streams,bigbody,open-streams --rounds 5
+                                                  # 1 vs 2 workers (docs/benchmarks.md)
+
+The upstream is Python (aiohttp) by default; ``--upstream-server nginx`` serves the same
+answers from nginx at a fraction of the CPU (no streams), so that a saturated proxy does
+not share its cores with it. ``--autogroup-nice -19``: where the kernel groups processes
+by session for the scheduler (sched_autogroup_enabled), a ``nice -n 19`` job in another
+session still takes a full share of the cores; this gives the run's sessions the weight
+over it that nice 0 has over nice 19 (root).
     python scripts/bench_proxy.py --compiled-python /tmp/compiled/bin/python \
         --targets direct,naive,off,lifecycle,off:compiled,lifecycle:compiled
                                                   # both builds side by side

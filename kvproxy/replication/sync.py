@@ -35,6 +35,7 @@ from kvproxy.admission.program.queues import Queues
 from kvproxy.config import StateConfig
 from kvproxy.observability import WindowedCounters, counter_families, gauge_families
 from kvproxy.replication.ledger import (
+    SEP,
     Engaged,
     Hello,
     Left,
@@ -119,6 +120,9 @@ class AdmissionSync:
         self.cfg = cfg
         self.replica = replica
         self.channel = f"{cfg.key_prefix}admission"
+        # A batch's lines each start "<kind><SEP><replica><SEP>" (one-letter kinds), and a
+        # batch holds its sender's records only: this prefix at offset 2 marks our own.
+        self._own = f"{replica}{SEP}"
         self._store = store
         self._program = program
         self._drain = drain
@@ -273,6 +277,11 @@ class AdmissionSync:
         if not message:  # (the store's mark: subscribed; say hello now)
             self._hello = True
             self._wake.set()
+            return 0
+        if message.startswith(self._own, 2):
+            # This replica's own batch, back from the channel (every subscriber gets every
+            # message): one sender per batch, so none of it applies here. Not decoded:
+            # with N replicas that is 1/N of all that arrives.
             return 0
         now, wall = self._clock(), self._wall()
         applied, drain = 0, False

@@ -29,6 +29,10 @@ TARGETS = (
     "both-redis",
     "both-redis-w2",
     "off-w2",
+    "admission-ring-redis",
+    "admission-ring-redis-w2",
+    "both-ring-redis",
+    "both-ring-redis-w2",
 )
 # Reference forwarders, not kvproxy: the raw hop (scripts/benchproxy/rawhop.py) and the
 # aiohttp ones (scripts/benchproxy/targets.py: floor_app, naive_app).
@@ -44,15 +48,46 @@ PROXY_FEATURES: dict[str, tuple[bool, bool]] = {  # name -> (lifecycle, admissio
     "both-redis": (True, True),
     "both-redis-w2": (True, True),
     "off-w2": (False, False),
+    "admission-ring-redis": (False, True),
+    "admission-ring-redis-w2": (False, True),
+    "both-ring-redis": (True, True),
+    "both-ring-redis-w2": (True, True),
 }
 # Feature sets whose session state is on a redis-server the benchmark starts
 # (state.backend: redis), and those served by several worker processes (--workers).
-REDIS_TARGETS = frozenset({"lifecycle-redis", "both-redis", "both-redis-w2"})
-WORKERS: dict[str, int] = {"both-redis-w2": 2, "off-w2": 2}
+# Program admission's ledger is shared between workers only where it mirrors the ring
+# (the *-ring-redis targets): under the default policy each worker accounts fleet-wide
+# alone (kvproxy serve warns), as in both-redis-w2, whose shared state is the lifecycle's.
+REDIS_TARGETS = frozenset(
+    {
+        "lifecycle-redis",
+        "both-redis",
+        "both-redis-w2",
+        "admission-ring-redis",
+        "admission-ring-redis-w2",
+        "both-ring-redis",
+        "both-ring-redis-w2",
+    }
+)
+WORKERS: dict[str, int] = {
+    "both-redis-w2": 2,
+    "off-w2": 2,
+    "admission-ring-redis-w2": 2,
+    "both-ring-redis-w2": 2,
+}
 # Feature sets run with router.policy consistent_hashing: program admission mirrors the
 # ring and decides per engine (the deployment the README recommends). The others keep
 # the default policy, where placement is unknown and admission accounts fleet-wide.
-RING_TARGETS = frozenset({"admission-ring", "both-ring"})
+RING_TARGETS = frozenset(
+    {
+        "admission-ring",
+        "both-ring",
+        "admission-ring-redis",
+        "admission-ring-redis-w2",
+        "both-ring-redis",
+        "both-ring-redis-w2",
+    }
+)
 MEASUREMENTS = ("saturation", "fixed", "ladder", "streams", "bigbody", "open-streams")
 
 # A kvproxy target can also run the compiled build, beside the Python one in the same run
@@ -75,6 +110,17 @@ def features_of(target: str) -> str:
     if features is None:
         raise ValueError(f"{target!r} is not a kvproxy target")
     return features
+
+
+def one_worker_of(target: str) -> str | None:
+    """The target that serves ``target``'s feature set with one worker process
+    (``both-redis`` for ``both-redis-w2``; ``off:compiled`` for ``off-w2:compiled``);
+    None when ``target`` has one already."""
+    features = feature_set(target)
+    if features is None or WORKERS.get(features, 1) == 1:
+        return None
+    single = features.rsplit("-w", 1)[0]
+    return in_build_of(single, target) if single in PROXY_FEATURES else None
 
 
 def is_compiled(target: str) -> bool:
@@ -109,6 +155,9 @@ TARGET_C1_ADDED_P50_MS = {"off": 0.3, "feature": 0.4}
 TARGET_ADDED_P50_MS = 0.3
 TARGET_ADDED_P99_MS = 2.0
 TARGET_SATURATION_RPS = 5000.0
+# Saturation req/s of N workers over one worker's (same feature set and build), median of
+# the round ratios, per extra worker: 2 workers at least 1.7x (issue #60).
+TARGET_WORKERS_SCALING = {2: 1.7}
 TARGET_OPEN_STREAMS_RSS_MB = 300.0
 TARGET_BIG_BODY_ADDED_MS = 2.0
 # A feature on over features off, same body, one request at a time (p50).

@@ -21,8 +21,11 @@ from benchproxy.common import (
     TARGET_OVER_NAIVE_RATIO,
     TARGET_OVER_OFF_RATIO,
     TARGET_SATURATION_RPS,
+    TARGET_WORKERS_SCALING,
+    WORKERS,
     feature_set,
     in_build_of,
+    one_worker_of,
 )
 from benchproxy.runner import Params
 from kvlab.provenance import git_revision
@@ -112,6 +115,8 @@ def format_report(results: Mapping[str, Any], params: Params) -> str:
                 rows,
             )
         )
+        if cores := cpu_table(sat):
+            parts.append(cores)
     if fixed := results.get("fixed"):
         rows = []
         for name, r in fixed.items():
@@ -468,7 +473,92 @@ def _ratio_checks(sat: Mapping[str, Any]) -> list[tuple[str, str, str, bool]]:
                     ratio >= limit,
                 )
             )
+    return checks + _workers_checks(sat)
+
+
+def _workers_checks(sat: Mapping[str, Any]) -> list[tuple[str, str, str, bool]]:
+    """N workers against one (same feature set and build) at saturation, where both ran:
+    the median over rounds of the round's req/s ratio, and (not judged) the same ratio of
+    req/s per core the proxy's processes used, which no other process's share of the
+    host moves."""
+    checks: list[tuple[str, str, str, bool]] = []
+    for name in sat.get("targets") or {}:
+        single = one_worker_of(name)
+        features = feature_set(name)
+        if single is None or features is None:
+            continue
+        limit = TARGET_WORKERS_SCALING.get(WORKERS[features])
+        ratio = round_ratio(sat, name, single)
+        if limit is None or ratio is None:
+            continue
+        per_core = [
+            sat["targets"][t].get("cores", {}).get("rps_per_proxy_core") for t in (name, single)
+        ]
+        efficiency = (
+            f"; req/s per proxy core {per_core[0] / per_core[1]:.2f}x {single}'s"
+            if all(per_core)
+            else ""
+        )
+        checks.append(
+            (
+                name,
+                f">= {limit:.2f}x {single}'s req/s at saturation (median of round ratios)",
+                f"{ratio:.2f}x{efficiency}",
+                ratio >= limit,
+            )
+        )
     return checks
+
+
+def cpu_table(sat: Mapping[str, Any]) -> str:
+    """Where the host's cores went in each target's saturation rounds (medians over
+    rounds), and the proxy's req/s per core it used."""
+    rows = []
+    for name, r in (sat.get("targets") or {}).items():
+        c = r.get("cores") or {}
+        if not c:
+            continue
+        workers = c.get("proxy_workers") or []
+        rows.append(
+            [
+                name,
+                f"{r['rps_median']:.0f}",
+                _f(c.get("generator"), 2),
+                _f(c.get("upstream"), 2),
+                _f(c.get("redis"), 2),
+                "-"
+                if name == "direct"
+                else _f(c.get("proxy"), 2)
+                + (f" ({' + '.join(f'{w:.2f}' for w in workers)})" if len(workers) > 1 else ""),
+                _f(c.get("irq"), 2),
+                _f(c.get("other"), 2),
+                _f(c.get("host"), 2),
+                _f(c.get("rps_per_proxy_core"), 0),
+            ]
+        )
+    if not rows:
+        return ""
+    return (
+        "**Saturation, where the cores went** (CPU seconds per second of each process "
+        "in the timed runs, medians over rounds; interrupts: the kernel's, loopback "
+        "TCP's receive path among them, charged to no process; `other`: the rest of the "
+        "host, the benchmark's parent and other jobs included)\n\n"
+        + _table(
+            [
+                "target",
+                "req/s",
+                "load generator",
+                "upstream",
+                "redis-server",
+                "kvproxy (workers)",
+                "interrupts",
+                "other",
+                "host busy",
+                "req/s per kvproxy core",
+            ],
+            rows,
+        )
+    )
 
 
 def _one_at_a_time_checks(results: Mapping[str, Any]) -> list[tuple[str, str, str, bool]]:

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -20,6 +22,7 @@ from benchproxy.common import (
     LADDER_RATES,
     SESSIONS,
     SMALL_BODY_BYTES,
+    WORKERS,
     feature_set,
     histogram_quantile,
     in_build_of,
@@ -33,8 +36,10 @@ from benchproxy.load import WRK_LUA, run_client_proc, run_wrk
 from benchproxy.targets import (
     Proc,
     cpu_seconds,
+    host_cpu_seconds,
     http_get,
     minor_faults,
+    process_tree,
     rss_mb,
     start_proxy,
     tcp_listen_drops,
@@ -91,6 +96,8 @@ class Bench:
     params: Params
     workdir: Path
     upstream: Proc | None = None
+    redis: Any = None  # the redis-server of the redis targets (a pid), when started
+    autogroups: str | None = None  # what --autogroup-nice did
     proxies: dict[str, Proc] = field(default_factory=dict)
     results: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
@@ -122,8 +129,29 @@ class Bench:
         return parse_histogram(body.decode(errors="replace")) if status == 200 else {}
 
     def cpu(self) -> dict[str, float | None]:
+        """CPU seconds so far of the upstream and of each proxy, each process with its
+        children (``--workers N``: the parent and its N workers; nginx: its worker)."""
         procs = {"upstream": self.upstream, **self.proxies}
-        return {name: cpu_seconds(p.pid) for name, p in procs.items() if p is not None}
+        return {name: tree_cpu_seconds(p.pid) for name, p in procs.items() if p is not None}
+
+    def cpu_snapshot(self, target: str) -> dict[str, Any]:
+        """CPU seconds so far of every process in a saturation run of ``target``: the load
+        generators this process ran and reaped (``generator``), the upstream, the
+        redis-server, each process of the proxy measured (by PID: the parent, then its
+        workers) and the whole host's busy time (``host``)."""
+        usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+        snap: dict[str, Any] = {
+            "generator": usage.ru_utime + usage.ru_stime,
+            "upstream": tree_cpu_seconds(self.upstream.pid) if self.upstream else None,
+            "redis": cpu_seconds(self.redis.pid) if self.redis is not None else None,
+            "proxy": {},
+        }
+        host = host_cpu_seconds() or {}
+        snap["host"], snap["irq"] = host.get("busy"), host.get("irq")
+        if target != "direct":
+            for pid in process_tree(self.proxies[target].pid):
+                snap["proxy"][pid] = cpu_seconds(pid)
+        return snap
 
     # -------------------------------------------------------------- saturation
     def saturation(self) -> None:
@@ -150,12 +178,14 @@ class Bench:
                 else:
                     self._closed(url, p.sat_warmup_s, 0.5)
                 before_cpu = self.cpu()
+                before_parts = self.cpu_snapshot(target)
                 t0 = time.monotonic()
                 if use_wrk:
                     res = run_wrk(url, lua, p.sat_duration_s, p.sat_connections, p.wrk_threads)
                 else:
                     res = self._closed(url, p.sat_duration_s, 1.0)
                 wall = time.monotonic() - t0
+                after_parts = self.cpu_snapshot(target)
                 after_cpu = self.cpu()
                 server = "upstream" if target == "direct" else target
                 b, a = before_cpu.get(server), after_cpu.get(server)
@@ -166,6 +196,7 @@ class Bench:
                     res["cpu_share"] = (a - b) / wall
                 if ua is not None and ub is not None:
                     res["upstream_cpu_share"] = (ua - ub) / wall
+                res["cores"] = cores_used(before_parts, after_parts, wall)
                 runs[target].append(res)
                 self.say(f"  {target:10s} {res['rps']:9.0f} req/s  errors={res['errors'] or 0}")
                 if self.args.profile and feature_set(target) and rnd == p.rounds - 1:
@@ -187,6 +218,7 @@ class Bench:
                 "cpu_us_per_req": median_run.get("cpu_us_per_req"),
                 "cpu_share": median_run.get("cpu_share"),
                 "upstream_cpu_share": median_run.get("upstream_cpu_share"),
+                "cores": median_cores(rs),
             }
         self.results["saturation"] = summary
 
@@ -202,7 +234,11 @@ class Bench:
         return run_client_proc(spec, duration_s + warmup_s + 60)
 
     def _profile(self, target: str, url: str, lua: Path, use_wrk: bool) -> None:
-        pyspy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+        pyspy = (
+            os.environ.get("PY_SPY")
+            or shutil.which("py-spy")
+            or str(Path(sys.executable).parent / "py-spy")
+        )
         if not Path(pyspy).exists():
             self.notes.append("profile: py-spy not installed (pip install py-spy)")
             return
@@ -224,6 +260,8 @@ class Bench:
                 "raw",
                 "-o",
                 str(raw),
+                # --workers N: the parent only waits; its workers serve.
+                *(["--subprocesses"] if WORKERS.get(feature_set(target) or "", 1) > 1 else []),
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
@@ -604,3 +642,58 @@ def summarize_profile(path: Path, top: int = 25) -> dict[str, Any]:
         "self": shares(self_counts),
         "inclusive_kvproxy": [(name, n / total) for name, n in kvproxy_incl],
     }
+
+
+def tree_cpu_seconds(pid: int) -> float | None:
+    """CPU seconds so far of ``pid`` and its descendants (None when ``pid`` is gone)."""
+    own = cpu_seconds(pid)
+    if own is None:
+        return None
+    return own + sum(cpu_seconds(c) or 0.0 for c in process_tree(pid)[1:])
+
+
+def cores_used(before: dict[str, Any], after: dict[str, Any], wall_s: float) -> dict[str, Any]:
+    """Where the host's CPU went between two :meth:`Bench.cpu_snapshot`: cores (CPU seconds
+    per wall second) of the load generator, the upstream, redis-server, the proxy (in all,
+    and each of its workers: the processes that used any), interrupts (``irq``: loopback
+    TCP's receive path, charged to no process), everything else on the host (``other``:
+    the benchmark's own parent and other jobs) and the host in all. Pure."""
+
+    def delta(key: str) -> float | None:
+        a, b = after.get(key), before.get(key)
+        return None if a is None or b is None or wall_s <= 0 else max(0.0, (a - b) / wall_s)
+
+    out: dict[str, Any] = {k: delta(k) for k in ("generator", "upstream", "redis", "irq", "host")}
+    workers = []
+    for pid, a in sorted(after.get("proxy", {}).items()):
+        b = before.get("proxy", {}).get(pid)
+        if a is not None and b is not None and wall_s > 0:
+            workers.append(max(0.0, (a - b) / wall_s))
+    # The parent of --workers N only waits for them: the workers are who used a core.
+    busy = [w for w in workers if w >= 0.01] or workers
+    out["proxy_workers"] = busy
+    out["proxy"] = sum(workers) if workers else None
+    parts = ("generator", "upstream", "redis", "proxy", "irq")
+    known = sum(v for k, v in out.items() if k in parts and v)
+    out["other"] = None if out["host"] is None else max(0.0, out["host"] - known)
+    return out
+
+
+def median_cores(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per key of :func:`cores_used`, the median over ``runs`` (the workers' list from the
+    round of the median proxy total). Pure."""
+    rounds = [r["cores"] for r in runs if r.get("cores")]
+    if not rounds:
+        return {}
+    out: dict[str, Any] = {}
+    for key in ("generator", "upstream", "redis", "proxy", "irq", "other", "host"):
+        values = sorted(v for r in rounds if (v := r.get(key)) is not None)
+        out[key] = statistics.median(values) if values else None
+    if out["proxy"] is not None:
+        mid = min(rounds, key=lambda r: abs((r.get("proxy") or 0.0) - out["proxy"]))
+        out["proxy_workers"] = mid.get("proxy_workers", [])
+    rps_per_core = sorted(
+        r["rps"] / r["cores"]["proxy"] for r in runs if r.get("cores") and r["cores"].get("proxy")
+    )
+    out["rps_per_proxy_core"] = statistics.median(rps_per_core) if rps_per_core else None
+    return out

@@ -8,6 +8,7 @@ import contextlib
 import json
 import os
 import resource
+import shutil
 import signal
 import socket
 import subprocess
@@ -34,21 +35,13 @@ from benchproxy.common import (
 )
 
 
-def serve_upstream(host: str, port: int) -> int:
-    """A fast SGLang-shaped engine/router stand-in (aiohttp + uvloop). It keeps freed
-    buffers for reuse as ``kvproxy serve`` does (:mod:`kvproxy.heap`): with glibc's own
-    thresholds it page-faulted 70-100 times per 200 KB-1 MB body, which moved every
-    target's big-body rows alike. The reference forwarders are left as they are."""
+def upstream_replies(self_url: str) -> dict[str, bytes]:
+    """What the fast upstream answers (either server: :func:`serve_upstream`,
+    :func:`start_nginx_upstream`): ``generate`` (POST /generate), ``openai`` (the
+    OpenAI-style routes), ``metrics`` (an engine with room: every request admitted),
+    ``server_info`` and ``workers`` (one healthy worker, ``self_url``)."""
     import orjson
-    import uvloop
-    from aiohttp import web
 
-    from kvproxy import heap
-    from kvproxy.config import ServerConfig
-
-    heap.apply(ServerConfig().malloc_retain_bytes)
-
-    self_url = f"http://{host}:{port}"
     generate_reply = orjson.dumps(
         {
             "text": " ok" * 16,
@@ -104,6 +97,36 @@ def serve_upstream(host: str, port: int) -> int:
         }
     )
     workers = orjson.dumps({"workers": [{"url": self_url, "is_healthy": True, "labels": {}}]})
+    return {
+        "generate": generate_reply,
+        "openai": openai_reply,
+        "metrics": metrics_text,
+        "server_info": server_info,
+        "workers": workers,
+    }
+
+
+def serve_upstream(host: str, port: int) -> int:
+    """A fast SGLang-shaped engine/router stand-in (aiohttp + uvloop). It keeps freed
+    buffers for reuse as ``kvproxy serve`` does (:mod:`kvproxy.heap`): with glibc's own
+    thresholds it page-faulted 70-100 times per 200 KB-1 MB body, which moved every
+    target's big-body rows alike. The reference forwarders are left as they are."""
+    import orjson
+    import uvloop
+    from aiohttp import web
+
+    from kvproxy import heap
+    from kvproxy.config import ServerConfig
+
+    heap.apply(ServerConfig().malloc_retain_bytes)
+
+    replies = upstream_replies(f"http://{host}:{port}")
+    generate_reply, openai_reply = replies["generate"], replies["openai"]
+    metrics_text, server_info, workers = (
+        replies["metrics"],
+        replies["server_info"],
+        replies["workers"],
+    )
 
     def wants_stream(body: bytes) -> bool:
         return b'"stream":true' in body or b'"stream": true' in body
@@ -317,6 +340,73 @@ def cpu_seconds(pid: int) -> float | None:
     return (int(fields[11]) + int(fields[12])) / _CLK_TCK
 
 
+def child_pids(pid: int) -> list[int]:
+    """The children of ``pid`` (every thread's), in PID order; [] when it is gone."""
+    found: set[int] = set()
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return []
+    for tid in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                found.update(int(c) for c in f.read().split())
+        except (OSError, ValueError):
+            continue
+    return sorted(found)
+
+
+def process_tree(pid: int, max_depth: int = 4) -> list[int]:
+    """``pid`` and its descendants (``kvproxy serve --workers N``: the parent, then its
+    workers), at most ``max_depth`` levels down."""
+    tree, level = [pid], [pid]
+    for _ in range(max_depth):
+        level = [c for p in level for c in child_pids(p)]
+        if not level:
+            break
+        tree.extend(level)
+    return tree
+
+
+def host_cpu_seconds() -> dict[str, float] | None:
+    """CPU seconds of the whole host so far, all cores (/proc/stat): ``busy`` (all but
+    idle and iowait), and of it ``irq`` (hard and soft interrupts: loopback TCP's
+    receive path runs there, charged to no process)."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+    except OSError:
+        return None
+    if not fields or fields[0] != "cpu":
+        return None
+    # user nice system idle iowait irq softirq steal (guest times are inside user/nice)
+    ticks = [int(v) for v in fields[1:9]]
+    busy = sum(ticks) - ticks[3] - ticks[4]
+    return {"busy": busy / _CLK_TCK, "irq": (ticks[5] + ticks[6]) / _CLK_TCK}
+
+
+def set_autogroup_nice(pid: int, nice: int) -> bool:
+    """Give the scheduler autogroup of ``pid`` (its session's) the niceness ``nice``;
+    False where the kernel has no autogroups or refuses. With autogroups on
+    (/proc/sys/kernel/sched_autogroup_enabled), a process's own niceness weighs only
+    inside its session: a ``nice -n 19`` job started in another session still takes a
+    full share of the cores from a benchmark at nice 0."""
+    try:
+        with open(f"/proc/{pid}/autogroup", "w") as f:
+            f.write(str(nice))
+    except OSError:
+        return False
+    return True
+
+
+def autogroups_enabled() -> bool:
+    try:
+        with open("/proc/sys/kernel/sched_autogroup_enabled") as f:
+            return f.read().strip() == "1"
+    except OSError:
+        return False
+
+
 def minor_faults(pid: int) -> int | None:
     """Minor page faults of ``pid`` so far (a fresh page each: docs/benchmarks.md, "Page
     faults of big bodies")."""
@@ -406,6 +496,92 @@ def start_upstream(workdir: Path, floor_of: str | None = None, kind: str = "floo
             start_new_session=True,
         )
     proc = Proc(name, f"http://{HOST}:{port}", popen, log)
+    try:
+        wait_ready(proc, "/health", 20.0)
+    except BaseException:
+        proc.stop()
+        raise
+    return proc
+
+
+# The upstream servers: ``python`` (:func:`serve_upstream`, the default: every
+# measurement) or ``nginx`` (:func:`start_nginx_upstream`: fixed answers at a fraction of
+# the CPU, so that a saturated proxy is not sharing its cores with a Python upstream; no
+# streams).
+UPSTREAM_SERVERS = ("python", "nginx")
+
+
+def nginx_quote(payload: bytes) -> str:
+    """``payload`` as an nginx single-quoted string (``return 200 '...'``): nginx reads
+    back a backslash, quote or newline escaped this way; a ``$`` would start a variable,
+    so a payload may hold none."""
+    text = payload.decode()
+    if "$" in text:
+        raise ValueError("an nginx return text cannot hold '$' (a variable)")
+    escaped = text.replace("\\", "\\\\").replace("'", "\\'").replace("\n", "\\n")
+    return f"'{escaped}'"
+
+
+def nginx_upstream_conf(prefix: Path, port: int) -> str:
+    """nginx's configuration for the fast upstream on 127.0.0.1:``port`` (its files under
+    ``prefix``): :func:`upstream_replies` from ``return`` (a request body is read and
+    dropped), one worker process, keep-alive connections kept as long as a run."""
+    r = upstream_replies(f"http://{HOST}:{port}")
+    temp = "\n".join(
+        f"  {kind}_temp_path {prefix}/{kind};"
+        for kind in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi")
+    )
+    return f"""daemon off;
+worker_processes 1;
+pid {prefix}/nginx.pid;
+error_log {prefix}/error.log warn;
+events {{ worker_connections 16384; }}
+http {{
+  access_log off;
+{temp}
+  client_max_body_size 64m;
+  client_body_buffer_size 2m;
+  keepalive_requests 100000000;
+  keepalive_timeout 300s;
+  default_type application/json;
+  server {{
+    listen {HOST}:{port} backlog=4096;
+    location = /generate {{ return 200 {nginx_quote(r["generate"])}; }}
+    location = /v1/chat/completions {{ return 200 {nginx_quote(r["openai"])}; }}
+    location = /v1/completions {{ return 200 {nginx_quote(r["openai"])}; }}
+    location = /metrics {{ default_type text/plain; return 200 {nginx_quote(r["metrics"])}; }}
+    location = /workers {{ return 200 {nginx_quote(r["workers"])}; }}
+    location = /server_info {{ return 200 {nginx_quote(r["server_info"])}; }}
+    location = /get_server_info {{ return 200 {nginx_quote(r["server_info"])}; }}
+    location / {{ return 200 '{{}}'; }}
+  }}
+}}
+"""
+
+
+def start_nginx_upstream(workdir: Path) -> Proc:
+    """The fast upstream served by ``nginx`` (:func:`nginx_upstream_conf`), started on
+    127.0.0.1 in the foreground (``daemon off``) and stopped by PID."""
+    binary = shutil.which("nginx") or next(
+        (p for p in ("/usr/sbin/nginx", "/usr/bin/nginx") if os.access(p, os.X_OK)), None
+    )
+    if binary is None:
+        raise RuntimeError("no nginx for --upstream-server nginx (apt-get install nginx)")
+    port = free_port()
+    prefix = workdir / "nginx-upstream"
+    prefix.mkdir(parents=True, exist_ok=True)
+    conf = prefix / "nginx.conf"
+    conf.write_text(nginx_upstream_conf(prefix, port))
+    log = workdir / "upstream.log"
+    with open(log, "wb") as out:
+        popen = subprocess.Popen(
+            [binary, "-p", str(prefix), "-c", str(conf), "-e", str(prefix / "error.log")],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+    proc = Proc("upstream", f"http://{HOST}:{port}", popen, prefix / "error.log")
     try:
         wait_ready(proc, "/health", 20.0)
     except BaseException:

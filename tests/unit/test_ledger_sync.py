@@ -365,6 +365,38 @@ def test_a_hello_makes_the_others_send_their_whole_view() -> None:
     assert b.core.ledger.get("s") is not None
 
 
+def test_a_replicas_own_batch_back_from_the_channel_is_not_decoded(monkeypatch) -> None:
+    """Every subscriber gets every message, its own included: those are dropped whole,
+    before any line is parsed (with two replicas, half of what arrives)."""
+    from kvproxy.replication import sync as sync_module
+
+    a, b, _ = pair()
+    a.turn("t1", "s", 100)
+    own = encode_batch(a.sync.pending())
+    decoded: list[str] = []
+    real = sync_module.decode_batch
+
+    def counting(text: str):
+        decoded.append(text)
+        return real(text)
+
+    monkeypatch.setattr(sync_module, "decode_batch", counting)
+    assert a.sync.receive(own) == 0
+    assert decoded == []
+    assert a.core.ledger.get("s").running == 1  # (its own turn, untouched)
+    assert b.sync.receive(own) > 0  # the other replica's view of the same batch
+    assert decoded == [own]
+    assert b.core.ledger.get("s") is not None
+
+
+def test_a_batch_of_a_replica_whose_name_starts_like_ours_is_applied() -> None:
+    clock = Clock()
+    a, ab = Replica("a", clock), Replica("ab", clock)
+    ab.turn("t1", "s", 100)
+    assert a.sync.receive(encode_batch(ab.sync.pending())) > 0
+    assert a.core.ledger.get("s") is not None
+
+
 def test_a_clear_of_the_program_is_followed() -> None:
     a, b, _ = pair()
     a.core.clear()

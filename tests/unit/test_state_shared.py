@@ -196,7 +196,18 @@ async def test_the_leased_sweep_aborts_what_a_dead_replica_had_in_flight_once() 
         (2, {"session_lifecycle": {"enabled": True}}, True, False),
         (2, {"session_lifecycle": {"enabled": True}, "state": {"backend": "redis"}}, False, False),
         (2, {"admission": {"enabled": True}}, False, True),
-        (2, {"admission": {"enabled": True}, "state": {"backend": "redis"}}, False, False),
+        # The default policy cannot be mirrored: each worker accounts fleet-wide alone.
+        (2, {"admission": {"enabled": True}, "state": {"backend": "redis"}}, False, True),
+        (
+            2,
+            {
+                "admission": {"enabled": True},
+                "state": {"backend": "redis"},
+                "router": {"policy": "consistent_hashing"},
+            },
+            False,
+            False,
+        ),
         (
             2,
             {"admission": {"enabled": True, "ledger": "fleet"}, "state": {"backend": "redis"}},
