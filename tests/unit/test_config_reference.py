@@ -117,7 +117,6 @@ def test_program_params_take_their_defaults_from_the_config() -> None:
         "floor_room",
         "floor_room_host",
         "forecast_ratio",
-        "paused_ttl_factor",
     }
     derived = {
         "cut_interval_s": 2 * AdmissionConfig().feedback_window_s,

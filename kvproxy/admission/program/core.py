@@ -495,10 +495,6 @@ class ProgramCore:
         for sid in self.ledger.expire(now, waiting):
             self.prefetch.cancel(sid)
             self.events[Event.IDLE_EXPIRED] += 1
-        for sid in self.ledger.idle_paused:  # (paused on an engaged engine, kept)
-            self.prefetch.cancel(sid)
-            self.events[Event.PAUSED] += 1
-        self.ledger.idle_paused.clear()
         out = self.drain(now)
         urls = set(self.ledger.engines) | set(self.queues.by_engine)
         for url in urls:

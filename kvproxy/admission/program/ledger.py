@@ -207,8 +207,6 @@ class EngineLedger:
         self.sessions: OrderedDict[str, Session] = OrderedDict()  # least recent first
         self.engines: dict[str, Engine] = {}
         self.family = Family(max_links=params.max_sessions)
-        # Sessions expire() paused rather than dropped, since the core last read them.
-        self.idle_paused: list[str] = []
         self.peaks = PeakModel(
             quantile=params.growth_quantile,
             window=params.growth_window,
@@ -650,30 +648,13 @@ class EngineLedger:
         """Sessions idle (not busy, not NEW) past ``idle_ttl_s`` leave; returns them.
         A session with a turn ``waiting`` is not idle: its turn is held, not absent (a
         paused session dropped while its turn waits would come back as a new one, its
-        next turn held as a first turn).
-
-        On an engaged engine an ACTIVE session idle that long is paused instead (it
-        stops counting there, as if it had left; ``idle_paused`` counts it), and a
-        PAUSED one leaves only once idle ``paused_ttl_factor`` x ``idle_ttl_s``: a lead
-        whose subagents' first turns are held idles past ``idle_ttl_s``, and dropped, its
-        next turn came back as a new session's first turn, held up to
-        ``new_session_max_wait_s`` (docs/admission.md, "Holds that last as long as they
-        pay")."""
-        ttl = self.p.idle_ttl_s
-        out: list[str] = []
-        for sid, s in list(self.sessions.items()):
-            if s.state is SessionState.NEW or s.busy or sid in waiting:
-                continue
-            idle = now - s.since
-            if idle <= ttl:
-                continue
-            if s.state is SessionState.ACTIVE and self.engaged(s.engine):
-                self.pause(s, now)
-                self.idle_paused.append(sid)
-            elif s.state is SessionState.PAUSED and idle <= self.p.paused_ttl_factor * ttl:
-                continue
-            else:
-                out.append(sid)
+        next turn held as a first turn)."""
+        out = [
+            sid
+            for sid, s in self.sessions.items()
+            if not (s.state is SessionState.NEW or s.busy or sid in waiting)
+            and now - s.since > self.p.idle_ttl_s
+        ]
         for sid in out:
             self.drop(sid)
         return out

@@ -6,8 +6,7 @@ applies it (:mod:`kvproxy.admission.scaling` names the durations and the token
 counts), plus what program mode derives from the keys and the controller's own
 constants, which are not keys (``target_cut``, ``target_step``, ``quiet_windows``,
 ``min_feedback_turns``, ``engage_min_turns``, ``growth_alpha``, ``cold_start_ratio``,
-``min_inflight``, ``floor_room``, ``floor_room_host``, ``forecast_ratio``,
-``paused_ttl_factor``).
+``min_inflight``, ``floor_room``, ``floor_room_host``, ``forecast_ratio``).
 ``ProgramParams()`` is ``ProgramParams.from_config(AdmissionConfig())``.
 """
 
@@ -63,12 +62,6 @@ class ProgramParams(AdmissionConfig):
     # turns push out comes back by a load): 3 there added losing runs (swe 16 per engine at
     # 2.5x and 4x the pool, 0.95x and 0.91x) and lost subagent fleets' gains, so 2.
     floor_room_host: float = 2.0
-    # A paused session stays known this many times idle_ttl_s (an ACTIVE one idle past
-    # idle_ttl_s on an engaged engine is paused, not dropped): its next turn then waits
-    # as a paused turn, not as a new session's first. 3 (1800 s at the default, the
-    # first-turn bound): subagent fleets' continuing-turn p99 -10 to -25%
-    # (docs/benchmarks.md, "Holds that last as long as they pay").
-    paused_ttl_factor: float = 3.0
 
     @property
     def engage_rule(self) -> EngageRule:
