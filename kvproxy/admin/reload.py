@@ -35,6 +35,7 @@ RESTART_ONLY = (
     "state.key_prefix",
     "state.op_timeout_s",
     "state.replica_ttl_s",
+    "state.orphan_abort_after_s",
     "state.session_ttl_s",
     "state.sweep_interval_s",
     "state.retry_interval_s",

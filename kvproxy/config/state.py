@@ -1,9 +1,10 @@
 """The ``state:`` section: where the session lifecycle's shared state lives. Pure.
 
 ``memory`` (the default) keeps it in the process, as before: nothing is shared and no
-server is needed. ``redis`` shares the session table between replicas (``kvproxy serve
---workers N``, or processes on several hosts behind a load balancer); admission state
-stays per replica (docs/operations.md, "Running several replicas").
+server is needed. ``redis`` shares the session table and program admission's ledger
+between replicas (``kvproxy serve --workers N``, or processes on several hosts behind a
+load balancer); the fleet ledger (``admission.ledger: fleet``) stays per replica
+(docs/operations.md, "Running several replicas").
 """
 
 from __future__ import annotations
@@ -28,6 +29,11 @@ class StateConfig:
     op_timeout_s: float = 0.05
     # A replica's heartbeat and its close claims expire this long after it stops.
     replica_ttl_s: float = 5.0
+    # How long a replica found gone (its heartbeat expired) stays silent before the
+    # requests it recorded in flight are aborted on every engine; None: never. Longer
+    # than a store stall to tolerate: a replica cut off from Redis only (still serving)
+    # loses those of its requests that began before the cut and outlast this.
+    orphan_abort_after_s: float | None = 30.0
     # A session's keys expire this long after its last activity (closed or not).
     session_ttl_s: float = 3600.0
     # How often the shared idle sweep runs (one replica at a time, under a lease), and
@@ -75,4 +81,9 @@ def validate_state(s: StateConfig) -> None:
     check(
         s.replica_ttl_s >= 2 * s.sweep_interval_s,
         f"state.replica_ttl_s: must be >= 2 x state.sweep_interval_s (got {s.replica_ttl_s})",
+    )
+    check(
+        s.orphan_abort_after_s is None or s.orphan_abort_after_s >= s.replica_ttl_s,
+        "state.orphan_abort_after_s: must be null (never) or >= state.replica_ttl_s "
+        f"(got {s.orphan_abort_after_s})",
     )

@@ -20,7 +20,8 @@
   when it answers, the replica *rejoins*: it writes back its open sessions (their last
   activity and requests in flight) and is shared again.
 
-Admission state is not here: it stays per replica.
+Admission state is not here: program admission's ledger is shared on the same store by
+:mod:`kvproxy.replication.sync`.
 """
 
 from __future__ import annotations
@@ -364,12 +365,14 @@ class SharedState:
             return []
         self._counters.inc(SWEEPS)
         now = self._clock()
-        # A replica not heard for replica_ttl_s is marked gone; another replica_ttl_s
-        # later (time to beat again, e.g. rejoining after the store came back) its
-        # requests still recorded in flight are taken, each by one sweep only.
+        # A replica not heard for replica_ttl_s is marked gone; orphan_abort_after_s
+        # later (time to beat again, e.g. rejoining after the store came back, and for
+        # its requests to end) those still recorded in flight are taken, each by one
+        # sweep only.
         sweep: list[Op] = [Due(now, self._idle_timeout_s())]
-        if self._on_orphans is not None:
-            sweep.append(Orphans(now, self.cfg.replica_ttl_s))
+        grace = self.cfg.orphan_abort_after_s
+        if self._on_orphans is not None and grace is not None:
+            sweep.append(Orphans(now, grace))
         found = await self.call(sweep)
         if not found:
             return []

@@ -83,6 +83,7 @@ def _config(
     router_url: str,
     *,
     admission: dict[str, Any] | None = None,
+    state: dict[str, Any] | None = None,
     **lifecycle: Any,
 ) -> Path:
     doc: dict[str, Any] = {
@@ -97,6 +98,7 @@ def _config(
             "replica_ttl_s": 1.0,
             "sweep_interval_s": 0.25,
             "retry_interval_s": 0.25,
+            **(state or {}),
         },
     }
     if admission is not None:
@@ -513,8 +515,10 @@ async def test_a_frozen_replicas_request_is_aborted_on_the_engines_in_bounded_ti
     a lost host; a SIGKILLed one closes them and the engines abort on the disconnect):
     its upstream request would compute to the end for nobody. The survivor's sweep
     takes the rid the frozen replica recorded in flight and aborts it on every engine
-    within about two replica_ttl_s (1 s here)."""
-    s = _start(logs, _config(logs, redis.url, router.url), router.url)
+    once the replica has been silent for replica_ttl_s (1 s here) and then
+    orphan_abort_after_s (2 s here), not before."""
+    config = _config(logs, redis.url, router.url, state={"orphan_abort_after_s": 2.0})
+    s = _start(logs, config, router.url)
     holder, survivor = s.replicas
     engine_urls = [e.url for e in engines]
     request: asyncio.Task[Any] | None = None
@@ -547,10 +551,11 @@ async def test_a_frozen_replicas_request_is_aborted_on_the_engines_in_bounded_ti
             got = await _engine_requests(http, engine_urls, "/abort_request", rid)
             return {g["engine"] for g in got} == set(engine_urls)
 
-        # replica_ttl_s to be found gone, replica_ttl_s of grace, sweeps of 0.25 s.
-        await wait_until(aborted, timeout_s=10, what="the frozen replica's rid aborted")
+        # replica_ttl_s to be found gone (its last beat up to a sweep of 0.25 s before
+        # the stop), orphan_abort_after_s of grace, then the next sweep.
+        await wait_until(aborted, timeout_s=12, what="the frozen replica's rid aborted")
         took = time.monotonic() - stopped_at
-        assert 1.0 <= took < 6.0, took
+        assert 2.5 <= took < 8.0, took
         assert [g["rid"] for g in await _engine_requests(http, engine_urls, "/abort_request", rid)]
         # The engine stopped computing it: an abort, not a finish.
         assert await _aborted_on_engines(http, engine_urls) == aborted_before + 1

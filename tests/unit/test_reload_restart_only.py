@@ -28,6 +28,7 @@ CHANGED: dict[str, Any] = {
     "state.key_prefix": "other:",
     "state.op_timeout_s": 0.2,
     "state.replica_ttl_s": 9.0,
+    "state.orphan_abort_after_s": 60.0,
     "state.session_ttl_s": 60.0,
     "state.sweep_interval_s": 2.0,
     "state.retry_interval_s": 3.0,

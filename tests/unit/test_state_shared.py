@@ -60,7 +60,9 @@ class FakeStore:
 
 
 class Harness:
-    def __init__(self, idle: float | None = None) -> None:
+    def __init__(
+        self, idle: float | None = None, orphan_abort_after_s: float | None = 30.0
+    ) -> None:
         self.store = FakeStore()
         self.now = 1000.0
         self.due: list[str] = []
@@ -68,7 +70,11 @@ class Harness:
         self.open: list[tuple[str, float, int]] = []
         self.orphans: list[str] = []
         cfg = StateConfig(
-            backend="redis", sweep_interval_s=0.02, retry_interval_s=0.02, replica_ttl_s=5.0
+            backend="redis",
+            sweep_interval_s=0.02,
+            retry_interval_s=0.02,
+            replica_ttl_s=5.0,
+            orphan_abort_after_s=orphan_abort_after_s,
         )
         self.shared = SharedState(
             cfg,
@@ -172,7 +178,10 @@ async def test_the_leased_sweep_aborts_what_a_dead_replica_had_in_flight_once() 
         h.shared.begin("u", False, ("a1",))  # this replica's own: never taken
         await h.shared.beat()  # (or the beat task's) B marked gone
         assert h.orphans == []
-        h.now += 5.0  # replica_ttl_s later: B is still gone
+        h.now += 5.0  # replica_ttl_s later: still inside orphan_abort_after_s (30 s)
+        await h.shared.beat()
+        assert h.orphans == []
+        h.now += 25.0  # orphan_abort_after_s after B was found gone: still silent
 
         async def taken() -> bool:
             return h.orphans == ["b1"]
@@ -254,3 +263,17 @@ def test_the_state_section_is_checked() -> None:
     with pytest.raises(ConfigError, match="credentials"):
         from_mapping({"state": {"backend": "redis", "redis_url": "redis://:pw@h:1/0"}})
     assert from_mapping({"state": {"backend": "redis"}}).state.backend == "redis"
+
+
+async def test_no_request_is_aborted_when_orphan_aborts_are_off() -> None:
+    h = Harness(orphan_abort_after_s=None)
+    h.store.mem.apply(Heartbeat("B", h.now - 10, 5.0))
+    h.store.mem.apply(Begin("s", "B", h.now - 10, 60.0, rids=("b1",)))
+    await h.shared.start()
+    try:
+        for _ in range(3):
+            await h.shared.beat()
+            h.now += 60.0
+        assert h.orphans == []  # B's request left alone, its record to expire
+    finally:
+        await h.shared.stop()
