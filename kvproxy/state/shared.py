@@ -11,8 +11,8 @@
   and those whose final turn ran on a replica that died) and takes the requests a dead
   replica had in flight (their rids ride on the begin and end writes), to be aborted
   on every engine: a replica gone without closing its connections (a host lost, a
-  process hung) leaves no request computing for nobody past about two
-  ``replica_ttl_s``.
+  process hung) leaves no request computing for nobody past ``replica_ttl_s`` +
+  ``orphan_abort_after_s``.
 - Every store call is bounded by ``state.op_timeout_s``. On a timeout or an error the
   replica *falls back*: one WARNING (then at most one per 30 s), what it would have
   written is dropped and counted, and its local session table goes on deciding alone

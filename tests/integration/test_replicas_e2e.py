@@ -12,7 +12,8 @@ What is checked, counted on the engines' side (``GET /sim/requests``):
 - Redis stopped mid-run: requests go on without waiting on the store, the replicas fall
   back and rejoin when it returns, and no close is lost;
 - a replica frozen (SIGSTOP: its connections stay open) with a request in flight: the
-  survivor aborts that request on every engine within about two ``replica_ttl_s``.
+  survivor aborts that request on every engine after ``replica_ttl_s`` +
+  ``orphan_abort_after_s``, not before.
 """
 
 from __future__ import annotations
