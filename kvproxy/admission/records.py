@@ -55,7 +55,8 @@ class Outcome(StrEnum):
     # A new session's first turn fitted its engine at once / after waiting in its FIFO.
     NEW_ADMITTED = "new_admitted"
     NEW_WAITED = "new_waited"
-    # Fail open: a new session that waited new_session_max_wait_s went anyway.
+    # A new session that waited new_session_soft_wait_s went once admitting it would not
+    # push its engine past the pause mark, or (fail open) new_session_max_wait_s anyway.
     NEW_AGED = "new_aged"
     # A paused session's turn fitted at once / after waiting (< paused_soft_wait_s).
     RESUMED = "resumed"

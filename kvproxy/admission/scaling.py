@@ -28,6 +28,7 @@ TIME_SCALED: tuple[str, ...] = (
     # program mode
     "paused_soft_wait_s",
     "paused_max_wait_s",
+    "new_session_soft_wait_s",
     "new_session_max_wait_s",
     "tick_s",
     "idle_lease_s",

@@ -250,3 +250,97 @@ def test_a_session_whose_turn_is_held_is_not_expired_as_idle() -> None:
     s = c.ledger.get(sid)
     assert s is not None and s.state is SessionState.PAUSED  # still held, still known
     assert c.queues.engine(E1).live_paused == 1
+
+
+def waiting_new_core(soft: float) -> ProgramCore:
+    """An engine of 1000 whose gate is engaged: a (400) and b (300) keep running with
+    turns of 450 and 400; n, a new session, asks for its first turn (200) at t=10 and
+    does not fit (850 + 200 > 900): admitting it would cross pause_high (850 + 200 > 950)."""
+    c = ProgramCore(
+        dataclasses.replace(
+            P,
+            engage_on_thrash=False,
+            paused_max_wait_s=600.0,
+            new_session_soft_wait_s=soft,
+            new_session_max_wait_s=600.0,
+        )
+    )
+    c.ledger.observe_engine(E1, 0.0, max_total_num_tokens=1000)
+    for sid, size in (("a", 400), ("b", 300)):
+        assert c.request(f"{sid}1", sid, E1, size, 0.0).outcome is Outcome.NEW_ADMITTED
+        c.observe_response(f"{sid}1", 0.0, prompt_tokens=size, completion_tokens=0, cached_tokens=0)
+        c.turn_ended(f"{sid}1", 0.0)
+    for sid, size in (("a", 450), ("b", 400)):  # never idle: never decayed
+        c.request(f"{sid}2", sid, E1, size, 1.0)
+    assert c.request("n1", "n", E1, 200, 10.0).held is Held.NEW_SESSION_FIT
+    return c
+
+
+@pytest.mark.parametrize(
+    ("soft", "at", "outcome"),
+    [
+        (600.0, 400.0, None),  # the plain bound (soft = hard): waits to it
+        (300.0, 200.0, None),  # before its soft bound: waits
+        (300.0, 400.0, None),  # past it, admitting it still overflows: waits
+        (300.0, 615.0, Outcome.NEW_AGED),  # the hard bound: goes however full
+    ],
+)
+def test_a_first_turn_waits_past_its_soft_bound_while_admitting_it_would_overflow(
+    soft, at, outcome
+) -> None:
+    c = waiting_new_core(soft)
+    c.ledger.observe_engine(E1, at, max_total_num_tokens=1000)
+    c.ledger.engine(E1).load.answered(at - 1)  # the engine moved on since n1 queued
+    released = {r.ticket: r.outcome for r in c.drain(at)}
+    assert released.get("n1") is outcome
+
+
+@pytest.mark.parametrize(("soft", "outcome"), [(300.0, Outcome.NEW_AGED), (600.0, None)])
+def test_a_first_turn_past_its_soft_bound_goes_once_it_fits_under_the_pause_mark(
+    soft, outcome
+) -> None:
+    """A first turn of 60 does not fit the target (850 + 60 > 900) but stays under the
+    pause mark (850 + 60 <= 950): past its soft bound it goes; before the hard bound, with
+    the soft bound at the hard one, it waits."""
+    c = waiting_new_core(soft)
+    c.cancel("n1")
+    assert c.request("n2", "n", E1, 60, 10.0).held is Held.NEW_SESSION_FIT
+    led = c.ledger
+    s = led.get("n")
+    assert s is not None and not led.past_pause_mark(E1, led.first_reservation(E1, s, 60, 320.0))
+    led.observe_engine(E1, 305.0, max_total_num_tokens=1000)
+    assert c.drain(305.0) == []  # before the soft bound (310)
+    led.observe_engine(E1, 320.0, max_total_num_tokens=1000)
+    led.engine(E1).load.answered(319.0)
+    released = {r.ticket: r.outcome for r in c.drain(320.0)}
+    assert released.get("n2") is outcome
+
+
+@pytest.mark.parametrize(
+    ("tokens", "outcome"),
+    [
+        (60, Outcome.NEW_AGED),  # held for room, under the mark: leaves ahead of the resume
+        (30, None),  # it fits: held for its order behind the resume, as before
+    ],
+)
+def test_past_its_soft_bound_a_first_turn_held_for_room_leaves_while_resumes_wait(
+    tokens, outcome
+) -> None:
+    """a is paused and asks for 600, which overflows beside b: it waits ahead of new
+    sessions. b's running turn is 850: n's first turn of 60 does not fit the target
+    (910 > 900) but stays under the pause mark; one of 30 fits (880)."""
+    c = waiting_new_core(300.0)
+    c.cancel("n1")
+    c.turn_ended("a2", 2.0)
+    c.ledger.pause(c.ledger.sessions["a"], 2.0)
+    assert c.request("a3", "a", E1, 600, 5.0).held is Held.PAUSED_FIT
+    c.ledger.sessions["b"].est = 850
+    assert c.request("n2", "n", E1, tokens, 10.0).held is Held.NEW_BEHIND
+    led = c.ledger
+    s = led.get("n")
+    assert s is not None and not led.past_pause_mark(E1, led.first_reservation(E1, s, tokens, 0))
+    led.observe_engine(E1, 315.0, max_total_num_tokens=1000)
+    led.engine(E1).load.answered(314.0)
+    released = {r.ticket: r.outcome for r in c.drain(315.0)}
+    assert "a3" not in released  # the resume still overflows; its hard bound is 600 s
+    assert released.get("n2") is outcome

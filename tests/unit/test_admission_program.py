@@ -501,6 +501,21 @@ def test_paused_max_wait_s_stays_the_most_a_paused_turn_waits(
     assert (p.paused_soft_wait_s, p.paused_max_wait_s) == (soft, hard)
 
 
+@pytest.mark.parametrize(
+    ("keys", "soft", "hard"),
+    [
+        ({}, 300.0, 1800.0),  # the defaults: a soft bound, then the hold while it pays
+        ({"new_session_max_wait_s": 120.0}, 120.0, 120.0),  # alone: the plain bound
+        ({"new_session_soft_wait_s": 60.0, "new_session_max_wait_s": 900.0}, 60.0, 900.0),
+    ],
+)
+def test_new_session_max_wait_s_stays_the_most_a_first_turn_waits(
+    keys: dict[str, float], soft: float, hard: float
+) -> None:
+    p = ProgramParams.from_config(AdmissionConfig(enabled=True, **keys))
+    assert (p.new_session_soft_wait_s, p.new_session_max_wait_s) == (soft, hard)
+
+
 def test_the_token_scale_divides_every_token_valued_setting() -> None:
     from kvproxy.admission.scaling import token_scaled
 

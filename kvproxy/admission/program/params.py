@@ -95,5 +95,8 @@ class ProgramParams(AdmissionConfig):
         # The soft bound never outlasts the hard one (paused_max_wait_s: 30 alone is
         # the fixed 30 s hold, as the key meant before the soft bound).
         keys["paused_soft_wait_s"] = min(scaled.paused_soft_wait_s, scaled.paused_max_wait_s)
+        keys["new_session_soft_wait_s"] = min(
+            scaled.new_session_soft_wait_s, scaled.new_session_max_wait_s
+        )
         keys["staleness_s"] = cfg.effective_staleness_s * time_scale
         return cls(**keys, cut_interval_s=2 * scaled.feedback_window_s)
