@@ -25,7 +25,7 @@ tests/integration/test_state_conformance.py runs a table of them against both.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 # The tombstone a close claim becomes once the close is done.
 CLOSED = "closed"
@@ -166,6 +166,21 @@ class Peek:
 Op = Begin | End | Restore | Claim | Finish | Heartbeat | Lease | Due | Orphans | Peek
 
 
+V = TypeVar("V")
+
+
+def _unexpired(table: dict[str, tuple[V, float]], key: str, now: float) -> V | None:
+    """``key``'s value in a table of (value, expires at), as a Redis key with a TTL reads:
+    None once expired (and then forgotten)."""
+    got = table.get(key)
+    if got is None:
+        return None
+    if got[1] <= now:
+        del table[key]
+        return None
+    return got[0]
+
+
 @dataclass(slots=True)
 class _Session:
     last: float
@@ -207,13 +222,7 @@ class MemoryStore:
         return sess
 
     def _close_of(self, sid: str, now: float) -> str | None:
-        got = self._close.get(sid)
-        if got is None:
-            return None
-        if got[1] <= now:
-            del self._close[sid]
-            return None
-        return got[0]
+        return _unexpired(self._close, sid, now)
 
     def _alive(self, replica: str, now: float) -> bool:
         return self._replicas.get(replica, 0.0) > now
@@ -222,22 +231,14 @@ class MemoryStore:
         return sum(n for r, n in sess.in_flight.items() if n > 0 and self._alive(r, now))
 
     def _rids_of(self, replica: str, now: float) -> dict[str, str] | None:
-        got = self._rids.get(replica)
-        if got is None:
-            return None
-        if got[1] <= now or not got[0]:
+        rids = _unexpired(self._rids, replica, now)
+        if rids is not None and not rids:  # (a hash with no fields is no key in Redis)
             del self._rids[replica]
             return None
-        return got[0]
+        return rids
 
     def _gone_at(self, replica: str, now: float) -> float | None:
-        got = self._gone.get(replica)
-        if got is None:
-            return None
-        if got[1] <= now:
-            del self._gone[replica]
-            return None
-        return got[0]
+        return _unexpired(self._gone, replica, now)
 
     # -- operations ------------------------------------------------------------
 

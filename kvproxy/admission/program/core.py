@@ -447,40 +447,35 @@ class ProgramCore:
             return Outcome.CONTINUING_WAITED
         if not continuing and led.fits_new(url, s, e.tokens, now):
             return Outcome.NEW_WAITED
-        if self._aged(url, e, now) or self._past_soft_bound(url, e, now):
+        if self._aged(url, e, now):
+            return Outcome.NEW_AGED
+        if not continuing and self._past_soft_bound(url, e, s, now):
             return Outcome.NEW_AGED
         return None
 
-    def _past_soft_bound(self, url: str, e: Entry, now: float) -> bool:
-        """A new session's first turn past ``new_session_soft_wait_s`` whose admission
-        would not push its engine past the pause mark: holding it longer no longer keeps
-        the engine's sessions resident (docs/admission.md, "Holds that last as long as
-        they pay"). Not a continuing turn (``hold_continuing``), not one that does not fit
-        the engine at all, and not one of a session the ledger no longer knows."""
+    def _past_soft_bound(self, url: str, e: Entry, s: Session, now: float) -> bool:
+        """A new session's first turn, held for room, past ``new_session_soft_wait_s``
+        and whose admission would not push its engine past the pause mark: holding it
+        longer no longer keeps the engine's sessions resident (docs/admission.md, "First
+        turns, the same way")."""
         if now < e.enqueued_at + self.p.new_session_soft_wait_s:
             return False
         led = self.ledger
-        s = led.get(e.sid)
-        if s is None or s.state is SessionState.ACTIVE or e.tokens > led.capacity(url):
-            return False
         return not led.past_pause_mark(url, led.first_reservation(url, s, e.tokens, now))
 
     def _age_new(self, url: str, now: float) -> list[Release]:
         """New heads that leave while resumes wait ahead of them: those past their bound,
-        and those past their soft bound whose admission fits under the pause mark."""
+        and those held for room past their soft bound (``_new_outcome``'s ``new_aged``);
+        one that fits keeps its place behind the resumes."""
         out: list[Release] = []
         q = self.queues.engine(url)
-        led = self.ledger
         for _ in range(len(q.new) + 1):
             e = q.head("new")
             if e is None:
                 break
-            if not self._aged(url, e, now):
-                s = led.get(e.sid)
-                if s is None or s.state is SessionState.ACTIVE:
-                    break
-                if led.fits_new(url, s, e.tokens, now) or not self._past_soft_bound(url, e, now):
-                    break
+            aged = self._aged(url, e, now)
+            if not aged and self._new_outcome(url, e, True, now) is not Outcome.NEW_AGED:
+                break
             out.append(self._release(url, "new", Outcome.NEW_AGED, now))
         return out
 
