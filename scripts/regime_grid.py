@@ -652,6 +652,25 @@ def _csv(text: str, kind: type) -> list[Any]:
     return [kind(x) for x in text.split(",") if x]
 
 
+def seed_list(text: str) -> list[int]:
+    """``--seeds``: numbers and inclusive ranges, comma-separated (``0,1``, ``0-7``,
+    ``0-3,8``), each seed once, in the order given."""
+    want = f"seeds {text!r}: want numbers and ranges, e.g. 0,1 or 0-7"
+    seeds: list[int] = []
+    for part in filter(None, text.split(",")):
+        lo, dash, hi = part.partition("-")
+        try:
+            first, last = int(lo), int(hi if dash else lo)
+        except ValueError:
+            raise argparse.ArgumentTypeError(want) from None
+        if first < 0 or last < first:
+            raise argparse.ArgumentTypeError(f"{want} (a range runs upwards from 0)")
+        seeds.extend(range(first, last + 1))
+    if not seeds:
+        raise argparse.ArgumentTypeError(want)
+    return list(dict.fromkeys(seeds))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
@@ -674,7 +693,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=None,
         help="an earlier grid's JSON: faults run on its cells with ceiling/off >= 1.3",
     )
-    ap.add_argument("--seeds", default="0")
+    ap.add_argument("--seeds", type=seed_list, default=[0], help="e.g. 0,1 or 0-7 (default 0)")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     ap.add_argument(
         "--admission",
@@ -812,7 +831,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     hicache_ratio = engines_hicache_ratio(args)  # the lab's flags, the lab's reading
     link = args.hicache_link_gb_s
     policy = args.hicache_write_policy
-    seeds = _csv(args.seeds, int)
+    seeds: list[int] = args.seeds
     policies = _csv(args.policies, str)
     if args.caps is not None:
         if faults != ["none"] or admission:

@@ -358,3 +358,21 @@ def test_thunder_runs_beside_both_and_is_judged_against_it(grid: ModuleType) -> 
     assert cmp["kv_bound_cells"] == 1
     assert cmp["kv_bound_median_both_over_peer"] == pytest.approx(1.075)
     assert "both_vs_thunder-origin" not in j
+
+
+@pytest.mark.parametrize(
+    ("text", "seeds"),
+    [("0", [0]), ("0,1", [0, 1]), ("0-7", list(range(8))), ("4-5,0,4", [4, 5, 0])],
+)
+def test_seeds_take_numbers_and_ranges(grid: ModuleType, text: str, seeds: list[int]) -> None:
+    assert grid.seed_list(text) == seeds
+
+
+@pytest.mark.parametrize("text", ["", "a", "3-1", "0-x", "-1"])
+def test_bad_seeds_are_a_usage_error_naming_the_form(
+    grid: ModuleType, text: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        grid.main(["--seeds", text, "--out", "/nonexistent/never-written.json"])
+    assert exc.value.code == 2
+    assert "want numbers and ranges, e.g. 0,1 or 0-7" in capsys.readouterr().err
