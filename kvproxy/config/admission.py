@@ -82,13 +82,15 @@ class AdmissionConfig:
     # A new session's first turn waits in its engine's FIFO for room; past
     # new_session_soft_wait_s (its soft bound) it goes once admitting it would not push
     # its engine past the pause mark (as a paused turn past paused_soft_wait_s), and past
-    # new_session_max_wait_s (the first-turn wait bound) in any case. 300 s / 1800 s: the
+    # new_session_max_wait_s (the first-turn wait bound) in any case. 180 s / 1800 s: the
     # measured trade-off (docs/admission.md#defaults): a plain 300 s bound lifted the
     # grid's KV-bound cells but cost the deep fleet 8% and 5.7x its continuing-turn tail;
-    # held only while it pays, the deep fleet keeps its gain. The soft bound never
+    # held only while it pays, the deep fleet keeps its gain. 180 s from the soft bound's
+    # curve (60-300 s): W1 2.02x (1.96x at 300 s), first turns served sooner everywhere,
+    # the deep fleet's gain kept; shorter bounds cost the tails. The soft bound never
     # outlasts the hard one: new_session_soft_wait_s >= new_session_max_wait_s is the
     # plain bound of earlier versions.
-    new_session_soft_wait_s: float = 300.0
+    new_session_soft_wait_s: float = 180.0
     new_session_max_wait_s: float = 1800.0
     # Inject a size-based top-level priority when every engine evicts by priority. Off by
     # default: with --enable-priority-scheduling (required for priority eviction) the

@@ -504,7 +504,7 @@ def test_paused_max_wait_s_stays_the_most_a_paused_turn_waits(
 @pytest.mark.parametrize(
     ("keys", "soft", "hard"),
     [
-        ({}, 300.0, 1800.0),  # the defaults: a soft bound, then the hold while it pays
+        ({}, 180.0, 1800.0),  # the defaults: a soft bound, then the hold while it pays
         ({"new_session_max_wait_s": 120.0}, 120.0, 120.0),  # alone: the plain bound
         ({"new_session_soft_wait_s": 60.0, "new_session_max_wait_s": 900.0}, 60.0, 900.0),
     ],
