@@ -663,8 +663,8 @@ def seed_list(text: str) -> list[int]:
             first, last = int(lo), int(hi if dash else lo)
         except ValueError:
             raise argparse.ArgumentTypeError(want) from None
-        if first < 0 or last < first:
-            raise argparse.ArgumentTypeError(f"{want} (a range runs upwards from 0)")
+        if last < first:
+            raise argparse.ArgumentTypeError(f"{want} (a range runs upwards)")
         seeds.extend(range(first, last + 1))
     if not seeds:
         raise argparse.ArgumentTypeError(want)

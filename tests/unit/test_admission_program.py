@@ -486,34 +486,29 @@ def test_params_scale_every_duration_by_the_time_scale() -> None:
 
 
 @pytest.mark.parametrize(
-    ("keys", "soft", "hard"),
+    ("wait", "keys", "soft", "hard"),
     [
-        ({}, 30.0, 600.0),  # the defaults: a soft bound, then the hold while it pays
-        ({"paused_max_wait_s": 30.0}, 30.0, 30.0),  # alone: the fixed 30 s hold, as before
-        ({"paused_max_wait_s": 8.0}, 8.0, 8.0),  # never a soft bound past the hard one
-        ({"paused_soft_wait_s": 5.0, "paused_max_wait_s": 60.0}, 5.0, 60.0),
+        # a paused turn's: the defaults, a soft bound then the hold while it pays
+        ("paused", {}, 30.0, 600.0),
+        ("paused", {"paused_max_wait_s": 30.0}, 30.0, 30.0),  # alone: the fixed 30 s hold
+        ("paused", {"paused_max_wait_s": 8.0}, 8.0, 8.0),  # never a soft bound past the hard
+        ("paused", {"paused_soft_wait_s": 5.0, "paused_max_wait_s": 60.0}, 5.0, 60.0),
+        # a first turn's
+        ("new_session", {}, 180.0, 1800.0),
+        ("new_session", {"new_session_max_wait_s": 120.0}, 120.0, 120.0),  # the plain bound
+        (
+            "new_session",
+            {"new_session_soft_wait_s": 60.0, "new_session_max_wait_s": 900.0},
+            60.0,
+            900.0,
+        ),
     ],
 )
-def test_paused_max_wait_s_stays_the_most_a_paused_turn_waits(
-    keys: dict[str, float], soft: float, hard: float
+def test_the_hard_bound_stays_the_most_a_held_turn_waits(
+    wait: str, keys: dict[str, float], soft: float, hard: float
 ) -> None:
     p = ProgramParams.from_config(AdmissionConfig(enabled=True, **keys))
-    assert (p.paused_soft_wait_s, p.paused_max_wait_s) == (soft, hard)
-
-
-@pytest.mark.parametrize(
-    ("keys", "soft", "hard"),
-    [
-        ({}, 180.0, 1800.0),  # the defaults: a soft bound, then the hold while it pays
-        ({"new_session_max_wait_s": 120.0}, 120.0, 120.0),  # alone: the plain bound
-        ({"new_session_soft_wait_s": 60.0, "new_session_max_wait_s": 900.0}, 60.0, 900.0),
-    ],
-)
-def test_new_session_max_wait_s_stays_the_most_a_first_turn_waits(
-    keys: dict[str, float], soft: float, hard: float
-) -> None:
-    p = ProgramParams.from_config(AdmissionConfig(enabled=True, **keys))
-    assert (p.new_session_soft_wait_s, p.new_session_max_wait_s) == (soft, hard)
+    assert (getattr(p, f"{wait}_soft_wait_s"), getattr(p, f"{wait}_max_wait_s")) == (soft, hard)
 
 
 def test_the_token_scale_divides_every_token_valued_setting() -> None:

@@ -23,6 +23,13 @@ from kvproxy.config import AdmissionConfig
 _D = AdmissionConfig()
 
 
+# (soft bound, hard bound) pairs of AdmissionConfig's waits.
+SOFT_BOUNDS = (
+    ("paused_soft_wait_s", "paused_max_wait_s"),
+    ("new_session_soft_wait_s", "new_session_max_wait_s"),
+)
+
+
 @dataclass(frozen=True, slots=True)
 class ProgramParams(AdmissionConfig):
     """Every ``admission.*`` key (the fields of :class:`AdmissionConfig`, inherited:
@@ -92,11 +99,9 @@ class ProgramParams(AdmissionConfig):
         from them."""
         scaled = time_scaled(cfg, time_scale)
         keys = {f.name: getattr(scaled, f.name) for f in fields(AdmissionConfig)}
-        # The soft bound never outlasts the hard one (paused_max_wait_s: 30 alone is
-        # the fixed 30 s hold, as the key meant before the soft bound).
-        keys["paused_soft_wait_s"] = min(scaled.paused_soft_wait_s, scaled.paused_max_wait_s)
-        keys["new_session_soft_wait_s"] = min(
-            scaled.new_session_soft_wait_s, scaled.new_session_max_wait_s
-        )
+        # A soft bound never outlasts its hard one (paused_max_wait_s: 30 alone is the
+        # fixed 30 s hold, as the key meant before the soft bound).
+        for soft, hard in SOFT_BOUNDS:
+            keys[soft] = min(getattr(scaled, soft), getattr(scaled, hard))
         keys["staleness_s"] = cfg.effective_staleness_s * time_scale
         return cls(**keys, cut_interval_s=2 * scaled.feedback_window_s)
