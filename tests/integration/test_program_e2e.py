@@ -2,14 +2,16 @@
 ``--policy consistent_hashing --disable-worker-overload-protection``, kvproxy in front.
 
 The ring mirror is checked against smg's own choices (with an engine unhealthy too);
-then admission: a full engine holds its new sessions while another engine's pass,
-continuing turns are never held, a paused turn waits no longer than its bound,
+then admission: a full engine holds its new sessions while another engine's pass (and
+takes them once it has nothing in flight), continuing turns are never held, a paused
+turn waits no longer than twice its bound,
 ``priority`` reaches the engines, the fail-open paths, and the ledger returns to zero.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -165,8 +167,9 @@ async def proxy(ch_router: stack.ManagedProcess, start_proxy: StartProxy) -> Any
                 "session_buffer_tokens": 0,
                 "new_session_max_wait_s": 30.0,
                 "max_wait_s": 30.0,
-                # The gate's mechanics, engaged from the start; when it engages is the
-                # lab's and the unit tables' (tests/unit/test_admission_engagement.py).
+                # The gate's mechanics, engaged from the start (its floor: one turn in
+                # flight); when it engages is the lab's and the unit tables'
+                # (tests/unit/test_admission_engagement.py).
                 "engage_on_thrash": False,
                 **admission,
             },
@@ -212,43 +215,94 @@ async def close(http: aiohttp.ClientSession, p: Proxy, sid: str) -> None:
         assert resp.status == 200, await resp.text()
 
 
-async def fill_and_hold(
+# How long an engine holds a streamed turn open past its [DONE] (a turn in flight).
+HOLD_S = 4.0
+
+
+@contextlib.asynccontextmanager
+async def turn_in_flight(
+    http: aiohttp.ClientSession, p: Proxy, engine: str, sid: str
+) -> AsyncIterator[None]:
+    """A streamed continuing turn of ``sid`` (small) kept in flight on ``engine`` while
+    the block runs: its engine holds the stream open ``HOLD_S`` past [DONE]. An engine
+    with nothing in flight takes its next held turn whatever the gate says (the
+    work-conserving floor), so a test of holding keeps a turn in flight."""
+    await set_faults(http, [engine], hold_after_done_s=HOLD_S)
+    token = _SESSION_TOKENS.setdefault(sid, 10 + len(_SESSION_TOKENS))
+    body = {"input_ids": [token] * 120, "sampling_params": {"max_new_tokens": 4}, "stream": True}
+    load = p.app[ADMISSION].program.ledger.engine(engine).load
+
+    async def stream() -> None:
+        async with http.post(f"{p.url}/generate", json=body, headers={"X-Session-ID": sid}) as resp:
+            assert resp.status == 200 and resp.headers[DECISION] == "continuing_forwarded"
+            await resp.read()
+
+    task = asyncio.create_task(stream())
+    try:
+
+        async def running() -> bool:
+            return load.inflight >= 1
+
+        await wait_until(running, what=f"{sid}'s turn in flight on {engine}")
+        yield
+        assert not task.done(), f"{sid}'s turn ended before the block did: raise HOLD_S"
+        await asyncio.wait_for(task, HOLD_S + 10)
+    finally:
+        task.cancel()
+        await set_faults(http, [engine], reset=True)
+
+
+async def fill(
     http: aiohttp.ClientSession, p: Proxy, engine: str, prefix: str
-) -> tuple[str, str, asyncio.Task[aiohttp.ClientResponse]]:
-    """Two sessions on ``engine``: the first's turn fills it (~16k of 20k, target 0.92),
-    so the second's first turn (4k) waits in its FIFO; returns both ids and that wait."""
-    first, second = keys_on(p, engine, 2, prefix)
-    r = await gen(http, p, first, 16_000)
+) -> tuple[str, str, str]:
+    """Three sessions on ``engine``: the first (``blocker``: 100 tokens, for
+    :func:`turn_in_flight`) and the second (~16k of 20k, target 0.92) through, the third
+    not yet; returns (blocker, full, next)."""
+    blocker, first, second = keys_on(p, engine, 3, prefix)
+    r = await gen(http, p, blocker, 100)
     assert r.status == 200 and r.headers[DECISION] == "new_admitted"
-    waiting = asyncio.create_task(gen(http, p, second, 4_000))
+    # The growth gate reserves the blocker's expected peak (before any growth is seen,
+    # the engine's context length): held, and taken at once by the floor.
+    r = await gen(http, p, first, 16_000)
+    assert r.status == 200 and r.headers[DECISION] == "idle_engine"
+    return blocker, first, second
+
+
+async def hold(
+    p: Proxy, http: aiohttp.ClientSession, sid: str, tokens: int
+) -> asyncio.Task[aiohttp.ClientResponse]:
+    """``sid``'s first turn, once admission holds it (the task)."""
+    waiting = asyncio.create_task(gen(http, p, sid, tokens))
 
     async def held() -> bool:
         return p.app[ADMISSION].health().waiting_new == 1
 
-    await wait_until(held, what=f"{second} waiting")
-    return first, second, waiting
+    await wait_until(held, what=f"{sid} waiting")
+    return waiting
 
 
 async def test_a_full_engine_holds_its_new_sessions_while_the_others_pass(
     proxy, ch_engines, http
 ) -> None:
     p = await proxy()
-    b_url = ch_engines[1].url
-    a1, a2, waiting = await fill_and_hold(http, p, ch_engines[0].url, "full-a")
+    a_url, b_url = ch_engines[0].url, ch_engines[1].url
+    blocker, a1, a2 = await fill(http, p, a_url, "full-a")
     (b1,) = keys_on(p, b_url, 1, "full-b")
-    r = await gen(http, p, b1, 4_000)  # another engine's new session passes
-    assert r.headers[DECISION] == "new_admitted" and float(r.headers[WAIT_MS]) == 0.0
-    for tokens in (16_010, 16_020):  # continuing turns of the full engine: never held
-        r = await gen(http, p, a1, tokens)
-        assert r.status == 200, r.headers
-        assert r.headers[DECISION] == "continuing_forwarded"
-        assert float(r.headers[WAIT_MS]) == 0.0
-    assert not waiting.done()
-    await close(http, p, a1)  # frees A
-    r = await asyncio.wait_for(waiting, 10)
-    assert r.status == 200 and r.headers[DECISION] == "new_waited"
-    assert float(r.headers[WAIT_MS]) > 0
-    for sid in (a2, b1):
+    async with turn_in_flight(http, p, a_url, blocker):
+        waiting = await hold(p, http, a2, 4_000)  # 16.2k + 4k > 0.92 x 20k: held
+        r = await gen(http, p, b1, 4_000)  # another engine's new session passes
+        assert r.headers[DECISION] == "new_admitted" and float(r.headers[WAIT_MS]) == 0.0
+        for tokens in (16_010, 16_020):  # continuing turns of the full engine: never held
+            r = await gen(http, p, a1, tokens)
+            assert r.status == 200, r.headers
+            assert r.headers[DECISION] == "continuing_forwarded"
+            assert float(r.headers[WAIT_MS]) == 0.0
+        assert not waiting.done()
+        await close(http, p, a1)  # frees A
+        r = await asyncio.wait_for(waiting, 10)
+        assert r.status == 200 and r.headers[DECISION] == "new_waited"
+        assert float(r.headers[WAIT_MS]) > 0
+    for sid in (blocker, a2, b1):
         await close(http, p, sid)
     # Every request went to its session's ring owner, with the routing key set.
     bodies = await recorded_bodies(http, [e.url for e in ch_engines], "full-")
@@ -258,6 +312,23 @@ async def test_a_full_engine_holds_its_new_sessions_while_the_others_pass(
         assert owner(body["session_id"]) == url
 
 
+async def test_an_engine_with_nothing_in_flight_takes_its_held_turn(
+    proxy, ch_engines, http
+) -> None:
+    """The work-conserving floor: held for room while a turn runs, a first turn goes
+    once its engine has nothing in flight (``idle_engine``), the room notwithstanding."""
+    p = await proxy()
+    a_url = ch_engines[0].url
+    blocker, a1, a2 = await fill(http, p, a_url, "idle-a")
+    async with turn_in_flight(http, p, a_url, blocker):
+        waiting = await hold(p, http, a2, 4_000)
+    r = await asyncio.wait_for(waiting, 10)
+    assert r.status == 200 and r.headers[DECISION] == "idle_engine"
+    assert float(r.headers[WAIT_MS]) > 0
+    for sid in (blocker, a1, a2):
+        await close(http, p, sid)
+
+
 async def test_a_session_closed_while_its_first_turn_waits_is_refused_and_never_forwarded(
     proxy, ch_engines, http
 ) -> None:
@@ -265,12 +336,15 @@ async def test_a_session_closed_while_its_first_turn_waits_is_refused_and_never_
     its admission ticket cancelled, nothing of it reaches an engine."""
     p = await proxy()
     a_url = ch_engines[0].url
-    a1, a2, waiting = await fill_and_hold(http, p, a_url, "closed-held")
-    await close(http, p, a2)
-    r = await asyncio.wait_for(waiting, 10)
-    assert r.status == 409, r.headers
-    assert p.app[ADMISSION].health().waiting_new == 0
-    await close(http, p, a1)
+    blocker, a1, a2 = await fill(http, p, a_url, "closed-held")
+    async with turn_in_flight(http, p, a_url, blocker):
+        waiting = await hold(p, http, a2, 4_000)
+        await close(http, p, a2)
+        r = await asyncio.wait_for(waiting, 10)
+        assert r.status == 409, r.headers
+        assert p.app[ADMISSION].health().waiting_new == 0
+    for sid in (blocker, a1):
+        await close(http, p, sid)
     assert not [b for _, b in await recorded_bodies(http, [a_url], a2) if "input_ids" in b]
 
 
@@ -309,7 +383,8 @@ async def test_a_paused_sessions_turn_waits_no_longer_than_its_bound(
     )
     a_url = ch_engines[1].url
     prefix = f"pause{next(_ids)}"
-    small, big = keys_on(p, a_url, 2, prefix)
+    blocker, small, big = keys_on(p, a_url, 3, prefix)
+    assert (await gen(http, p, blocker, 100)).headers[DECISION] == "new_admitted"
     # small 3k, big 12k then 14.25k (growth 2.25k: footprint ~16.5k). U ~19.5k passes
     # 0.95 x 20k, and pausing either brings it under 0.85 x 20k: big, the largest, if it
     # has been idle its lease (0.2 s) by the tick that sees the pressure, else small.
@@ -338,11 +413,14 @@ async def test_a_paused_sessions_turn_waits_no_longer_than_its_bound(
         ) from None
     sessions = p.app[ADMISSION].program.ledger.sessions
     (held,) = (sid for sid in (small, big) if sessions[sid].state is SessionState.PAUSED)
-    r = await gen(http, p, held, 16_000 if held == big else 3_100)
+    async with turn_in_flight(http, p, a_url, blocker):  # (with none, the floor takes it)
+        r = await gen(http, p, held, 16_000 if held == big else 3_100)
     assert r.status == 200
     assert r.headers[DECISION] == "paused_aged"
-    assert 400 <= float(r.headers[WAIT_MS]) <= 800  # bound 0.5 s, timer-driven
-    for sid in (small, big):
+    # Bound 0.5 s, timer-driven; the engine answered nothing meanwhile (the blocker's
+    # answer came first), so the hold ages at twice its bound.
+    assert 900 <= float(r.headers[WAIT_MS]) <= 1_500
+    for sid in (blocker, small, big):
         await close(http, p, sid)
 
 

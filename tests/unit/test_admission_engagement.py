@@ -360,6 +360,27 @@ def test_switching_the_rule_off_engages_the_gate_from_the_start() -> None:
     c.ledger.observe_engine(E1, 0.0, max_total_num_tokens=1000)
     c.request("a1", "a", E1, 900, 0.0)
     assert c.request("b1", "b", E1, 900, 0.0).outcome is None
+    assert c.drain(1.0) == []  # a1 in flight: b1 is held
+
+
+@pytest.mark.parametrize("held", ["new", "paused"])
+def test_switched_off_the_gate_still_leaves_no_engine_idle(held) -> None:
+    # With engage_on_thrash off the floor is one turn: an engine with nothing in flight
+    # takes its next held turn, fit or not (held on an idle engine, a turn no target fits
+    # waited out its whole bound: swe 8 per engine at 4x the pool 0.14x off's).
+    c = ProgramCore(dataclasses.replace(P, engage_on_thrash=False))
+    c.ledger.observe_engine(E1, 0.0, max_total_num_tokens=1000)
+    c.request("a1", "a", E1, 900, 0.0)
+    answer(c, "a1", 1.0, 900, 0, 10)
+    if held == "paused":
+        c.ledger.pause(c.ledger.sessions["a"], 1.0)
+        assert c.request("a2", "a", E1, 950, 2.0).held is Held.PAUSED_FIT
+        c.request("b1", "b", E1, 900, 2.0)  # behind the resume
+    else:
+        assert c.request("b1", "b", E1, 900, 2.0).held is Held.NEW_SESSION_FIT
+    first = "a2" if held == "paused" else "b1"
+    assert [(r.ticket, r.outcome) for r in c.drain(3.0)] == [(first, Outcome.IDLE_ENGINE)]
+    assert c.drain(3.0) == []  # one in flight again: the rest stays held
 
 
 # -- the cold start ------------------------------------------------------------------------

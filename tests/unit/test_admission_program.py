@@ -403,6 +403,7 @@ def test_feedback_raises_after_quiet_windows_only_with_new_sessions_waiting() ->
         continuing_turns(c, 5.0 * k - 1, cached=400)
         c.tick(5.0 * k)
     assert c.ledger.engines[E1].theta == pytest.approx(0.9)  # nobody waiting
+    turn(c, "a16", "a", 400, 16.0)  # in flight: the engine is not idle
     turn(c, "n1", "n", 400, 16.0)  # 800 + 400 > 900: waits
     for k in range(4, 7):
         c.tick(5.0 * k)

@@ -103,18 +103,20 @@ async def test_a_full_engine_holds_its_new_sessions_while_the_other_engines_pass
     (b1,) = keys_on(B, 1)
     d = await turn(ctl, request("t1", a1, 700), prompt=800, completion=100)
     assert (d.action, d.reason) == ("admit", "new_admitted")
-    # a1 holds 900 of A's 1000: a2's first turn (200) waits; b1's passes at once.
-    waiting = asyncio.create_task(turn(ctl, request("t2", a2, 200), prompt=200))
-    await asyncio.sleep(0)
-    assert ctl.waiting == 1 and ctl.health().to_json()["held"]["reason"] == "new_session_fit"
-    d = await turn(ctl, request("t3", b1, 200), prompt=200)
-    assert d.reason == "new_admitted"
-    # A continuing turn of the active session on the full engine is never held.
-    d = await turn(ctl, request("t4", a1, 950), prompt=950)
-    assert d.reason == "continuing_forwarded" and d.wait_s == 0.0
-    ctl.end_session(a1)  # frees A: the waiting new session goes
-    d = await asyncio.wait_for(waiting, 2.0)
-    assert (d.action, d.reason) == ("admit", "new_waited")
+    # A continuing turn of the active session on the full engine is never held; while it
+    # runs (an engine with nothing in flight takes the next held turn), a1 holds 900 of
+    # A's 1000: a2's first turn (200) waits; b1's passes at once.
+    async with ctl.admit(request("t4", a1, 950)) as d:
+        assert d.reason == "continuing_forwarded" and d.wait_s == 0.0
+        waiting = asyncio.create_task(turn(ctl, request("t2", a2, 200), prompt=200))
+        await asyncio.sleep(0)
+        assert ctl.waiting == 1 and ctl.health().to_json()["held"]["reason"] == "new_session_fit"
+        d = await turn(ctl, request("t3", b1, 200), prompt=200)
+        assert d.reason == "new_admitted"
+        assert ctl.waiting == 1
+        ctl.end_session(a1)  # frees A: the waiting new session goes
+        d = await asyncio.wait_for(waiting, 2.0)
+        assert (d.action, d.reason) == ("admit", "new_waited")
     stats = ctl.stats()
     assert stats["agentic_kv/admission/decision_new_waited"] == 1
     assert stats["agentic_kv/admission/decision_continuing_forwarded"] == 1

@@ -375,15 +375,15 @@ class ProgramCore:
         return out
 
     def _conserve(self, url: str, now: float) -> list[Release]:
-        """Work conservation (with engage_on_thrash on): an engine with fewer than
-        ``min_inflight`` turns in flight takes the next waiting turns (resumes first);
-        a release to an engine with nothing in flight counts toward starvation."""
+        """Work conservation: an engine with fewer than ``min_inflight`` turns in flight
+        (one, with ``engage_on_thrash`` off: the gate engaged from the start) takes the
+        next waiting turns (resumes first); a release to an engine with nothing in
+        flight counts toward starvation. Holding work off an idle engine saves it no
+        KV work: it only leaves it idle."""
         out: list[Release] = []
-        if not self.p.engage_on_thrash:
-            return out
         q = self.queues.engine(url)
         load = self.ledger.engine(url, now).load
-        floor = max(1, self.p.min_inflight)
+        floor = max(1, self.p.min_inflight) if self.p.engage_on_thrash else 1
         while load.inflight < floor:
             which = "paused" if q.head("paused") is not None else "new"
             if q.head(which) is None:
