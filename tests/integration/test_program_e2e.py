@@ -216,7 +216,7 @@ async def close(http: aiohttp.ClientSession, p: Proxy, sid: str) -> None:
 
 
 # How long an engine holds a streamed turn open past its [DONE] (a turn in flight).
-HOLD_S = 4.0
+HOLD_S = 6.0
 
 
 @contextlib.asynccontextmanager
