@@ -378,8 +378,9 @@ class ProgramCore:
         """Work conservation: an engine with fewer than ``min_inflight`` turns in flight
         (one, with ``engage_on_thrash`` off: the gate engaged from the start) takes the
         next waiting turns (resumes first); a release to an engine with nothing in
-        flight counts toward starvation. Holding work off an idle engine saves it no
-        KV work: it only leaves it idle."""
+        flight counts toward starvation. Held off an idle engine, work would keep the
+        idle sessions' KV resident at the price of all of the engine's throughput
+        (measured to lose: docs/admission.md, "When admission holds")."""
         out: list[Release] = []
         q = self.queues.engine(url)
         load = self.ledger.engine(url, now).load
