@@ -107,8 +107,11 @@ class AdmissionConfig:
     tick_s: float = 1.0
     # An idle session counts fully for idle_lease_s after its last turn, then decays
     # with idle_half_life_s (0: it stops counting at once); after idle_ttl_s it leaves.
-    idle_lease_s: float = 5.0
-    idle_half_life_s: float = 10.0
+    # 0 s and 1 s (ThunderAgent's acting decay): the engine's LRU evicts an idle
+    # session's KV first, so the gate counts what the turns in flight hold
+    # (docs/admission.md, "Defaults").
+    idle_lease_s: float = 0.0
+    idle_half_life_s: float = 1.0
     idle_ttl_s: float = 600.0
     # Pause when the undecayed footprint passes pause_high x capacity, down to pause_low.
     pause_high: float = 0.95
@@ -258,9 +261,10 @@ _NON_NEGATIVE = (
     "paused_max_wait_s",
     "new_session_soft_wait_s",
     "new_session_max_wait_s",
+    "idle_lease_s",
     "idle_half_life_s",
 )
-_POSITIVE = ("tick_s", "idle_lease_s", "idle_ttl_s", "feedback_window_s", "prefetch_lead_s")
+_POSITIVE = ("tick_s", "idle_ttl_s", "feedback_window_s", "prefetch_lead_s")
 _FRACTIONS = (
     "pause_high",
     "pause_low",

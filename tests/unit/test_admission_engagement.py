@@ -518,7 +518,9 @@ def test_an_engaged_engine_below_its_floor_takes_held_work(floor, released) -> N
 
 def test_a_pause_the_floor_undoes_stops_the_engines_pausing_for_a_window() -> None:
     # engaged_core: a, b and c hold 330 each (U = 990 > 950); a's "keep" is in flight.
+    # Idle sessions count undecayed here (the pause counts them as admission does).
     c = engaged_core()
+    c.configure(dataclasses.replace(c.p, idle_half_life_s=1e9))
 
     def tick(now: float) -> None:
         c.ledger.observe_engine(E1, now, max_total_num_tokens=1000)  # fresh readings

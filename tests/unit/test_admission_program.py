@@ -237,10 +237,13 @@ def fill(c: ProgramCore, sizes: dict[str, int], now: float = 0.0) -> None:
 
 # Ten idle sessions, U = 965 > 0.95 x 1000: the two largest (105, 100) pause, down to 760.
 TEN = {"s1": 105, "s2": 100, **{f"s{i}": 95 for i in range(3, 11)}}
+# The pause counts sessions as admission does (an idle one decays); these tables keep
+# idle sessions at full weight, so that what they count is U.
+PAUSING = dataclasses.replace(P, feedback=False, idle_half_life_s=1e9)
 
 
 def test_pause_takes_idle_sessions_largest_first_until_the_low_mark() -> None:
-    c = core(dataclasses.replace(P, feedback=False))
+    c = core(PAUSING)
     fill(c, TEN)
     c.tick(4.0)  # idle < lease: nobody pausable yet
     assert c.events[Event.PAUSED] == 0
@@ -249,6 +252,26 @@ def test_pause_takes_idle_sessions_largest_first_until_the_low_mark() -> None:
     # 965 - 105 = 860 > 850 -> also s2: 760 <= 850
     assert paused == {"s1", "s2"}
     assert c.ledger.undecayed(E1) == 760 and c.events[Event.PAUSED] == 2
+
+
+@pytest.mark.parametrize(
+    ("half_life", "paused"),
+    [
+        (1e9, {"s1", "s2"}),  # full weight: 965 > 950; 860 > 850, 760
+        # 6 s after their turns (1 s past the lease) each counts 2^(-1/50) = 0.986:
+        # 951.7 > 950, and after s1 848.2 <= 850 (undecayed, 860 would take s2 too)
+        (50.0, {"s1"}),
+        (10.0, set()),  # 0.933 each: 900 <= 950, the engine's LRU holds the rest
+    ],
+)
+def test_the_pause_counts_idle_sessions_decayed_as_admission_does(
+    half_life: float, paused: set[str]
+) -> None:
+    c = core(dataclasses.replace(PAUSING, idle_half_life_s=half_life))
+    fill(c, TEN)
+    c.tick(6.0)
+    assert {sid for sid in TEN if c.ledger.sessions[sid].state is SessionState.PAUSED} == paused
+    assert c.ledger.undecayed(E1) == 965 - sum(TEN[sid] for sid in paused)
 
 
 def test_no_pause_while_the_gate_is_off_or_disabled() -> None:
@@ -278,7 +301,7 @@ def test_an_engine_with_a_host_tier_pauses_only_once_its_sessions_overflow_both_
 ) -> None:
     # With a host KV tier (SGLang's HiCache) what overflows the device comes back from
     # host memory by a load: pausing pays only once the sessions overflow pool + host.
-    c = core(dataclasses.replace(P, feedback=False))
+    c = core(PAUSING)
     c.ledger.observe_engine(E1, 0.0, max_total_num_tokens=1000, host_tokens=host_tokens)
     if write_back:
         c.ledger.set_host_write_policy(E1, "write_back")
@@ -304,7 +327,7 @@ def test_with_no_idle_session_the_smallest_running_one_pauses_at_its_response() 
 
 
 def paused_setup() -> ProgramCore:
-    c = core(dataclasses.replace(P, feedback=False))
+    c = core(PAUSING)
     fill(c, TEN)
     c.tick(6.0)  # pauses s1 and s2; U = 760
     return c
@@ -480,8 +503,8 @@ def test_params_scale_every_duration_by_the_time_scale() -> None:
     assert (p.tick_s, p.paused_soft_wait_s, p.idle_lease_s, p.idle_half_life_s) == (
         0.5,
         15.0,
-        2.5,
-        5.0,
+        0.0,
+        0.5,
     )
     assert p.new_session_max_wait_s == 900.0 and p.idle_ttl_s == 300.0
 
@@ -591,7 +614,7 @@ def test_program_params_defaults_are_the_configs_defaults() -> None:
 
 def test_a_lead_whose_child_runs_is_never_paused_and_pauses_once_it_ended() -> None:
     # s1 (the largest) is a lead; s10 names it as parent: s1 is running while s10 is.
-    c = core(dataclasses.replace(P, feedback=False))
+    c = core(PAUSING)
     c.ledger.link("s10", "s1")
     fill(c, TEN)
     assert c.ledger.has_running_children("s1")

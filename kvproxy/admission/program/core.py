@@ -536,16 +536,18 @@ class ProgramCore:
         return not led.engines[url].load.pauses_undone  # (fresh: the engine is known)
 
     def _pause(self, url: str, now: float) -> None:
-        """Pause idle sessions, the largest first, while the engine's sessions overflow
-        ``pause_high`` x its room, down to ``pause_low`` x it; with none idle, mark the
-        smallest running one to pause at its answer. The room is ``tier_room`` (pool +
-        host): with a host tier a pause pays only once both tiers overflow. Measured
-        (the largest first, the room): docs/admission.md, "The tick"."""
+        """Pause idle sessions, the largest first, while the engine's sessions, counted
+        as admission counts them (``committed``: an idle session's footprint decays),
+        overflow ``pause_high`` x its room, down to ``pause_low`` x it; with none idle,
+        mark the smallest running one to pause at its answer. The room is ``tier_room``
+        (pool + host): with a host tier a pause pays only once both tiers overflow.
+        Measured (the largest first, the room, the decayed count): docs/admission.md,
+        "The tick"."""
         led = self.ledger
         cap = led.tier_room(url)
         if cap <= 0 or led.gate_off(url):
             return
-        u = led.undecayed(url)
+        u = led.committed(url, now)
         if u <= self.p.pause_high * cap:
             return
         b = self.p.session_buffer_tokens
@@ -557,7 +559,7 @@ class ProgramCore:
         for s in idle:
             if u <= target:
                 return
-            u -= s.footprint(b)
+            u -= led.weight(s, now) * s.footprint(b)
             led.pause(s, now)
             self.events[Event.PAUSED] += 1
         if u > target:
