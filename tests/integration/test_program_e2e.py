@@ -316,8 +316,10 @@ async def test_an_engine_with_nothing_in_flight_takes_its_held_turn(
     proxy, ch_engines, http
 ) -> None:
     """The work-conserving floor: held for room while a turn runs, a first turn goes
-    once its engine has nothing in flight (``idle_engine``), the room notwithstanding."""
-    p = await proxy()
+    once its engine has nothing in flight (``idle_engine``), the room notwithstanding.
+    Idle sessions count fully here (a long lease), so the room stays short once the
+    blocker's turn is done and only the floor can take the held turn."""
+    p = await proxy(idle_lease_s=600.0)
     a_url = ch_engines[0].url
     blocker, a1, a2 = await fill(http, p, a_url, "idle-a")
     async with turn_in_flight(http, p, a_url, blocker):

@@ -17,8 +17,8 @@ Footprints::
     footprint(s) = max(s.ctx + s.growth, s.est) + buffer
     weight(s)    = 1 while running or idle < idle_lease_s, then 2^-((idle - lease)/half_life)
                    (half_life 0: 0 once the lease is over)
-    W(e) = sum over ACTIVE sessions on e of weight x footprint - credit   (admission)
-    U(e) = sum over ACTIVE sessions on e of footprint - credit            (pause pressure)
+    W(e) = sum over ACTIVE sessions on e of weight x footprint - credit   (admission, pause)
+    U(e) = sum over ACTIVE sessions on e of footprint - credit            (crossover, mark)
     credit(e) = shared_prefix(e) x (active sessions on e - 1)
 
 A lead whose child sessions run (parent links: kvproxy.sessions.family; a child runs
