@@ -769,7 +769,7 @@ async def test_fault_drop_stream_mid_way(make_client: ClientFactory) -> None:
 async def test_fault_hold_after_done_keeps_a_finished_stream_open(
     make_client: ClientFactory,
 ) -> None:
-    client = await make_client(time_scale=0.05, faults=FaultConfig(hold_after_done_s=0.3))
+    client = await make_client(time_scale=0.05, faults=FaultConfig(hold_after_done_s=0.5))
     resp = await client.post(
         "/generate",
         json={"input_ids": [1, 2], "stream": True, "sampling_params": {"max_new_tokens": 3}},
@@ -780,7 +780,9 @@ async def test_fault_hold_after_done_keeps_a_finished_stream_open(
         if line == b"data: [DONE]\n":
             done_at = time.monotonic()
     assert done_at is not None
-    assert time.monotonic() - done_at >= 0.3  # the end came after the hold
+    # The end came after the hold (without it, within milliseconds of [DONE]); the
+    # margin is the time a loaded host takes to hand the [DONE] line to this reader.
+    assert time.monotonic() - done_at >= 0.25
     bad = await client.post("/sim/faults", json={"hold_after_done_s": -1})
     assert bad.status == 400
 
