@@ -113,7 +113,9 @@ class AdmissionConfig:
     idle_lease_s: float = 0.0
     idle_half_life_s: float = 1.0
     idle_ttl_s: float = 600.0
-    # Pause when the undecayed footprint passes pause_high x capacity, down to pause_low.
+    # Pause idle sessions while the footprint, an idle session's decayed, passes
+    # pause_high x capacity, down to pause_low; the undecayed footprint over pause_high
+    # is the mark a held turn past its soft bound waits under.
     pause_high: float = 0.95
     pause_low: float = 0.85
     # Admission target theta (fraction of capacity): start and bounds.

@@ -468,11 +468,13 @@ class EngineLedger:
         )
 
     def past_pause_mark(self, url: str, need: int) -> bool:
-        """Whether ``need`` more tokens would push the engine's sessions (undecayed)
-        past ``pause_high`` x pool + host: the tick would then pause another session.
-        A paused turn whose resume would do so waits past its soft bound (a swap that
-        evicts as much as it saves: docs/admission.md, "Holds that last as long as they
-        pay")."""
+        """Whether ``need`` more tokens would push the engine's sessions, every one
+        counted in full (undecayed), past ``pause_high`` x pool + host. A paused turn
+        whose resume would do so waits past its soft bound (a swap that evicts as much
+        as it saves: docs/admission.md, "Holds that last as long as they pay"). Stricter
+        than the tick's pause, which counts idle sessions decayed: the decayed count
+        here was measured to lose the deep fleet (docs/benchmarks.md, "What did not
+        work")."""
         return self.undecayed(url) + need > self.p.pause_high * self.tier_room(url)
 
     # -- sessions ------------------------------------------------------------------
