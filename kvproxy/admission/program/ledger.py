@@ -22,10 +22,12 @@ Footprints::
     credit(e) = shared_prefix(e) x (active sessions on e - 1)
 
 A lead whose child sessions run (parent links: kvproxy.sessions.family; a child runs
-while it is in this ledger, between its turns too) is ``busy``: never paused, expired
-or evicted by the bound while a child runs. Its weight decays as any idle session's
-(counting a waiting lead at full weight held its own subagents' first turns longer and
-lost: docs/sessions.md, "Parent sessions").
+while it is in this ledger, between its turns too) is ``busy``: never expired or
+evicted by the bound while a child runs. The tick pauses it as any idle session: its
+next turn comes only after its children's, and sparing it moved the pause onto the
+children (docs/sessions.md, "Parent sessions"). Its weight decays as any idle
+session's (counting a waiting lead at full weight held its own subagents' first turns
+longer and lost).
 
 PAUSED, NEW (not yet admitted) and CLOSED sessions count nowhere. A closed session
 leaves at once; an idle one leaves after ``idle_ttl_s``; the table is bounded by
