@@ -74,6 +74,19 @@ W1_SMALL = LabConfig(
     engine_overrides={"max_total_tokens": 9000},
 )
 
+# Subagents that name their lead (X-Parent-Session-ID, as Dynamo's parent header and
+# Claude Code's agent ids under a session do): 48 leads per engine, one wave, on the
+# pool of the grid's subagents/long/48/2.5 cell. Sparing a lead from the pause while its
+# subagents ran (before 07d5ab0) moved the pause onto them: 1.11x.
+SUBAGENTS_PARENT = LabConfig(
+    workload="subagents",
+    engines=2,
+    sessions_per_engine=48,
+    sessions=96,
+    engine_overrides={"max_total_tokens": 13349},
+    workload_overrides={"subagent_identity": "parent"},
+)
+
 # The control: the same fleet on W1's own pool, which holds it (ceiling / off 1.07x):
 # nothing to win, so nothing may be lost.
 CONTROL = LabConfig(workload="swe", engines=2, sessions_per_engine=24, sessions=96)
@@ -93,6 +106,7 @@ def _metric(cfg: LabConfig) -> str:
         pytest.param(BURST, 2.5, 2.79, id="burst"),
         pytest.param(DEEP, 1.85, 2.04, id="deep-fleet"),
         pytest.param(W1_SMALL, 1.35, 1.49, id="w1-small"),
+        pytest.param(SUBAGENTS_PARENT, 1.3, 1.47, id="subagents-parent"),
     ],
 )
 def test_admission_wins_where_the_pool_is_oversubscribed(
