@@ -64,6 +64,7 @@ from kvlab.rollout import (
     with_host_tier,
 )
 from kvlab.sim.config import HICACHE_WRITE_POLICIES
+from kvlab.workload.model import SUBAGENT_IDENTITIES
 from kvproxy.config import AdmissionConfig
 
 # Concurrency is scaled down from the presets' (48, 64 and 24 sessions per engine) and
@@ -161,13 +162,18 @@ def configure(
     time_scale: float | None = None,
     hicache: bool = False,
     hicache_write_policy: str | None = None,
+    subagent_identity: str = "own",
 ) -> Scenario:
     """The cell's scenario with the command line's changes, checked: another time
-    scale, and engines with SGLang's host tier (a host pool twice the device pool, as
-    the lab's ``--hicache``) in every configuration."""
+    scale, engines with SGLang's host tier (a host pool twice the device pool, as
+    the lab's ``--hicache``) in every configuration, and how W3's subagents name
+    themselves (``own``, ``parent``: naming their lead, ``shared``: their lead's id)."""
     sc = scenario_for(cell)
     if time_scale is not None:
         sc = dataclasses.replace(sc, time_scale=time_scale)
+    if subagent_identity != "own":
+        overrides = {**sc.workload_overrides, "subagent_identity": subagent_identity}
+        sc = dataclasses.replace(sc, workload_overrides=overrides)
     if hicache:
         sc = with_host_tier(sc, hicache_write_policy)
     sc.check()
@@ -288,6 +294,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="the engines' --hicache-write-policy (default: SGLang's, write_through); "
         "implies --hicache",
     )
+    p.add_argument(
+        "--subagent-identity",
+        choices=SUBAGENT_IDENTITIES,
+        default="own",
+        help="how subagents name themselves in every configuration: own ids (default), "
+        "own ids naming their lead as parent (X-Parent-Session-ID), or the lead's id",
+    )
     p.add_argument("--out", type=Path, default=None, help="default results/rollout-<time>")
     a = p.parse_args(argv)
     out = a.out or Path("results") / f"rollout-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -324,6 +337,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     time_scale=a.time_scale,
                     hicache=a.hicache or a.hicache_write_policy is not None,
                     hicache_write_policy=a.hicache_write_policy,
+                    subagent_identity=a.subagent_identity,
                 )
                 say(f"== {cell}: {sc.describe()['working_set_over_pool']}x the pool")
                 result = run_scenario(

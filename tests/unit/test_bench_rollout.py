@@ -63,6 +63,15 @@ def test_a_cell_with_the_host_tier_and_another_time_scale(bench: ModuleType) -> 
         bench.configure("w1", time_scale=0.0)
 
 
+def test_a_cell_whose_subagents_name_their_lead(bench: ModuleType) -> None:
+    plain = bench.configure("subagents/long/48/2.5")
+    assert "subagent_identity" not in plain.workload_overrides
+    linked = bench.configure("subagents/long/48/2.5", subagent_identity="parent")
+    assert linked.workload_overrides["subagent_identity"] == "parent"
+    assert linked.spec().subagent_identity == "parent"
+    assert linked.pool_tokens == plain.pool_tokens  # the same cell, the links added
+
+
 def test_the_burst_cell_is_the_replications_step_06(bench: ModuleType) -> None:
     """One engine on the replication's preset and pool, its 80 sessions in one burst:
     the lab's experiment 06 (scripts/replication.py) through the real stack."""
