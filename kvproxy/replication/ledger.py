@@ -193,8 +193,8 @@ class SyncedSession(Session):
     remote_running: int = 0  # its turns running on other replicas
 
     @property
-    def busy(self) -> bool:
-        return bool(self.running or self.children_running or self.remote_running)
+    def in_flight(self) -> bool:
+        return bool(self.running or self.remote_running)
 
     def idle_s(self, now: float) -> float:
         return 0.0 if self.running or self.remote_running else max(0.0, now - self.since)

@@ -196,6 +196,28 @@ def test_a_turn_running_elsewhere_keeps_its_session_busy_until_that_replica_is_g
     assert b.core.ledger.engine(E1).load.inflight == 0
 
 
+def test_the_tick_never_pauses_a_session_whose_turn_runs_on_another_replica() -> None:
+    # Idle sessions count from their last turn (no lease): the largest session is the one
+    # running elsewhere, in flight there, so the pause passes over it to the idle ones.
+    a, b, clock = pair(dataclasses.replace(P, idle_lease_s=0.0))
+    a.send_to(b)
+    b.send_to(a)
+    leader, other = (a, b) if a.sync.ledger.leads(E1) else (b, a)
+    assert other.turn("x", "remote", 600).outcome is Outcome.NEW_ADMITTED
+    other.send_to(leader)
+    for i in range(2):
+        assert leader.turn(f"i{i}", f"idle{i}", 100).outcome is Outcome.NEW_ADMITTED
+    for i in range(2):
+        leader.answer(f"i{i}", prompt=300)  # their contexts grew past their first turns
+    remote = leader.core.ledger.get("remote")
+    assert remote is not None and remote.in_flight and not remote.running
+    clock.now += 1  # W = 600 + 600 x 2^-0.1 > 950
+    leader.core.tick(leader.now)
+    paused = {sid for sid in ("remote", "idle0", "idle1")
+              if leader.core.ledger.sessions[sid].state is SessionState.PAUSED}  # fmt: skip
+    assert paused == {"idle0", "idle1"}
+
+
 def test_an_answer_elsewhere_ends_the_turn_in_flight_and_moves_the_engine_on() -> None:
     a, b, clock = pair()
     a.turn("t1", "s", 100)

@@ -553,7 +553,7 @@ class ProgramCore:
         b = self.p.session_buffer_tokens
         active = [led.sessions[sid] for sid in led.engines[url].sessions]
         # (a lead waiting for its children is idle here: sparing it paused the children)
-        idle = [s for s in active if not s.running and s.idle_s(now) >= self.p.idle_lease_s]
+        idle = [s for s in active if not s.in_flight and s.idle_s(now) >= self.p.idle_lease_s]
         # (ties last by id: the set's order depends on the hash seed)
         idle.sort(key=lambda s: (-s.footprint(b), s.sid))
         target = self.p.pause_low * cap

@@ -83,9 +83,14 @@ class Session:
     shared: bool = False
 
     @property
+    def in_flight(self) -> bool:
+        """A turn of its own runs (of a replicated session: on any replica)."""
+        return bool(self.running)
+
+    @property
     def busy(self) -> bool:
         """A turn of its own runs, or a child runs (a lead waiting for its subagents)."""
-        return bool(self.running or self.children_running)
+        return self.in_flight or bool(self.children_running)
 
     def footprint(self, buffer: int) -> int:
         return int(max(self.ctx + self.growth, self.est)) + buffer
