@@ -197,7 +197,7 @@ class SyncedSession(Session):
         return bool(self.running or self.remote_running)
 
     def idle_s(self, now: float) -> float:
-        return 0.0 if self.running or self.remote_running else max(0.0, now - self.since)
+        return 0.0 if self.in_flight else max(0.0, now - self.since)
 
 
 @dataclass(slots=True)
