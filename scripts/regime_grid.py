@@ -33,7 +33,7 @@ judged with a grid file of the same cells (``--check grid.json caps.json``), the
 cells' best cap is reported beside both.
 
 ``--peer KEY=VALUE`` sets a ThunderConfig field for the peers' runs (``thunder``,
-``thunder-origin``), e.g. ``--peer decay_scope=resume`` (the public code's acting decay,
+``thunder-origin``, ``thunder-router``), e.g. ``--peer decay_scope=resume`` (the public code's acting decay,
 for resume only); the JSON carries them as ``peer``.
 
 Writes ``results/regime_grid.json`` (every row) and prints the markdown tables and the
@@ -91,7 +91,7 @@ KEEP = (
 @dataclass(frozen=True)
 class Job:
     fleet: Fleet
-    policy: str  # off | both | ceiling | cap | thunder | thunder-origin
+    policy: str  # off | both | ceiling | cap | thunder | thunder-origin | thunder-router
     fault: str = "none"
     seed: int = 0
     admission: Mapping[str, Any] = field(default_factory=dict)
@@ -423,7 +423,7 @@ def judge_seeds(rows: Iterable[Mapping[str, Any]], keys: Iterable[str]) -> dict[
 def peer_comparison(
     runs: Mapping[str, Mapping[int, Mapping[str, float]]], keys: Iterable[str]
 ) -> dict[str, Any]:
-    """Per peer that ran (thunder, thunder-origin): both against it cell by cell, the
+    """Per peer that ran (thunder, thunder-origin, thunder-router): both against it cell by cell, the
     ratios paired by seed (both / off over peer / off, i.e. both / peer): the cells where
     each wins by more than 3% (medians over the seeds), the median ratio over the cells,
     its tails (the worst and best cells, the 10th and 90th percentiles) and the median
@@ -707,7 +707,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="a ThunderConfig field for the peers thunder / thunder-origin (YAML value, "
+        help="a ThunderConfig field for the thunder peers (YAML value, "
         "e.g. decay_scope=resume); repeatable",
     )
     ap.add_argument(
@@ -742,8 +742,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument(
         "--policies",
         default=",".join(GRID_POLICIES),
-        help="which of off, ceiling, both and the peers thunder, thunder-origin to run "
-        "(default off, ceiling, both; judge a partial grid beside the runs it lacks)",
+        help="which of off, ceiling, both and the peers thunder, thunder-origin, thunder-router "
+        "to run (default off, ceiling, both; judge a partial grid beside the runs it lacks)",
     )
     ap.add_argument(
         "--tool-hints",

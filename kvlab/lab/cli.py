@@ -82,7 +82,7 @@ def _add_peer_arguments(parser: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="a ThunderAgent setting for thunder / thunder-origin (YAML value, e.g. "
+        help="a ThunderAgent setting for the thunder peers (YAML value, e.g. "
         "acting_half_life_s=0, resume_placement=origin-first, force_after_s=600); repeatable",
     )
 

@@ -9,6 +9,9 @@ unchanged. No kvproxy feature runs: the engines are those of ``off``.
   engine its program is placed on, which the scheduler may change on a resume
   (migration). A tick every ``tick_s`` resumes, then pauses. Clients never release
   programs (as the replication's did not); a close is not a release.
+- ``thunder-origin``: the same, a program resumed only on its own engine.
+- ``thunder-router``: ThunderAgent in kvproxy's place, under its invariant: a new program
+  goes to the engine the router picks, and is resumed only there.
 - ``cap:N``: the router's placement picks the engine; a new session waits in that
   engine's FIFO while it has N live sessions; a close frees a place.
 """
@@ -97,7 +100,10 @@ class PeerProxy:
     async def _engine_for(self, session: str, headers: Mapping[str, str], prompt: int) -> str:
         loop = asyncio.get_running_loop()
         if self.thunder is not None:
-            backend = self.thunder.request(session, prompt, loop.time())
+            routed = None
+            if self.thunder.cfg.new_placement == "router":
+                routed = self.placement.pick(headers)
+            backend = self.thunder.request(session, prompt, loop.time(), routed)
             if backend is not None:
                 self._count("pass")
                 return backend

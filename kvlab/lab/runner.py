@@ -11,7 +11,8 @@ result, exactly.
 Policies: ``off`` (both proxy features off), ``lifecycle``, ``admission``, ``both``,
 and ``ceiling`` (features off, pools so large that nothing is ever evicted: the bound
 no policy can beat); and the peers in kvproxy's place (:mod:`kvlab.peers`):
-``thunder``, ``thunder-origin`` (ThunderAgent, most-room and origin-only resume) and
+``thunder``, ``thunder-origin``, ``thunder-router`` (ThunderAgent: most-room resume,
+origin-only resume, and placed by the router as kvproxy must be) and
 ``cap:N`` (N live sessions per engine).
 """
 
@@ -110,7 +111,7 @@ class LabConfig:
     hicache_link_gb_s: float | None = None
     # SGLang's --hicache-write-policy with HiCache on; None: its default, write_through.
     hicache_write_policy: str | None = None
-    # ThunderConfig fields for thunder / thunder-origin (e.g. {"acting_half_life_s": 0}),
+    # ThunderConfig fields for the thunder peers (e.g. {"acting_half_life_s": 0}),
     # after the lab's defaults (capacity the engine's pool, buffer 100 real tokens).
     peer_overrides: Mapping[str, Any] = field(default_factory=dict)
     # Stop the workload at this simulated second (a measurement window, as a benchmark
@@ -355,7 +356,9 @@ def _peer(cfg: LabConfig, engines: list[LabEngine], urls: Sequence[str], pool: i
     base: dict[str, Any] = {
         "capacity_tokens": pool,
         "buffer_tokens": max(1, round(100 / cfg.token_scale)),
-        "resume_placement": "origin-only" if cfg.policy == "thunder-origin" else "most-room",
+        "resume_placement": "most-room" if cfg.policy == "thunder" else "origin-only",
+        # thunder-router: kvproxy's invariant, the router places every new program.
+        "new_placement": "router" if cfg.policy == "thunder-router" else "least-loaded",
     }
     try:
         thunder = ThunderConfig(**{**base, **dict(cfg.peer_overrides)})

@@ -1,13 +1,14 @@
 """Peer schedulers modelled in the lab (not part of kvproxy): pure cores with injected
 time, run by :mod:`kvlab.lab.peer_proxy` in place of kvproxy.
 
-- :mod:`.thunder`: ThunderAgent's program scheduler (``thunder``, ``thunder-origin``);
+- :mod:`.thunder`: ThunderAgent's program scheduler (``thunder``, ``thunder-origin``,
+  ``thunder-router``);
 - :mod:`.cap`: a fixed cap on live sessions per engine (``cap:N``).
 """
 
 from __future__ import annotations
 
-PEER_POLICIES = ("thunder", "thunder-origin")
+PEER_POLICIES = ("thunder", "thunder-origin", "thunder-router")
 CAP_PREFIX = "cap:"
 
 

@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 REASONING = "reasoning"
 ACTING = "acting"
 RESUME_PLACEMENTS = ("most-room", "origin-first", "origin-only")
+NEW_PLACEMENTS = ("least-loaded", "router")
 DEFAULT_CHARS_PER_TOKEN = 5.0  # ThunderAgent's ratio before its first response
 
 
@@ -59,6 +60,10 @@ class ThunderConfig:
     # room, migrating it), "origin-first" (the llm-d port: its own backend if it fits
     # there, else the most room), "origin-only" (the replication's variant: only its own).
     resume_placement: str = "most-room"
+    # Where a new program goes: "least-loaded" (ThunderAgent is the router: the backend
+    # with the fewest active tokens that has room) or "router" (the backend the router
+    # picks, as a scheduler in front of the router must take it: ``thunder-router``).
+    new_placement: str = "least-loaded"
     # Where the acting decay applies: "all" (the paper's capacity, eq. 6-7; the
     # replication's llm-d port) or "resume" (the public code's --use-acting-token-decay).
     decay_scope: str = "all"
@@ -77,6 +82,8 @@ class ThunderConfig:
             raise ValueError("thunder: weights, buffer and half-life must be >= 0")
         if self.resume_placement not in RESUME_PLACEMENTS:
             raise ValueError(f"thunder: resume_placement must be one of {RESUME_PLACEMENTS}")
+        if self.new_placement not in NEW_PLACEMENTS:
+            raise ValueError(f"thunder: new_placement must be one of {NEW_PLACEMENTS}")
         if not self.chars_per_token > 0:
             raise ValueError("thunder: chars_per_token must be > 0")
         if self.decay_scope not in ("resume", "all"):
@@ -143,12 +150,22 @@ class ThunderScheduler:
 
     # -- requests and responses ----------------------------------------------------
 
-    def request(self, pid: str, prompt_tokens: int, now: float) -> str | None:
+    def request(
+        self, pid: str, prompt_tokens: int, now: float, routed: str | None = None
+    ) -> str | None:
         """A request of ``pid`` arrives: the backend it goes to now, or None (it waits
-        until a tick resumes it, or forces it after ``force_after_s``)."""
+        until a tick resumes it, or forces it after ``force_after_s``). ``routed``: the
+        backend the router picks for it; with ``new_placement="router"`` a new program
+        is placed there and nowhere else."""
         p = self.programs.get(pid)
         if p is None:
             p = self.programs[pid] = Program(pid, prompt_tokens)
+            if self.cfg.new_placement == "router":
+                if routed is None or routed not in self._order:
+                    raise ValueError(
+                        f"thunder: new_placement router needs a backend, got {routed!r}"
+                    )
+                p.backend = routed
         # The prompt is the context the request puts on the engine (the last response's
         # usage.total_tokens plus the tool output since; smaller after a compaction).
         p.tokens = self._estimate(prompt_tokens)
@@ -268,6 +285,9 @@ class ThunderScheduler:
     def _placement(self, p: Program, rooms: dict[str, float]) -> str | None:
         mode = self.cfg.resume_placement
         need = self._need(p)
+        if not p.started and self.cfg.new_placement == "router":
+            assert p.backend is not None  # placed by the router on its first request
+            return p.backend if rooms[p.backend] >= need else None
         if p.backend is not None and mode != "most-room":
             if rooms[p.backend] >= need:
                 return p.backend
@@ -284,7 +304,9 @@ class ThunderScheduler:
             over = -self.room(b, now)
             if over <= 0:
                 continue
-            active = [p for p in self.programs.values() if p.backend == b and not p.paused]
+            active = [
+                p for p in self.programs.values() if p.backend == b and p.started and not p.paused
+            ]
             order = sorted(active, key=lambda p: (p.tokens, p.turns, p.pid))
             for p in order:
                 if over <= 0:
@@ -331,6 +353,9 @@ class ThunderScheduler:
         return min(self.backends, key=lambda b: (self._active_tokens(b), self._order[b]))
 
     def _new_backend(self, p: Program, now: float) -> str | None:
+        if self.cfg.new_placement == "router":
+            assert p.backend is not None
+            return p.backend if self.room(p.backend, now) >= self._need(p) else None
         fits = [b for b in self.backends if self.room(b, now) >= self._need(p)]
         if not fits:
             return None

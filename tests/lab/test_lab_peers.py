@@ -1,5 +1,6 @@
-"""The peers in the lab: ThunderAgent (most-room and origin-only resume) and a fixed
-cap, on a small burst over-subscribing one or two engines (step 06 in miniature)."""
+"""The peers in the lab: ThunderAgent (most-room and origin-only resume, and placed by
+the router) and a fixed cap, on a small burst over-subscribing one or two engines (step 06
+in miniature)."""
 
 from __future__ import annotations
 
@@ -51,6 +52,23 @@ def test_most_room_migrates_and_origin_only_never_does() -> None:
     assert most["sessions"] == origin["sessions"] == 16
     assert origin["admission_counters"]["migrations"] == 0  # type: ignore[index]
     assert most["admission_counters"]["resumes"] >= 0  # type: ignore[index]
+
+
+def test_thunder_router_takes_the_routers_engines_as_kvproxy_must() -> None:
+    """thunder-router places every session where the router does (off's split of the
+    requests over the engines); thunder-origin places new programs itself."""
+    two = {"engines": 2, "sessions_per_engine": 8, "sessions": 16}
+    runs = {
+        p: run_lab(dataclasses.replace(BURST, policy=p, **two))  # type: ignore[arg-type]
+        for p in ("off", "thunder-router", "thunder-origin")
+    }
+    split = {p: [e["requests"] for e in r.engines] for p, r in runs.items()}
+    assert split["thunder-router"] == split["off"]
+    assert split["thunder-origin"] != split["off"]
+    router = runs["thunder-router"].summary
+    assert router["sessions"] == 16 and router["sessions_failed"] == 0
+    assert router["cache_hit_rate"] > runs["off"].summary["cache_hit_rate"]
+    assert router["admission_counters"]["migrations"] == 0
 
 
 def test_cap_limits_live_sessions_per_engine() -> None:

@@ -239,6 +239,37 @@ def test_chars_per_token_undercounts_until_the_first_response() -> None:
     assert s.programs["q"].tokens == 500  # calibrated by a response: exact
 
 
+def test_router_placement_puts_a_new_program_where_the_router_picks_and_only_there() -> None:
+    """thunder-router: kvproxy's invariant. A new program waits for room on the engine
+    the router picked, though the other has room, and a tick admits it only there."""
+    s = sched(
+        cap=500, acting_half_life_s=0.0, resume_placement="origin-only", new_placement="router"
+    )
+    assert s.request("big", 400, 0.0, routed=A) == A
+    assert s.request("p", 200, 0.5, routed=A) is None  # B is empty, but the router chose A
+    assert s.programs["p"].backend == A and not s.programs["p"].started
+    assert s.tick(5.0) == []  # still no room on A; B's room is not p's
+    s.programs["big"].tokens = 100  # the big program's context shrank (a compaction)
+    assert s.tick(10.0) == [("p", A)]
+    # A waiting new program is never counted on its engine, nor marked to pause.
+    assert s.request("q", 450, 11.0, routed=B) == B
+    assert s.request("r", 100, 11.0, routed=B) is None
+    assert s.request("q", 520, 12.0, routed=B) == B  # resident: passes, B now over
+    s.tick(15.0)
+    assert s.programs["q"].pause_pending and not s.programs["r"].pause_pending
+    assert s.used(B, 15.0) == 530  # r, waiting, counts nowhere
+    # The least-loaded placement ignores the router and takes the emptier engine.
+    free = sched(cap=500, acting_half_life_s=0.0)
+    free.request("big", 400, 0.0)
+    assert free.request("p", 200, 0.5, routed=A) == B
+
+
+def test_router_placement_needs_the_routers_pick() -> None:
+    s = sched(new_placement="router")
+    with pytest.raises(ValueError, match="router"):
+        s.request("p", 100, 0.0)
+
+
 def test_idle_programs_are_forgotten_after_the_ttl() -> None:
     s = sched(idle_ttl_s=3600.0)
     s.request("p", 100, 0.0)
@@ -256,6 +287,7 @@ def test_idle_programs_are_forgotten_after_the_ttl() -> None:
         {"capacity_tokens": 10, "tick_s": 0},
         {"capacity_tokens": 10, "acting_weight": -1},
         {"capacity_tokens": 10, "resume_placement": "anywhere"},
+        {"capacity_tokens": 10, "new_placement": "anywhere"},
     ],
 )
 def test_bad_thunder_config(bad: dict[str, object]) -> None:
