@@ -33,8 +33,8 @@ judged with a grid file of the same cells (``--check grid.json caps.json``), the
 cells' best cap is reported beside both.
 
 ``--peer KEY=VALUE`` sets a ThunderConfig field for the peers' runs (``thunder``,
-``thunder-origin``, ``thunder-router``), e.g. ``--peer decay_scope=resume`` (the public code's acting decay,
-for resume only); the JSON carries them as ``peer``.
+``thunder-origin``, ``thunder-router``), e.g. ``--peer decay_scope=resume`` (the public
+code's acting decay, for resume only); the JSON carries them as ``peer``.
 
 Writes ``results/regime_grid.json`` (every row) and prints the markdown tables and the
 acceptance criteria of docs/benchmarks.md ("The regime grid"): over the cells' medians,
@@ -423,12 +423,12 @@ def judge_seeds(rows: Iterable[Mapping[str, Any]], keys: Iterable[str]) -> dict[
 def peer_comparison(
     runs: Mapping[str, Mapping[int, Mapping[str, float]]], keys: Iterable[str]
 ) -> dict[str, Any]:
-    """Per peer that ran (thunder, thunder-origin, thunder-router): both against it cell by cell, the
-    ratios paired by seed (both / off over peer / off, i.e. both / peer): the cells where
-    each wins by more than 3% (medians over the seeds), the median ratio over the cells,
-    its tails (the worst and best cells, the 10th and 90th percentiles) and the median
-    continuing-turn TTFT p99 of each over off's; KV-bound cells (ceiling / off >= 1.3)
-    apart."""
+    """Per peer that ran (thunder, thunder-origin, thunder-router): both against it cell
+    by cell, the ratios paired by seed (both / off over peer / off, i.e. both / peer):
+    the cells where each wins by more than 3% (medians over the seeds), the median ratio
+    over the cells, its tails (the worst and best cells, the 10th and 90th percentiles)
+    and the median continuing-turn TTFT p99 of each over off's; KV-bound cells (ceiling /
+    off >= 1.3) apart."""
     out: dict[str, Any] = {}
     cells = sorted(set(keys) & set(runs), key=_sort_key)
     for peer in PEERS:

@@ -17,7 +17,9 @@ tool) and whether it is ``paused``.
   ``decay_scope="resume"`` is the public code's flag: decayed for resume only.
 - **Admission**: a request of an active program passes at once (its KV is resident,
   the paper never holds it). A new program, or one that is paused, waits unless it fits
-  now; a waiting program is *pending*.
+  now; a waiting program is *pending*. A new program goes to the least-loaded backend
+  with room, or, ``new_placement="router"`` (``thunder-router``), only to the backend
+  the router picked for it.
 - **Tick** every 5 s: resume, then pause.
   - *Resume*: candidates in the order pending programs that were paused (a request of
     theirs is waiting) -> new programs -> paused acting programs (no request yet), each
